@@ -1,0 +1,69 @@
+"""Every environment variable kvpatch reads, in one place.
+
+``KVPATCH``          ``off`` (also ``0``, ``false``, ``no``, ``disable(d)``) turns kvpatch off entirely,
+                     including auto-activation. ``on`` or unset: active.
+``KVPATCH_DISABLE``  comma-separated patch ids to leave out; ``*`` leaves out all of them.
+``KVPATCH_ENFORCE``  ``1``: overdue patches fail ``status --check`` and the test suite (set in CI,
+                     never by default).
+
+A malformed value never raises: it is reported through :attr:`Config.problems` and warned about once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["OFF_VALUES", "ON_VALUES", "Config", "read_config"]
+
+OFF_VALUES = frozenset({"off", "0", "false", "no", "disable", "disabled"})
+ON_VALUES = frozenset({"", "on", "1", "true", "yes", "enable", "enabled", "auto"})
+
+
+@dataclass(frozen=True)
+class Config:
+    enabled: bool = True
+    disabled_ids: frozenset[str] = frozenset()
+    disable_all: bool = False
+    enforce: bool = False
+    problems: tuple[str, ...] = ()
+
+    def is_disabled(self, patch_id: str) -> bool:
+        return self.disable_all or patch_id in self.disabled_ids
+
+
+def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[str] | None = None) -> Config:
+    env = os.environ if environ is None else environ
+    problems: list[str] = []
+
+    raw = env.get("KVPATCH", "").strip().lower()
+    if raw in OFF_VALUES:
+        enabled = False
+    else:
+        enabled = True
+        if raw not in ON_VALUES:
+            problems.append(f"KVPATCH={env.get('KVPATCH')!r} is not understood (use 'off' or 'on'); kvpatch stays on")
+
+    disabled: set[str] = set()
+    disable_all = False
+    for item in env.get("KVPATCH_DISABLE", "").split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        if item == "*":
+            disable_all = True
+        elif known_ids is not None and item not in known_ids:
+            problems.append(f"KVPATCH_DISABLE names unknown patch id {item!r} (known: {', '.join(sorted(known_ids))})")
+        else:
+            disabled.add(item)
+
+    enforce_raw = env.get("KVPATCH_ENFORCE", "").strip().lower()
+    enforce = False
+    if enforce_raw and enforce_raw not in OFF_VALUES:
+        if enforce_raw in ON_VALUES:
+            enforce = True
+        else:
+            problems.append(f"KVPATCH_ENFORCE={env.get('KVPATCH_ENFORCE')!r} is not understood (use 1 or 0); not enforcing")
+
+    return Config(enabled, frozenset(disabled), disable_all, enforce, tuple(problems))

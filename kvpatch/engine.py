@@ -1,0 +1,490 @@
+"""Apply and restore patches through post-import hooks.
+
+The engine decides once per process (the gate), registers a wrapt post-import hook per target
+module, and when a module arrives installs the patches that apply to it. Replacements are plain
+attributes set on the owner (module or class): nothing wraps them per call. Every change is kept in a
+restore record (owner, name, whether the owner held the attribute itself, the raw original), so that
+removing a patch puts back exactly what was there: an inherited attribute is deleted again rather than
+shadowed, and modules that had imported a replaced function by name get the original back.
+
+Nothing in a hook may raise into the user's import: every error is recorded on the patch's status
+(state ``failed``), logged, and warned about once with :class:`KvpatchWarning`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import importlib
+import inspect
+import logging
+import sys
+import threading
+import types
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import Config, read_config
+from .detect import Upstream, detect
+from .gate import Action, Decision, decide
+from .record import DISTRIBUTIONS, Finding, Kind, Patch, Target
+
+__all__ = [
+    "Engine",
+    "KvpatchWarning",
+    "PatchStatus",
+    "State",
+    "fingerprint",
+]
+
+log = logging.getLogger(__name__)
+_MISSING = object()
+
+
+class KvpatchWarning(UserWarning):
+    """Something about kvpatch's patches needs attention (never raised, only warned)."""
+
+
+class State(enum.Enum):
+    PENDING = "pending"  # decided to apply; the target module has not been imported yet
+    APPLIED = "applied"
+    NOT_NEEDED = "not needed"
+    OUT_OF_RANGE = "out of range"
+    NOT_INSTALLED = "not installed"
+    DISABLED = "disabled"
+    DRIFTED = "drifted"  # target code is not what the patch was validated on, and the reproduction did not settle it
+    FAILED = "failed"
+
+
+_FROM_ACTION = {
+    Action.APPLY: State.PENDING,
+    Action.VERIFY: State.PENDING,
+    Action.NOT_NEEDED: State.NOT_NEEDED,
+    Action.OUT_OF_RANGE: State.OUT_OF_RANGE,
+    Action.NOT_INSTALLED: State.NOT_INSTALLED,
+    Action.DISABLED: State.DISABLED,
+}
+
+
+@dataclass
+class _Change:
+    """One attribute changed on one owner: how to put it back."""
+
+    patch_id: str
+    target: Target
+    owner: Any
+    name: str
+    had_own: bool
+    raw_original: Any
+    replacement: Any
+    aliases: list[tuple[types.ModuleType, str]] = field(default_factory=list)
+
+
+@dataclass
+class PatchStatus:
+    """What happened to one patch in this process."""
+
+    patch: Patch
+    decision: Decision
+    state: State
+    reason: str
+    error: str | None = None
+    #: Notes about target code that differs from what the patch was validated on.
+    drift: list[str] = field(default_factory=list)
+    #: Outcome of a reproduction run by the engine itself (drift or VERIFY decisions).
+    verified: str | None = None
+    installed: list[Target] = field(default_factory=list)
+    suspended: bool = False
+
+    @property
+    def needs_verify(self) -> bool:
+        return self.decision.action is Action.VERIFY or bool(self.drift)
+
+
+def fingerprint(obj: Any) -> str | None:
+    """A short hash of an object's source text (blank lines and indentation normalised).
+
+    Source, not bytecode, so the same upstream code has the same fingerprint on every Python.
+    ``None`` when the source cannot be read.
+    """
+    func = inspect.unwrap(obj) if callable(obj) else obj
+    func = getattr(func, "__func__", func)
+    try:
+        text = inspect.getsource(func)
+    except (OSError, TypeError):
+        return None
+    lines = [line.strip() for line in text.splitlines()]
+    body = "\n".join(line for line in lines if line and not line.startswith("#"))
+    return hashlib.sha256(body.encode()).hexdigest()[:12]
+
+
+class Engine:
+    """Installs a set of patches into this process. Create it with :func:`kvpatch.activate`."""
+
+    def __init__(
+        self,
+        patches: Iterable[Patch],
+        *,
+        upstream: dict[str, Upstream] | None = None,
+        config: Config | None = None,
+        broken: dict[str, str] | None = None,
+    ) -> None:
+        self.patches = sorted(patches, key=lambda p: (p.order, p.id))
+        self.upstream = upstream if upstream is not None else detect()
+        known = frozenset(p.id for p in self.patches)
+        self.config = config if config is not None else read_config(known_ids=known)
+        self.broken = dict(broken or {})
+        self.status: dict[str, PatchStatus] = {}
+        self._changes: list[_Change] = []  # in install order
+        self._hooked: set[str] = set()
+        self._ready: set[str] = set()  # top-level upstream packages fully imported
+        self._warned: set[str] = set()
+        self._lock = threading.RLock()
+        self._active = False
+        for problem in self.config.problems:
+            self.warn(problem, key=f"config:{problem}")
+        for module, error in self.broken.items():
+            self.warn(f"patch module {module} could not be loaded: {error}", key=f"broken:{module}")
+        for patch in self.patches:
+            self.status[patch.id] = self._decide(patch)
+
+    # -- decisions ---------------------------------------------------------------------------------
+    def _decide(self, patch: Patch) -> PatchStatus:
+        try:
+            upstream = self.upstream.get(patch.distribution) or Upstream(patch.distribution, None)
+            decision = decide(patch, upstream, self.config)
+        except Exception as exc:  # the gate is pure, but a broken record must not break imports
+            decision = Decision(Action.DISABLED, "gate raised")
+            return PatchStatus(patch, decision, State.FAILED, "the gate raised", error=_describe(exc))
+        return PatchStatus(patch, decision, _FROM_ACTION[decision.action], decision.reason)
+
+    # -- activation --------------------------------------------------------------------------------
+    def activate(self) -> None:
+        """Register the post-import hooks (patches modules already imported right away)."""
+        with self._lock:
+            if self._active:
+                return
+            self._active = True
+            modules: dict[str, None] = {}
+            packages: dict[str, None] = {}
+            for st in self.status.values():
+                if st.state is State.PENDING:
+                    packages[st.patch.import_name] = None
+                    for module in st.patch.modules:
+                        modules[module] = None
+            if not modules:
+                return
+            import wrapt
+
+            for name in [*packages, *modules]:
+                if name in self._hooked:  # re-activation: wrapt will not call us again for these
+                    if name in sys.modules:
+                        self._hook(sys.modules[name])
+                    continue
+                self._hooked.add(name)
+                try:
+                    wrapt.register_post_import_hook(self._hook, name)
+                except Exception as exc:  # pragma: no cover - wrapt itself failing
+                    self.warn(f"could not hook {name}: {exc}", key=f"hook:{name}")
+
+    def deactivate(self) -> None:
+        """Restore every original; hooks stay registered but do nothing until re-activated."""
+        with self._lock:
+            self._active = False
+            for st in self.status.values():
+                if st.installed:
+                    self._uninstall(st)
+                    if st.state is State.APPLIED:
+                        st.state = State.PENDING
+                        st.reason = st.decision.reason
+
+    def _hook(self, module: types.ModuleType) -> None:
+        # Runs inside the user's import statement: it must never raise.
+        try:
+            with self._lock:
+                if not self._active:
+                    return
+                name = module.__name__
+                if name in DISTRIBUTIONS.values():
+                    self._ready.add(name)
+                    for st in self._in_order():
+                        if st.state is State.PENDING and st.patch.import_name == name:
+                            self._advance(st)
+                    return
+                for st in self._in_order():
+                    if st.state in (State.PENDING, State.APPLIED) and name in st.patch.modules:
+                        self._advance(st)
+        except Exception as exc:  # pragma: no cover - defensive: _advance catches its own errors
+            self.warn(f"kvpatch hook for {getattr(module, '__name__', module)} failed: {exc}", key="hook-crash")
+
+    def _in_order(self) -> Iterator[PatchStatus]:
+        return iter([self.status[p.id] for p in self.patches])
+
+    # -- the life of one patch ---------------------------------------------------------------------
+    def _advance(self, st: PatchStatus) -> None:
+        """Install whatever of ``st`` can be installed now; verify first where the facts say so."""
+        if st.suspended:
+            return
+        try:
+            if not st.verified:
+                self._check_drift(st)
+                if st.needs_verify:
+                    if st.patch.import_name not in self._ready:
+                        return  # wait until the package is fully imported: reproductions import freely
+                    if st.installed:
+                        self._uninstall(st)  # a newly arrived target drifted: judge the whole patch
+                    self._verify_and_apply(st)
+                    return
+            self._install_available(st)
+        except Exception as exc:
+            self._fail(st, exc)
+
+    def _check_drift(self, st: PatchStatus) -> None:
+        patch = st.patch
+        if not patch.validated:
+            return
+        for target in patch.targets:
+            if target.kind is not Kind.REPLACE:
+                continue
+            module = sys.modules.get(target.module)
+            if module is None:
+                continue
+            original = self._upstream_original(target, module)
+            if original is _MISSING:
+                continue
+            fp = fingerprint(original)
+            note = f"{target.path} has source fingerprint {fp}, not one validated ({', '.join(sorted(patch.validated))})"
+            if fp not in patch.validated and note not in st.drift:
+                st.drift.append(note)
+
+    def _verify_and_apply(self, st: PatchStatus) -> None:
+        patch = st.patch
+        why = "; ".join(st.drift) or st.decision.reason
+        for module in patch.modules:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                if not any(t.optional for t in patch.targets if t.module == module):
+                    raise
+        before = run_reproduction(patch)
+        if before.skipped:
+            st.state, st.reason = State.DRIFTED, f"{why}; reproduction cannot run here ({before.skipped}): not applied"
+            self.warn(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"drift:{patch.id}")
+            return
+        if not before.present:
+            st.verified = f"bug absent upstream ({before.detail})" if before.detail else "bug absent upstream"
+            st.state, st.reason = State.NOT_NEEDED, f"{why}; reproduction: {st.verified}"
+            return
+        self._install_available(st)
+        after = run_reproduction(patch)
+        if after.present:
+            self._uninstall(st)
+            st.state = State.DRIFTED
+            st.reason = f"{why}; reproduction: bug present and NOT fixed by the patch ({after.detail}): not applied"
+            self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
+            return
+        st.verified = "bug present, fixed by patch"
+        st.reason = f"{why}; reproduction: {st.verified}"
+        if st.drift:
+            self.warn(f"kvpatch: {patch.id} applied to drifted code after its reproduction confirmed it: {why}", key=f"drift:{patch.id}")
+
+    def _install_available(self, st: PatchStatus) -> None:
+        patch = st.patch
+        done = {(t.module, t.qualname) for t in st.installed}
+        for target in patch.targets:
+            if (target.module, target.qualname) in done:
+                continue
+            module = sys.modules.get(target.module)
+            if module is None:
+                continue
+            try:
+                change = self._install_target(patch, target, module)
+            except Exception:
+                self._uninstall(st)  # all or nothing for what is installable now
+                raise
+            if change is not None:
+                st.installed.append(target)
+        if st.installed:
+            st.state = State.APPLIED
+            if not st.verified:
+                st.reason = st.decision.reason
+
+    def _install_target(self, patch: Patch, target: Target, module: types.ModuleType) -> _Change | None:
+        owner: Any = module
+        for part in target.owner_path:
+            owner = getattr(owner, part, _MISSING)
+            if owner is _MISSING:
+                if target.optional:
+                    return None
+                raise TargetMissing(f"{target.path}: {'.'.join(target.owner_path)} not found in {target.module}")
+        name = target.attribute
+        own = vars(owner)
+        had_own = name in own
+        raw = own[name] if had_own else _MISSING
+        if target.kind is Kind.REPLACE:
+            try:
+                static = inspect.getattr_static(owner, name)
+            except AttributeError:
+                if target.optional:
+                    return None
+                raise TargetMissing(f"{target.path} not found (moved or removed upstream?)") from None
+            wrapper_type = type(static) if isinstance(static, (classmethod, staticmethod)) else None
+            original = static.__func__ if wrapper_type else getattr(owner, name)
+            replacement = patch.builders[target](original)
+            if wrapper_type is not None:
+                replacement = wrapper_type(replacement)
+        else:
+            if hasattr(owner, name):
+                raise TargetMissing(
+                    f"{target.path} already exists upstream: either upstream fixed it (retire this patch) "
+                    "or it moved (retarget it)"
+                )
+            original = None
+            replacement = patch.builders[target](None)
+        setattr(owner, name, replacement)
+        change = _Change(patch.id, target, owner, name, had_own, raw, replacement)
+        if isinstance(owner, types.ModuleType) and original is not None:
+            change.aliases = _rebind_aliases(original, replacement, skip=owner)
+        self._changes.append(change)
+        return change
+
+    def _upstream_original(self, target: Target, module: types.ModuleType) -> Any:
+        """The upstream object at ``target``, looking through kvpatch's own changes."""
+        owner: Any = module
+        for part in target.owner_path:
+            owner = getattr(owner, part, _MISSING)
+            if owner is _MISSING:
+                return _MISSING
+        for change in self._changes:
+            if change.owner is owner and change.name == target.attribute:
+                raw = change.raw_original
+                if raw is _MISSING:
+                    break
+                return getattr(raw, "__func__", raw)
+        try:
+            static = inspect.getattr_static(owner, target.attribute)
+        except AttributeError:
+            return _MISSING
+        return getattr(static, "__func__", static)
+
+    def _uninstall(self, st: PatchStatus) -> None:
+        """Remove one patch's changes, keeping patches stacked above it on the same attributes."""
+        mine = [c for c in self._changes if c.patch_id == st.patch.id]
+        if not mine:
+            st.installed.clear()
+            return
+        keys = {(id(c.owner), c.name) for c in mine}
+        first = min(self._changes.index(c) for c in mine)
+        above = [
+            c
+            for c in self._changes[first:]
+            if c.patch_id != st.patch.id and (id(c.owner), c.name) in keys
+        ]
+        for change in reversed(self._changes[first:]):
+            if change in mine or change in above:
+                _restore(change)
+                self._changes.remove(change)
+        st.installed.clear()
+        for change in above:  # reinstall what was stacked above, on top of the restored original
+            patch = self.status[change.patch_id].patch
+            module = sys.modules[change.target.module]
+            new = self._install_target(patch, change.target, module)
+            if new is None:  # pragma: no cover - the owner vanished meanwhile
+                continue
+
+    def _fail(self, st: PatchStatus, exc: BaseException) -> None:
+        try:
+            self._uninstall(st)
+        except Exception as inner:  # pragma: no cover - restoring failed too
+            log.error("kvpatch: restoring %s failed: %s", st.patch.id, inner)
+        st.state = State.FAILED
+        st.error = _describe(exc)
+        st.reason = f"failed: {st.error}"
+        self.warn(f"kvpatch: patch {st.patch.id} failed and is not applied: {st.error}", key=f"fail:{st.patch.id}")
+
+    # -- public helpers ----------------------------------------------------------------------------
+    def warn(self, message: str, *, key: str) -> None:
+        """Log and warn once per key."""
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        log.warning("%s", message)
+        warnings.warn(message, KvpatchWarning, stacklevel=3)
+
+    def suspend(self, patch_id: str) -> None:
+        """Take one patch out (restoring the originals) without forgetting its decision."""
+        with self._lock:
+            st = self.status[patch_id]
+            st.suspended = True
+            self._uninstall(st)
+
+    def resume(self, patch_id: str) -> None:
+        with self._lock:
+            st = self.status[patch_id]
+            st.suspended = False
+            if st.state is State.APPLIED:
+                self._install_available(st)
+
+    @contextmanager
+    def without(self, *patch_ids: str) -> Iterator[None]:
+        """Run a block with the named patches removed (for reproductions and tests)."""
+        ids = [pid for pid in patch_ids if self.status[pid].installed or self.status[pid].state is State.APPLIED]
+        for pid in ids:
+            self.suspend(pid)
+        try:
+            yield
+        finally:
+            for pid in reversed(ids):
+                self.resume(pid)
+
+    def changes(self) -> list[tuple[str, str]]:
+        return [(c.patch_id, c.target.path) for c in self._changes]
+
+
+class TargetMissing(LookupError):
+    """A target attribute is not where the patch expects it."""
+
+
+def run_reproduction(patch: Patch) -> Finding:
+    if patch.reproduction is None:
+        raise LookupError(f"{patch.id} has no reproduction")
+    finding = patch.reproduction()
+    if not isinstance(finding, Finding):
+        raise TypeError(f"{patch.id}: reproduction returned {finding!r}, not a Finding")
+    return finding
+
+
+def _restore(change: _Change) -> None:
+    if change.had_own:
+        setattr(change.owner, change.name, change.raw_original)
+    else:
+        try:
+            delattr(change.owner, change.name)
+        except AttributeError:  # pragma: no cover - someone else removed it
+            pass
+    for module, name in change.aliases:
+        if vars(module).get(name) is change.replacement:
+            setattr(module, name, getattr(change.raw_original, "__func__", change.raw_original))
+
+
+def _rebind_aliases(original: Any, replacement: Any, *, skip: types.ModuleType) -> list[tuple[types.ModuleType, str]]:
+    """Rebind names that upstream modules imported from the owner before the patch was installed."""
+    found: list[tuple[types.ModuleType, str]] = []
+    prefixes = tuple(f"{pkg}." for pkg in DISTRIBUTIONS.values())
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or module is skip:
+            continue
+        if not (mod_name.startswith(prefixes) or mod_name in DISTRIBUTIONS.values()):
+            continue
+        for name, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, name, replacement)
+                found.append((module, name))
+    return found
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,129 @@
+"""The gate: a pure function from (patch, detected upstream, config) to a decision with a reason.
+
+It imports nothing of upstream and has no side effects, so it is tested table-driven
+(``tests/engine/test_gate.py``) over release, pre-release, dev, local and git-pinned versions.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from packaging.version import InvalidVersion, Version
+
+from .config import Config
+from .detect import Upstream
+from .record import Patch
+
+__all__ = ["Action", "Decision", "decide"]
+
+
+class Action(enum.Enum):
+    APPLY = "apply"
+    #: The facts do not settle it (unknown commit, pre-release of the fixing release, a release
+    #: newer than the last one checked, an editable install): the reproduction decides.
+    VERIFY = "verify"
+    NOT_NEEDED = "not needed"
+    OUT_OF_RANGE = "out of range"
+    NOT_INSTALLED = "not installed"
+    DISABLED = "disabled"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+
+
+class PlacementLike(Protocol):
+    known: bool
+    fixed: bool | None
+    introduced: bool | None
+    reason: str
+
+
+Placer = Callable[[str, str, "str | None", "str | None"], PlacementLike]
+
+
+def _default_placer(distribution: str, pinned: str, fixed: str | None, introduced: str | None) -> PlacementLike:
+    from .commits import place
+
+    return place(distribution, pinned, fixed_commit=fixed, introduced_commit=introduced)
+
+
+def _below(patch: Patch, version: Version) -> bool:
+    """True when ``version`` fails one of the range's lower bounds."""
+    return any(
+        spec.operator in (">=", ">") and not spec.contains(version, prereleases=True) for spec in patch.specifier
+    )
+
+
+def decide(patch: Patch, upstream: Upstream, config: Config, placer: Placer | None = None) -> Decision:
+    """Decide what to do with ``patch`` given the installed ``upstream`` distribution."""
+    if not config.enabled:
+        return Decision(Action.DISABLED, "kvpatch is off (KVPATCH=off)")
+    if config.is_disabled(patch.id):
+        how = "KVPATCH_DISABLE=*" if config.disable_all else f"KVPATCH_DISABLE names {patch.id}"
+        return Decision(Action.DISABLED, f"disabled by {how}")
+    if not upstream.installed:
+        return Decision(Action.NOT_INSTALLED, f"{patch.distribution} is not installed")
+
+    dist = patch.distribution
+    source = upstream.source
+    if source.kind == "unknown":
+        return Decision(Action.VERIFY, f"{dist} install source unknown ({source.error}); the reproduction decides")
+
+    if source.kind == "vcs" and source.commit:
+        short = source.commit[:8]
+        try:
+            placement = (placer or _default_placer)(dist, source.commit, patch.fixed_commit, patch.introduced_commit)
+        except Exception as exc:  # a broken index must not stop the user's program
+            return Decision(Action.VERIFY, f"{dist} commit {short}: commit index unusable ({exc}); the reproduction decides")
+        if not placement.known:
+            return Decision(Action.VERIFY, placement.reason)
+        if placement.fixed:
+            return Decision(Action.NOT_NEEDED, f"pinned {dist} commit {short} contains the fix: {placement.reason}")
+        if placement.introduced is False:
+            return Decision(Action.OUT_OF_RANGE, f"pinned {dist} commit {short} predates the bug: {placement.reason}")
+        if patch.fixed_commit is None and patch.introduced_commit is None:
+            # Nothing to place against: fall back to the version the checkout declares.
+            pass
+        else:
+            return Decision(Action.APPLY, f"pinned {dist} commit {short} has the bug: {placement.reason}")
+
+    try:
+        version = Version(upstream.version or "")
+    except InvalidVersion:
+        return Decision(Action.VERIFY, f"{dist} version {upstream.version!r} is not PEP 440; the reproduction decides")
+
+    where = "" if source.kind in ("index", "vcs") else f" ({source.kind} install: its code may differ from the release)"
+    local = f" (local build {version})" if version.local else ""
+    public = Version(version.public)
+    fixed = Version(patch.fixed_in) if patch.fixed_in else None
+
+    if fixed is not None and public >= fixed:
+        return Decision(Action.NOT_NEEDED, f"{dist} {version} >= {patch.fixed_in}, which fixed it{where}")
+    if fixed is not None and public.release == fixed.release and (public.is_prerelease or public.is_devrelease):
+        return Decision(
+            Action.VERIFY,
+            f"{dist} {version} is a pre-release of {patch.fixed_in} (the fixing release); the reproduction decides",
+        )
+    if patch.specifier.contains(public, prereleases=True):
+        if where:
+            return Decision(Action.VERIFY, f"{dist} {version} is in {patch.affected}{where}; the reproduction decides")
+        return Decision(Action.APPLY, f"{dist} {version}{local} is in the affected range {patch.affected}")
+    if _below(patch, public):
+        return Decision(Action.OUT_OF_RANGE, f"{dist} {version} predates the affected range {patch.affected}")
+    if fixed is None:
+        through = patch.checked_through or "the last release checked"
+        return Decision(
+            Action.VERIFY,
+            f"{dist} {version} is newer than {through} (not fixed as of then); the reproduction decides",
+        )
+    return Decision(
+        Action.VERIFY,
+        f"{dist} {version} lies between the affected range {patch.affected} and the fix {patch.fixed_in}; "
+        "the reproduction decides",
+    )

@@ -1,0 +1,217 @@
+"""Patch records: what a patch is, as plain data plus its fix and its reproduction.
+
+A patch module in ``patches/`` builds one :class:`Patch` and registers, with decorators,
+
+* one *builder* per target (``@PATCH.replace(module, qualname)`` or ``@PATCH.add(...)``): a
+  function that receives the original object (or ``None`` for an added attribute) and returns the
+  replacement. Builders run once, at install time; the replacement they return is what runs on
+  every call, so it must be a plain function (no wrapper layers, no gating per call);
+* one *reproduction* (``@PATCH.reproduce``): a function that exercises the running upstream and
+  returns a :class:`Finding` saying whether the bug is present. It is the patch's regression test
+  and the judge when the target code has drifted from what the patch was validated against.
+
+Nothing here imports mlx, mlx-lm or mlx-vlm.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+__all__ = [
+    "DISTRIBUTIONS",
+    "Expiry",
+    "Finding",
+    "Kind",
+    "Patch",
+    "RecordError",
+    "Target",
+]
+
+#: The upstream distributions kvpatch patches, and their import names.
+DISTRIBUTIONS: dict[str, str] = {"mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
+
+
+class RecordError(ValueError):
+    """A patch record is malformed (raised when the record is built, i.e. by kvpatch's own tests)."""
+
+
+class Kind(enum.Enum):
+    """How a target is changed."""
+
+    REPLACE = "replace"  # the attribute exists; the builder gets it and returns its replacement
+    ADD = "add"  # the attribute is missing upstream; the builder returns the new attribute
+
+
+@dataclass(frozen=True)
+class Target:
+    """One attribute that a patch changes: ``module`` plus a dotted ``qualname`` inside it."""
+
+    module: str
+    qualname: str
+    kind: Kind = Kind.REPLACE
+    #: A target that may be absent within the affected range (e.g. a class that only exists from a
+    #: later release): absence is not an error, the target is skipped.
+    optional: bool = False
+
+    @property
+    def path(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+    @property
+    def owner_path(self) -> tuple[str, ...]:
+        """The attribute path of the owner inside the module (empty for module-level targets)."""
+        return tuple(self.qualname.split(".")[:-1])
+
+    @property
+    def attribute(self) -> str:
+        return self.qualname.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What a reproduction observed in the running upstream."""
+
+    present: bool
+    detail: str = ""
+    #: Set when the reproduction could not run at all here (e.g. a Metal-only bug on CPU).
+    skipped: str | None = None
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """When a patch must go.
+
+    ``fixed_in`` on the patch itself is the primary condition (every supported upstream release at
+    or past it); ``review_by`` is a date after which an unfixed patch must be looked at again;
+    ``condition`` says in words what retires the patch.
+    """
+
+    condition: str
+    review_by: _dt.date | None = None
+
+    def overdue(self, today: _dt.date | None = None) -> bool:
+        if self.review_by is None:
+            return False
+        return (today or _dt.date.today()) > self.review_by
+
+
+Builder = Callable[[Any], Any]
+Reproduction = Callable[[], Finding]
+
+
+@dataclass(eq=False)
+class Patch:
+    """A version-gated fix for one upstream bug in one distribution."""
+
+    id: str
+    summary: str
+    distribution: str
+    #: PEP 440 range of *released* versions that have the bug, e.g. ``">=0.22.0,<0.24.0"``.
+    affected: str
+    #: Upstream reference: a pull request ``owner/repo#N`` or an issue/commit URL.
+    reference: str
+    expiry: Expiry
+    #: First release that carries upstream's fix, or ``None`` when upstream has not fixed it.
+    fixed_in: str | None = None
+    #: Upstream commit that fixed the bug (hex prefix), if any.
+    fixed_commit: str | None = None
+    #: Upstream commit that introduced the bug, if known: git pins before it are out of range.
+    introduced_commit: str | None = None
+    #: Newest upstream release on which the bug was measured (for unfixed bugs: "not fixed as of").
+    checked_through: str | None = None
+    #: Catalogue id(s) in UPSTREAM-BUGS.md.
+    catalogue: str = ""
+    #: Called per token / per layer per step: the replacement must be a plain function.
+    hot_path: bool = False
+    #: Composition order when several patches change one target: lower installs first (innermost).
+    order: int = 100
+    #: Source fingerprints (see :func:`kvpatch.engine.fingerprint`) of target code this patch was
+    #: validated against. Empty means "no fingerprint check". A mismatch means drift.
+    validated: frozenset[str] = frozenset()
+    #: True when the bug cannot be observed on this backend (e.g. Metal-only kernels).
+    metal_only: bool = False
+    targets: list[Target] = field(default_factory=list)
+    builders: dict[Target, Builder] = field(default_factory=dict, repr=False)
+    reproduction: Reproduction | None = field(default=None, repr=False)
+    #: The module that defines the patch (filled by the registry).
+    module: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id or self.id != self.id.strip().lower() or "," in self.id or "*" in self.id:
+            raise RecordError(f"bad patch id {self.id!r}: use lower-case, no commas or '*'")
+        if self.distribution not in DISTRIBUTIONS:
+            raise RecordError(f"{self.id}: unknown distribution {self.distribution!r}")
+        try:
+            self.specifier = SpecifierSet(self.affected)
+        except InvalidSpecifier as exc:
+            raise RecordError(f"{self.id}: bad affected range {self.affected!r}: {exc}") from exc
+        for name in ("fixed_in", "checked_through"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    Version(value)
+                except InvalidVersion as exc:
+                    raise RecordError(f"{self.id}: bad {name} {value!r}") from exc
+        if self.fixed_in is not None and self.specifier.contains(self.fixed_in, prereleases=True):
+            raise RecordError(f"{self.id}: fixed_in {self.fixed_in} lies inside {self.affected}")
+        self.validated = frozenset(self.validated)
+
+    # -- declaration helpers used by patch modules ------------------------------------------
+    def _register(self, target: Target) -> Callable[[Builder], Builder]:
+        if target in self.builders:
+            raise RecordError(f"{self.id}: target {target.path} declared twice")
+        package = target.module.split(".", 1)[0]
+        if package not in DISTRIBUTIONS.values():
+            raise RecordError(f"{self.id}: target {target.path} is outside mlx_lm / mlx_vlm")
+
+        def decorate(builder: Builder) -> Builder:
+            self.targets.append(target)
+            self.builders[target] = builder
+            return builder
+
+        return decorate
+
+    def replace(self, module: str, qualname: str, *, optional: bool = False) -> Callable[[Builder], Builder]:
+        """Declare that ``builder(original) -> replacement`` changes ``module.qualname``."""
+        return self._register(Target(module, qualname, Kind.REPLACE, optional))
+
+    def add(self, module: str, qualname: str, *, optional: bool = False) -> Callable[[Builder], Builder]:
+        """Declare that ``builder(None) -> attribute`` adds a missing ``module.qualname``."""
+        return self._register(Target(module, qualname, Kind.ADD, optional))
+
+    def reproduce(self, func: Reproduction) -> Reproduction:
+        """Declare the reproduction (one per patch)."""
+        if self.reproduction is not None:
+            raise RecordError(f"{self.id}: reproduction declared twice")
+        self.reproduction = func
+        return func
+
+    # -- derived facts ------------------------------------------------------------------------
+    @property
+    def import_name(self) -> str:
+        return DISTRIBUTIONS[self.distribution]
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Target modules, in declaration order, without repeats."""
+        return tuple(dict.fromkeys(t.module for t in self.targets))
+
+    @property
+    def fixed_text(self) -> str:
+        if self.fixed_in:
+            commit = f" ({self.fixed_commit})" if self.fixed_commit else ""
+            return f"{self.fixed_in}{commit}"
+        if self.checked_through:
+            return f"not fixed as of {self.checked_through}"
+        return "not fixed"
+
+    @property
+    def target_text(self) -> str:
+        return ", ".join(t.path for t in self.targets)
