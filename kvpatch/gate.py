@@ -38,10 +38,14 @@ class Decision:
 
 
 class PlacementLike(Protocol):
-    known: bool
-    fixed: bool | None
-    introduced: bool | None
-    reason: str
+    @property
+    def known(self) -> bool: ...
+    @property
+    def fixed(self) -> bool | None: ...
+    @property
+    def introduced(self) -> bool | None: ...
+    @property
+    def reason(self) -> str: ...
 
 
 Placer = Callable[[str, str, "str | None", "str | None"], PlacementLike]
@@ -87,11 +91,11 @@ def decide(patch: Patch, upstream: Upstream, config: Config, placer: Placer | No
             return Decision(Action.NOT_NEEDED, f"pinned {dist} commit {short} contains the fix: {placement.reason}")
         if placement.introduced is False:
             return Decision(Action.OUT_OF_RANGE, f"pinned {dist} commit {short} predates the bug: {placement.reason}")
-        if patch.fixed_commit is None and patch.introduced_commit is None:
-            # Nothing to place against: fall back to the version the checkout declares.
-            pass
-        else:
+        if (patch.fixed_commit and placement.fixed is None) or (patch.introduced_commit and placement.introduced is None):
+            return Decision(Action.VERIFY, f"{dist} commit {short} cannot be ordered against the fix: {placement.reason}")
+        if patch.fixed_commit or patch.introduced_commit:
             return Decision(Action.APPLY, f"pinned {dist} commit {short} has the bug: {placement.reason}")
+        # Nothing to place against: fall back to the version the checkout declares.
 
     try:
         version = Version(upstream.version or "")

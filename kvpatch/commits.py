@@ -1,0 +1,361 @@
+"""Place a pinned upstream commit relative to the commits that fixed or introduced a bug.
+
+When mlx-lm or mlx-vlm is installed from git at a pinned commit (PEP 610
+``direct_url.json`` with ``vcs_info.commit_id``), its version number says little:
+kvpatch then asks whether that commit comes before or after the upstream commit
+that fixed (or introduced) a bug.  The answer comes from a shipped index of each
+upstream's first-parent main line (``kvpatch/data/commits-<dist>.txt``, built by
+``scripts/build_commit_index.py``):
+
+* main-line commits are totally ordered by their position;
+* a commit merged from a side branch takes the position of the merge commit
+  that first brought it into the main line, so a fix that landed through a merge
+  is "contained" exactly by the main-line commits at or after that merge.
+
+A pin that is not in the index (too new, from a fork, from an unmerged branch)
+is unknown: callers should fall back to reproducing the bug.  Release tags are
+informational only (upstream tags and PyPI wheels disagree in places).
+
+Standard library only; this module never imports mlx.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from datetime import datetime
+from importlib import resources
+
+__all__ = [
+    "DISTRIBUTIONS",
+    "MIN_PREFIX",
+    "CommitIndex",
+    "Placement",
+    "load_index",
+    "place",
+]
+
+DISTRIBUTIONS: tuple[str, ...] = ("mlx-lm", "mlx-vlm")
+MIN_PREFIX = 7  # shortest commit prefix accepted by CommitIndex.resolve
+_HEX = frozenset("0123456789abcdef")
+_FULL = 40  # length of a full (SHA-1) commit id
+_SHORT = 8  # length of commit ids in human-readable reasons
+
+
+def _normalize(distribution: str) -> str:
+    """PEP 503-normalize a distribution name: "MLX_LM" -> "mlx-lm"."""
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+@dataclass(frozen=True, eq=False)
+class CommitIndex:
+    """Main-line history of one upstream, oldest first.
+
+    Build one with :func:`load_index`; :meth:`parse` is the file-format reader.
+    Every method that takes a commit accepts a full id or a unique prefix of at
+    least :data:`MIN_PREFIX` hex characters, in any case.
+    """
+
+    distribution: str
+    source: str
+    branch: str
+    head: str  # full id of the newest indexed main-line commit
+    generated: datetime  # committer date of ``head`` (UTC)
+    mainline: tuple[str, ...]  # main-line commits, oldest first
+    _position: dict[str, int] = field(repr=False)  # every indexed commit -> main-line position
+    _prs: dict[int, int] = field(repr=False)  # main-line position -> pull-request number
+    _tags: dict[int, tuple[str, ...]] = field(repr=False)  # main-line position -> release tags
+
+    # -- construction -----------------------------------------------------
+
+    @classmethod
+    def parse(cls, text: str, distribution: str = "") -> CommitIndex:
+        """Parse the text of a ``commits-<dist>.txt`` file (see its header for the format)."""
+        header: dict[str, str] = {}
+        mainline: list[str] = []
+        position: dict[str, int] = {}
+        prs: dict[int, int] = {}
+        tags: dict[int, tuple[str, ...]] = {}
+        pos = -1
+        for line in text.splitlines():
+            if not line:
+                continue
+            first = line[0]
+            if first == "+":
+                if pos < 0:
+                    raise ValueError("commit index: side commit before any main-line commit")
+                position[line[1 : _FULL + 1]] = pos
+            elif first == "#":
+                key, sep, value = line[2:].partition(": ")
+                if sep and key in ("distribution", "source", "branch", "head", "generated"):
+                    header[key] = value.strip()
+            else:
+                sha, _, rest = line.partition(" ")
+                pos += 1
+                mainline.append(sha)
+                position[sha] = pos
+                if rest:
+                    line_tags: list[str] = []
+                    for word in rest.split():
+                        if word[0] == "#":
+                            prs[pos] = int(word[1:])
+                        else:
+                            line_tags.append(word)
+                    if line_tags:
+                        tags[pos] = tuple(line_tags)
+        if not mainline:
+            raise ValueError("commit index: no commits")
+        head = header.get("head", mainline[-1])
+        if head != mainline[-1]:
+            raise ValueError(f"commit index: header head {head} is not the last main-line commit {mainline[-1]}")
+        return cls(
+            distribution=header.get("distribution", distribution),
+            source=header.get("source", ""),
+            branch=header.get("branch", ""),
+            head=head,
+            generated=datetime.fromisoformat(header["generated"]),
+            mainline=tuple(mainline),
+            _position=position,
+            _prs=prs,
+            _tags=tags,
+        )
+
+    @functools.cached_property
+    def _sorted(self) -> list[str]:
+        return sorted(self._position)
+
+    @functools.cached_property
+    def _tag_positions(self) -> list[int]:
+        return sorted(self._tags)
+
+    def __len__(self) -> int:
+        """Number of indexed commits (main line and merged side commits)."""
+        return len(self._position)
+
+    def __contains__(self, commit: object) -> bool:
+        return isinstance(commit, str) and self.resolve(commit) is not None
+
+    # -- lookups ----------------------------------------------------------
+
+    def resolve(self, commit_or_prefix: str) -> str | None:
+        """Full id of an indexed commit, or None (unknown, too short, not hex, or ambiguous)."""
+        key = commit_or_prefix.strip().lower()
+        if not MIN_PREFIX <= len(key) <= _FULL or not _HEX.issuperset(key):
+            return None
+        if len(key) == _FULL:
+            return key if key in self._position else None
+        ids = self._sorted
+        i = bisect_left(ids, key)
+        if i == len(ids) or not ids[i].startswith(key):
+            return None
+        if i + 1 < len(ids) and ids[i + 1].startswith(key):
+            return None  # ambiguous
+        return ids[i]
+
+    def position(self, commit: str) -> int | None:
+        """Main-line position (0 = oldest) of a commit, or None if it is not indexed.
+
+        A side-branch commit gets the position of the merge that brought it in.
+        """
+        full = self.resolve(commit)
+        return None if full is None else self._position[full]
+
+    def is_mainline(self, commit: str) -> bool | None:
+        """True for a first-parent main-line commit, False for a merged side commit, None if unknown."""
+        pos = self.position(commit)
+        if pos is None:
+            return None
+        return self.mainline[pos] == self.resolve(commit)
+
+    def mainline_commit(self, commit: str) -> str | None:
+        """The first main-line commit containing ``commit`` (itself if on the main line)."""
+        pos = self.position(commit)
+        return None if pos is None else self.mainline[pos]
+
+    def contains(self, pinned: str, fix_commit: str) -> bool | None:
+        """Whether the tree at ``pinned`` contains ``fix_commit``.
+
+        For a main-line pin: True when it is at or after the main-line commit that
+        brought ``fix_commit`` in.  None when either commit is unknown.  A pin on a
+        merged side branch is only decided when the fix came in after that branch
+        was merged (False) or is the pin itself (True); otherwise None.
+        """
+        pin = self.resolve(pinned)
+        fix = self.resolve(fix_commit)
+        if pin is None or fix is None:
+            return None
+        pin_pos = self._position[pin]
+        fix_pos = self._position[fix]
+        if self.mainline[pin_pos] == pin:
+            return pin_pos >= fix_pos
+        if pin == fix:
+            return True
+        # A side commit is an ancestor of its merge: anything merged later can't be in it.
+        return False if fix_pos > pin_pos else None
+
+    def pr_of(self, commit: str) -> int | None:
+        """Pull-request number of the main-line commit containing ``commit``, if known."""
+        pos = self.position(commit)
+        return None if pos is None else self._prs.get(pos)
+
+    def release_of(self, commit: str) -> str | None:
+        """First release tag at or after ``commit`` on the main line (informational only).
+
+        None when the commit is unknown or no tag follows it yet.
+        """
+        pos = self.position(commit)
+        if pos is None:
+            return None
+        tag_positions = self._tag_positions
+        i = bisect_left(tag_positions, pos)
+        return self._tags[tag_positions[i]][0] if i < len(tag_positions) else None
+
+    def tag_commit(self, tag: str) -> str | None:
+        """Main-line commit a release tag is written on, or None."""
+        for pos, names in self._tags.items():
+            if tag in names:
+                return self.mainline[pos]
+        return None
+
+    def describe(self, commit: str) -> str:
+        """Short human label: ``2a55b80b (#1208)``, ``570afed3 (merged by c8d6057c, #1890)``.
+
+        An unknown commit is echoed as given.
+        """
+        full = self.resolve(commit)
+        if full is None:
+            return commit.strip()
+        pos = self._position[full]
+        pr = self._prs.get(pos)
+        merge = self.mainline[pos]
+        if merge != full:
+            via = f", #{pr}" if pr is not None else ""
+            return f"{full[:_SHORT]} (merged by {merge[:_SHORT]}{via})"
+        return f"{full[:_SHORT]} (#{pr})" if pr is not None else full[:_SHORT]
+
+
+@functools.lru_cache(maxsize=4)
+def _load(distribution: str) -> CommitIndex:
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"no commit index for {distribution!r}; known: {', '.join(DISTRIBUTIONS)}")
+    text = resources.files("kvpatch.data").joinpath(f"commits-{distribution}.txt").read_text(encoding="ascii")
+    return CommitIndex.parse(text, distribution)
+
+
+def load_index(distribution: str) -> CommitIndex:
+    """The shipped commit index of ``mlx-lm`` or ``mlx-vlm`` (parsed once, then cached).
+
+    Raises ValueError for any other distribution.
+    """
+    return _load(_normalize(distribution))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a pinned commit stands relative to a bug's introducing and fixing commits."""
+
+    distribution: str
+    pinned: str  # as given by the caller
+    commit: str | None  # full id of the pin, None when it is not in the index
+    known: bool  # the pin is in kvpatch's index
+    mainline: bool  # the pin is a first-parent main-line commit
+    fixed_commit: str | None  # full id when indexed, else as given; None if not asked
+    introduced_commit: str | None  # idem
+    fixed: bool | None  # the pin contains the fix; None: not asked, or the index can't tell
+    introduced: bool | None  # the pin contains the bug's introduction; None: not asked, or can't tell
+    reason: str  # one line, for humans
+
+    @property
+    def affected(self) -> bool | None:
+        """Whether the pin has the bug: introduced (or not asked) and not fixed.
+
+        None when nothing was asked or the index can't tell; the reproduction then decides.
+        """
+        if not self.known or (self.fixed_commit is None and self.introduced_commit is None):
+            return None
+        if self.fixed is True or self.introduced is False:
+            return False
+        fix_missing = self.fixed_commit is None or self.fixed is False
+        bug_present = self.introduced_commit is None or self.introduced is True
+        return True if fix_missing and bug_present else None
+
+
+def place(
+    distribution: str,
+    pinned: str,
+    *,
+    fixed_commit: str | None = None,
+    introduced_commit: str | None = None,
+) -> Placement:
+    """Place ``pinned`` against the commit that fixed and/or introduced a bug.
+
+    Raises ValueError for a distribution without an index.  An unknown pin, or a
+    fixing/introducing commit missing from the index, gives a Placement whose
+    ``fixed``/``introduced`` are None and whose reason says the reproduction decides.
+    """
+    index = load_index(distribution)
+    dist = index.distribution
+    pin = index.resolve(pinned)
+    fix = index.resolve(fixed_commit) if fixed_commit is not None else None
+    intro = index.resolve(introduced_commit) if introduced_commit is not None else None
+    pin_pos = index.position(pin) if pin is not None else None
+    on_mainline = pin_pos is not None and index.mainline[pin_pos] == pin
+
+    def _placement(fixed: bool | None, introduced: bool | None, reason: str) -> Placement:
+        return Placement(
+            distribution=dist,
+            pinned=pinned,
+            commit=pin,
+            known=pin is not None,
+            mainline=on_mainline,
+            fixed_commit=fix or fixed_commit,
+            introduced_commit=intro or introduced_commit,
+            fixed=fixed,
+            introduced=introduced,
+            reason=reason,
+        )
+
+    stamp = f"generated {index.generated:%Y-%m-%d} from head {index.head[:7]}"
+    if pin is None or pin_pos is None:
+        return _placement(
+            None,
+            None,
+            f"commit {pinned.strip()} is not on {dist}'s main line in kvpatch's index ({stamp}); "
+            "the reproduction decides",
+        )
+    for given, full, what in ((fixed_commit, fix, "fix"), (introduced_commit, intro, "bug-introducing commit")):
+        if given is not None and full is None:
+            return _placement(
+                None,
+                None,
+                f"the {what} {given.strip()} is not in kvpatch's index of {dist} ({stamp}); the reproduction decides",
+            )
+
+    fixed = index.contains(pin, fix) if fix is not None else None
+    introduced = index.contains(pin, intro) if intro is not None else None
+    subject = f"pinned commit {index.describe(pin) if not on_mainline else pin[:_SHORT]}"
+
+    clauses: list[str] = []
+    if intro is not None:
+        if introduced is True:
+            clauses.append(f"at or after the bug's introduction in {index.describe(intro)}")
+        elif introduced is False:
+            clauses.append(f"before the bug was introduced in {index.describe(intro)}")
+    if fix is not None and introduced is not False:
+        if fixed is True:
+            clauses.append(f"at or after the fix {index.describe(fix)}")
+        elif fixed is False:
+            clauses.append(f"before the fix {index.describe(fix)}")
+    undecided = (fix is not None and fixed is None) or (intro is not None and introduced is None)
+    if undecided and introduced is not False and fixed is not True:
+        targets = " / ".join(index.describe(c) for c in (intro, fix) if c is not None)
+        reason = f"{subject} can't be ordered against {targets} from kvpatch's index; the reproduction decides"
+    elif clauses:
+        reason = f"{subject} is " + " and ".join(clauses)
+    else:
+        release = index.release_of(pin)
+        where = f", first released in {release}" if release else ", in no release tag yet"
+        reason = f"{subject} is on {dist}'s main line at position {pin_pos}{where}"
+    return _placement(fixed, introduced, reason)

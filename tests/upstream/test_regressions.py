@@ -1,0 +1,47 @@
+"""Every patch's reproduction is its regression test, run against the real installed upstream.
+
+On an affected release: the bug is absent in this (patched) process, and present with the patch taken
+out. Run with ``KVPATCH_DISABLE=<id>`` (or ``KVPATCH=off``) to see the test fail without the patch.
+On a fixed release: the patch is not applied and the bug is absent.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import kvpatch
+from kvpatch import registry
+from kvpatch.engine import State
+from kvpatch.gate import Action
+from kvpatch.testing import import_targets, natural_decision, reproduce, without
+
+PATCHES = registry.load().patches
+METAL = sys.platform == "darwin"
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=[p.id for p in PATCHES])
+def test_regression(patch):
+    engine = kvpatch.get_engine()
+    decision = natural_decision(patch)
+    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
+        pytest.skip(decision.reason)
+    if patch.metal_only and not METAL:
+        pytest.skip(f"{patch.id} is a Metal-only bug: it cannot be reproduced on this backend; gated by version and commit only")
+    import_targets(patch)
+    st = engine.status[patch.id]
+    if decision.action is Action.NOT_NEEDED:
+        assert st.state is State.NOT_NEEDED and not st.installed, st.reason
+        finding = reproduce(patch)
+        assert not finding.present, f"record says fixed upstream, but: {finding.detail}"
+        return
+    # APPLY (or VERIFY, which the engine settled with the reproduction itself)
+    finding = reproduce(patch)
+    assert not finding.present, f"bug present in this process ({st.state.value}: {st.reason}): {finding.detail}"
+    if decision.action is Action.APPLY:
+        assert st.state is State.APPLIED, st.reason
+    if st.installed:
+        with without(patch.id):
+            unpatched = reproduce(patch)
+        assert unpatched.present, f"the reproduction does not show the bug without the patch: {unpatched.detail}"
