@@ -22,6 +22,25 @@ KNOWN_PINS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 
+#: The releases the test matrix runs (tests/matrix.py; a test keeps the two in step).
+TESTED: dict[str, tuple[str, ...]] = {
+    "mlx-lm": (
+        "0.22.0", "0.23.2", "0.24.0", "0.28.0", "0.28.1", "0.28.4", "0.30.2",
+        "0.30.4", "0.30.7", "0.31.1", "0.31.2", "0.31.3", "0.32.0", "0.32.2",
+    ),
+    "mlx-vlm": (
+        "0.5.0", "0.6.0", "0.6.3", "0.6.4", "0.6.5", "0.6.13", "0.6.14",
+        "0.6.15", "0.6.16", "0.7.6", "0.7.8", "0.7.10",
+    ),
+}
+
+_CELL = {
+    Action.APPLY: "applies",
+    Action.VERIFY: "verify",
+    Action.NOT_NEEDED: "fixed",
+    Action.OUT_OF_RANGE: "·",
+}
+
 _ACTION_TEXT = {
     Action.APPLY: "applies",
     Action.VERIFY: "reproduction decides",
@@ -59,6 +78,23 @@ def render() -> str:
             f"| `{p.id}` | {p.catalogue} | {p.distribution} | `{p.affected}` | {p.fixed_text} | {p.reference} | "
             f"{'yes' if p.hot_path else 'no'} | {expiry} |"
         )
+    for dist, releases in TESTED.items():
+        mine = [p for p in patches if p.distribution == dist]
+        if not mine:
+            continue
+        out += [
+            "",
+            f"## {dist} releases (each one runs in the test matrix)",
+            "",
+            "`applies`: the patch is installed; `fixed`: upstream fixed it, not installed; `·`: the release",
+            "predates the bug.",
+            "",
+            "| patch | " + " | ".join(releases) + " |",
+            "|---|" + "---|" * len(releases),
+        ]
+        for p in mine:
+            cells = [_CELL[decide(p, Upstream(dist, r), Config()).action] for r in releases]
+            out.append(f"| `{p.id}` | " + " | ".join(cells) + " |")
     out += ["", "## Targets", ""]
     for p in patches:
         targets = ", ".join(f"`{t.path}`" + (" (added)" if t.kind is Kind.ADD else "") + (" (if present)" if t.optional else "") for t in p.targets)

@@ -1,0 +1,155 @@
+"""Table-driven tests of the pure gate: (patch, upstream facts, config) -> decision."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from kvpatch.commits import place
+from kvpatch.config import Config, read_config
+from kvpatch.detect import Source, Upstream
+from kvpatch.gate import Action, decide
+from kvpatch.record import Expiry, Patch, RecordError
+
+EXPIRY = Expiry("test", review_by=dt.date(2030, 1, 1))
+FIXED = Patch(
+    id="fixed-bug",
+    summary="a bug fixed in 0.6.0",
+    distribution="mlx-vlm",
+    affected=">=0.5.0,<0.6.0",
+    fixed_in="0.6.0",
+    fixed_commit="2a55b80b",
+    introduced_commit="b0275383",
+    reference="Blaizzy/mlx-vlm#1208",
+    expiry=EXPIRY,
+)
+UNFIXED = Patch(
+    id="open-bug",
+    summary="a bug upstream has not fixed",
+    distribution="mlx-lm",
+    affected=">=0.28.0,<=0.32.2",
+    checked_through="0.32.2",
+    reference="not reported upstream",
+    expiry=EXPIRY,
+)
+LM_FIXED = Patch(
+    id="lm-fixed",
+    summary="fixed in 0.24.0",
+    distribution="mlx-lm",
+    affected=">=0.22.0,<0.24.0",
+    fixed_in="0.24.0",
+    fixed_commit="a9e1e82c",
+    reference="ml-explore/mlx-lm#121",
+    expiry=EXPIRY,
+)
+
+INDEX = Source()
+F96 = "f96138ee"  # before 2a55b80b, after b0275383
+FEA = "fea81522"  # after 2a55b80b
+INTRO_PARENT = None
+
+
+def vcs(commit: str) -> Source:
+    return Source(kind="vcs", url="https://github.com/Blaizzy/mlx-vlm", vcs="git", commit=commit)
+
+
+CASES = [
+    # (patch, version, source, expected action)
+    (FIXED, "0.5.0", INDEX, Action.APPLY),
+    (FIXED, "0.5.0.post1", INDEX, Action.APPLY),
+    (FIXED, "0.5.0+local.1", INDEX, Action.APPLY),
+    (FIXED, "0.6.0", INDEX, Action.NOT_NEEDED),
+    (FIXED, "0.7.10", INDEX, Action.NOT_NEEDED),
+    (FIXED, "0.6.0rc1", INDEX, Action.VERIFY),
+    (FIXED, "0.6.0.dev3", INDEX, Action.VERIFY),
+    (FIXED, "0.5.0rc1", INDEX, Action.OUT_OF_RANGE),
+    (FIXED, "0.4.4", INDEX, Action.OUT_OF_RANGE),
+    (FIXED, "0.5.0", vcs(F96), Action.APPLY),
+    (FIXED, "0.5.0", vcs(FEA), Action.NOT_NEEDED),
+    (FIXED, "0.6.0", vcs(F96), Action.APPLY),  # the commit wins over the declared version
+    (FIXED, "0.5.0", vcs("0123456789abcdef0123456789abcdef01234567"), Action.VERIFY),
+    (FIXED, "0.5.0", Source(kind="editable", url="file:///src/mlx-vlm"), Action.VERIFY),
+    (FIXED, "0.6.0", Source(kind="editable", url="file:///src/mlx-vlm"), Action.NOT_NEEDED),
+    (FIXED, "0.5.0", Source(kind="directory", url="file:///src/mlx-vlm"), Action.VERIFY),
+    (FIXED, "0.5.0", Source(kind="archive", url="file:///x.tar.gz"), Action.VERIFY),
+    (FIXED, "0.5.0", Source(kind="unknown", error="broken"), Action.VERIFY),
+    (FIXED, "not-a-version", INDEX, Action.VERIFY),
+    (UNFIXED, "0.28.0", INDEX, Action.APPLY),
+    (UNFIXED, "0.32.2", INDEX, Action.APPLY),
+    (UNFIXED, "0.32.2.dev0", INDEX, Action.APPLY),
+    (UNFIXED, "0.27.1", INDEX, Action.OUT_OF_RANGE),
+    (UNFIXED, "0.32.3", INDEX, Action.VERIFY),  # newer than checked: reproduction decides
+    (UNFIXED, "0.33.0rc1", INDEX, Action.VERIFY),
+    (LM_FIXED, "0.23.2", INDEX, Action.APPLY),
+    (LM_FIXED, "0.24.0", INDEX, Action.NOT_NEEDED),
+    (LM_FIXED, "0.24.0rc0", INDEX, Action.VERIFY),
+    (LM_FIXED, "0.21.5", INDEX, Action.OUT_OF_RANGE),
+]
+
+
+@pytest.mark.parametrize(("patch", "version", "source", "expected"), CASES, ids=[f"{c[0].id}-{c[1]}-{c[2].kind}" for c in CASES])
+def test_decide(patch, version, source, expected):
+    decision = decide(patch, Upstream(patch.distribution, version, source), Config())
+    assert decision.action is expected, decision.reason
+    assert decision.reason  # always a human reason
+
+
+def test_not_installed_and_switches():
+    assert decide(FIXED, Upstream("mlx-vlm", None), Config()).action is Action.NOT_INSTALLED
+    up = Upstream("mlx-vlm", "0.5.0")
+    assert decide(FIXED, up, Config(enabled=False)).action is Action.DISABLED
+    assert decide(FIXED, up, read_config({"KVPATCH_DISABLE": "fixed-bug"})).action is Action.DISABLED
+    assert decide(FIXED, up, read_config({"KVPATCH_DISABLE": "*"})).action is Action.DISABLED
+    assert decide(FIXED, up, read_config({"KVPATCH_DISABLE": "other"})).action is Action.APPLY
+
+
+def test_reasons_name_the_facts():
+    d = decide(FIXED, Upstream("mlx-vlm", "0.5.0", vcs(FEA)), Config())
+    assert "fea81522" in d.reason
+    d = decide(UNFIXED, Upstream("mlx-lm", "0.33.0"), Config())
+    assert "0.32.2" in d.reason and "reproduction decides" in d.reason
+
+
+def test_broken_placer_is_verify_not_crash():
+    def broken(*args):
+        raise RuntimeError("index corrupt")
+
+    d = decide(FIXED, Upstream("mlx-vlm", "0.5.0", vcs(F96)), Config(), placer=broken)
+    assert d.action is Action.VERIFY and "index corrupt" in d.reason
+
+
+def test_known_pins_against_real_index():
+    assert place("mlx-vlm", F96, fixed_commit="2a55b80b").fixed is False
+    assert place("mlx-vlm", FEA, fixed_commit="2a55b80b").fixed is True
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"id": "Bad Id"},
+        {"id": "a,b"},
+        {"distribution": "numpy"},
+        {"affected": "not a range"},
+        {"fixed_in": "0.5.5"},  # inside the affected range
+        {"fixed_in": "x.y"},
+    ],
+)
+def test_bad_records_are_rejected(kwargs):
+    base = dict(
+        id="ok",
+        summary="s",
+        distribution="mlx-vlm",
+        affected=">=0.5.0,<0.6.0",
+        reference="r",
+        expiry=EXPIRY,
+    )
+    base.update(kwargs)
+    with pytest.raises(RecordError):
+        Patch(**base)
+
+
+def test_target_outside_upstream_is_rejected():
+    p = Patch(id="t", summary="s", distribution="mlx-lm", affected=">=0.1", reference="r", expiry=EXPIRY)
+    with pytest.raises(RecordError):
+        p.replace("os.path", "join")

@@ -1,0 +1,168 @@
+"""Engine lifecycle against the real installed upstream, each in a fresh interpreter.
+
+Patch before import and after import give the same result; activating twice patches once;
+deactivating leaves every upstream module and class exactly as it was (no shadow attribute on a
+subclass, name-imported aliases restored); a patch that raises or whose target is missing never breaks
+the user's import and is reported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+# Code run first in every child: take away the installed .pth bootstrap so the test decides when
+# kvpatch activates, and list the upstream modules the registry targets.
+PRELUDE = """
+import importlib, importlib.util, json, sys, warnings
+sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
+TOP = ("mlx_lm", "mlx_vlm")
+
+def target_modules():
+    # computed by the parent: importing kvpatch here would activate it before the test wants it
+    return [m for m in MODULES if importlib.util.find_spec(m.split(".")[0]) is not None]
+
+def import_all(mods):
+    done = []
+    for m in mods:
+        try:
+            importlib.import_module(m)
+            done.append(m)
+        except Exception:
+            pass
+    return done
+
+def snapshot():
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or name.split(".")[0] not in TOP:
+            continue
+        d = dict(vars(mod))
+        out[name] = {k: id(v) for k, v in d.items()}
+        for k, v in d.items():
+            if isinstance(v, type) and v.__module__.split(".")[0] in TOP:
+                out[name + ":" + k] = {a: id(b) for a, b in vars(v).items()}
+    return out
+
+def diff(before, after):
+    bad = []
+    for key, attrs in before.items():
+        now = after.get(key, {})
+        for a, ident in attrs.items():
+            if now.get(a) != ident:
+                bad.append(f"{key}.{a} changed")
+        for a in set(now) - set(attrs):
+            bad.append(f"{key}.{a} added")
+    return bad
+"""
+
+
+def _prelude() -> str:
+    from kvpatch import registry
+
+    modules = sorted({m for p in registry.load().patches for m in p.modules})
+    return f"MODULES = {modules!r}\n" + PRELUDE
+
+
+def _upstream_present() -> bool:
+    return importlib.util.find_spec("mlx_lm") is not None or importlib.util.find_spec("mlx_vlm") is not None
+
+
+pytestmark = pytest.mark.skipif(not _upstream_present(), reason="no mlx-lm or mlx-vlm installed")
+
+
+def _json_tail(out: str):
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_before_and_after_import_agree_and_restore_is_exact(run_py):
+    after_import = _json_tail(
+        run_py(
+            _prelude()
+            + """
+mods = import_all(target_modules())
+before = snapshot()
+import kvpatch
+eng = kvpatch.get_engine()
+n = len(eng.changes())
+kvpatch.activate(); kvpatch.activate()
+twice = len(eng.changes())
+applied = sorted(pid for pid, st in eng.status.items() if st.state.value == "applied")
+failed = {pid: st.reason for pid, st in eng.status.items() if st.state.value == "failed"}
+kvpatch.deactivate()
+print(json.dumps({"applied": applied, "n": n, "twice": twice, "failed": failed,
+                  "diff": diff(before, snapshot()), "changes_left": len(eng.changes())}))
+"""
+        )
+    )
+    before_import = _json_tail(
+        run_py(
+            _prelude()
+            + """
+import kvpatch
+import_all(target_modules())
+eng = kvpatch.get_engine()
+print(json.dumps({"applied": sorted(pid for pid, st in eng.status.items() if st.state.value == "applied")}))
+"""
+        )
+    )
+    assert after_import["failed"] == {}
+    assert after_import["applied"] == before_import["applied"]
+    assert after_import["n"] == after_import["twice"], "activating twice must not patch twice"
+    assert after_import["diff"] == [], "deactivate must restore upstream exactly"
+    assert after_import["changes_left"] == 0
+    if not after_import["applied"]:
+        pytest.skip("no patch applies to this upstream release (restore checked trivially)")
+
+
+def test_failures_never_break_the_import(run_py):
+    out = _json_tail(
+        run_py(
+            _prelude()
+            + """
+from kvpatch.config import Config
+from kvpatch.engine import Engine, KvpatchWarning
+from kvpatch.record import Expiry, Finding, Patch
+dist, mod = ("mlx-lm", "mlx_lm.models.cache") if importlib.util.find_spec("mlx_lm") else ("mlx-vlm", "mlx_vlm.models.cache")
+
+def make(pid):
+    p = Patch(id=pid, summary="injected", distribution=dist, affected=">=0", reference="test", expiry=Expiry("test"))
+    p.reproduce(lambda: Finding(False))
+    return p
+
+raising = make("inject-raise")
+raising.replace(mod, "KVCache.update_and_fetch")(lambda original: (_ for _ in ()).throw(RuntimeError("boom")))
+missing = make("inject-missing")
+missing.replace(mod, "NoSuchCache.update_and_fetch")(lambda original: original)
+eng = Engine([raising, missing], config=Config())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    eng.activate()
+    m = importlib.import_module(mod)      # the user's import
+    eng.deactivate(); eng.activate()      # hooks run again: no second warning
+original_intact = m.KVCache.update_and_fetch.__qualname__ == "KVCache.update_and_fetch"
+print(json.dumps({
+    "states": {k: [v.state.value, v.error] for k, v in eng.status.items()},
+    "warnings": sum(issubclass(w.category, KvpatchWarning) for w in caught),
+    "intact": original_intact,
+}))
+"""
+        )
+    )
+    assert out["states"]["inject-raise"][0] == "failed" and "boom" in out["states"]["inject-raise"][1]
+    assert out["states"]["inject-missing"][0] == "failed" and "not found" in out["states"]["inject-missing"][1]
+    assert out["warnings"] == 2, "each failure is warned about exactly once"
+    assert out["intact"]
+
+
+def test_status_cli_and_verify(run_py):
+    out = run_py("import runpy, sys; sys.argv=['kvpatch','status','--json','--verify']; runpy.run_module('kvpatch', run_name='__main__')", check=False)
+    start = out.index("{")
+    data = json.JSONDecoder().raw_decode(out[start:])[0]
+    assert data["schema"] == "kvpatch.status/1"
+    bad = [(p["id"], p["verify"]["outcome"]) for p in data["patches"] if p["verify"] and p["verify"]["outcome"] not in (
+        "bug present, fixed by patch", "bug absent upstream") and not p["verify"]["outcome"].startswith("skipped")]
+    assert bad == [], bad
+    assert data["check"]["exit"] in (0, 1), data["check"]
