@@ -36,21 +36,28 @@ def cmd_status(args: argparse.Namespace) -> int:
     return report.exit_code if (args.check or args.verify) else 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(argv: Sequence[str]) -> int:
+    """``run -m MODULE [ARGS...]`` or ``run SCRIPT [ARGS...]``: everything after is the program's."""
     import kvpatch
 
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m kvpatch run -m MODULE [ARGS...] | run SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
     kvpatch.activate()
-    if args.module:
-        sys.argv = [args.module, *args.args]
-        runpy.run_module(args.module, run_name="__main__", alter_sys=True)
-    else:
-        if not args.args:
-            print("kvpatch run: give -m MODULE or a script path", file=sys.stderr)
+    if argv[0] == "-m" or (argv[0].startswith("-m") and len(argv[0]) > 2):
+        module = argv[0][2:] or (argv[1] if len(argv) > 1 else "")
+        rest = argv[2:] if argv[0] == "-m" else argv[1:]
+        if not module:
+            print("kvpatch run: -m needs a module name", file=sys.stderr)
             return 2
-        script, *rest = args.args
-        sys.argv = [script, *rest]
-        sys.path.insert(0, str(Path(script).resolve().parent))
-        runpy.run_path(script, run_name="__main__")
+        sys.argv = [module, *rest]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return 0
+    script, *rest = argv
+    sys.argv = [script, *rest]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")
     return 0
 
 
@@ -82,19 +89,20 @@ def cmd_fingerprints(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kvpatch", description="Audited fixes for mlx-lm / mlx-vlm KV-cache bugs.")
+    parser = argparse.ArgumentParser(
+        prog="python -m kvpatch", description="Audited fixes for mlx-lm / mlx-vlm KV-cache bugs."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("status", help="show what is applied and why")
     p.add_argument("--json", action="store_true", help="machine-readable output (schema kvpatch.status/1)")
     p.add_argument("--check", action="store_true", help="exit 0 clean, 1 action needed, 2 a patch failed")
-    p.add_argument("--verify", action="store_true", help="run each relevant reproduction with and without its patch (imports mlx)")
+    p.add_argument(
+        "--verify", action="store_true", help="run each relevant reproduction with and without its patch (imports mlx)"
+    )
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("run", help="run a module or script with kvpatch active")
-    p.add_argument("-m", dest="module", help="module to run as __main__")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_run)
+    sub.add_parser("run", help="run -m MODULE [ARGS...] or SCRIPT [ARGS...] with kvpatch active")
 
     p = sub.add_parser("compat", help="render COMPAT.md from the registry")
     group = p.add_mutually_exclusive_group()
@@ -109,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "run":
+        return cmd_run(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

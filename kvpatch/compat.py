@@ -25,12 +25,34 @@ KNOWN_PINS: dict[str, tuple[tuple[str, str], ...]] = {
 #: The releases the test matrix runs (tests/matrix.py; a test keeps the two in step).
 TESTED: dict[str, tuple[str, ...]] = {
     "mlx-lm": (
-        "0.22.0", "0.23.2", "0.24.0", "0.28.0", "0.28.1", "0.28.4", "0.30.2",
-        "0.30.4", "0.30.7", "0.31.1", "0.31.2", "0.31.3", "0.32.0", "0.32.2",
+        "0.22.0",
+        "0.23.2",
+        "0.24.0",
+        "0.28.0",
+        "0.28.1",
+        "0.28.4",
+        "0.30.2",
+        "0.30.4",
+        "0.30.7",
+        "0.31.1",
+        "0.31.2",
+        "0.31.3",
+        "0.32.0",
+        "0.32.2",
     ),
     "mlx-vlm": (
-        "0.5.0", "0.6.0", "0.6.3", "0.6.4", "0.6.5", "0.6.13", "0.6.14",
-        "0.6.15", "0.6.16", "0.7.6", "0.7.8", "0.7.10",
+        "0.5.0",
+        "0.6.0",
+        "0.6.3",
+        "0.6.4",
+        "0.6.5",
+        "0.6.13",
+        "0.6.14",
+        "0.6.15",
+        "0.6.16",
+        "0.7.6",
+        "0.7.8",
+        "0.7.10",
     ),
 }
 
@@ -97,7 +119,10 @@ def render() -> str:
             out.append(f"| `{p.id}` | " + " | ".join(cells) + " |")
     out += ["", "## Targets", ""]
     for p in patches:
-        targets = ", ".join(f"`{t.path}`" + (" (added)" if t.kind is Kind.ADD else "") + (" (if present)" if t.optional else "") for t in p.targets)
+        targets = ", ".join(
+            f"`{t.path}`" + (" (added)" if t.kind is Kind.ADD else "") + (" (if present)" if t.optional else "")
+            for t in p.targets
+        )
         out.append(f"- `{p.id}`: {targets}. {p.summary}")
     for dist, pins in KNOWN_PINS.items():
         mine = [p for p in patches if p.distribution == dist]

@@ -64,6 +64,8 @@ def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[s
         if enforce_raw in ON_VALUES:
             enforce = True
         else:
-            problems.append(f"KVPATCH_ENFORCE={env.get('KVPATCH_ENFORCE')!r} is not understood (use 1 or 0); not enforcing")
+            problems.append(
+                f"KVPATCH_ENFORCE={env.get('KVPATCH_ENFORCE')!r} is not understood (use 1 or 0); not enforcing"
+            )
 
     return Config(enabled, frozenset(disabled), disable_all, enforce, tuple(problems))

@@ -256,7 +256,9 @@ class Engine:
             if original is _MISSING:
                 continue
             fp = fingerprint(original)
-            note = f"{target.path} has source fingerprint {fp}, not one validated ({', '.join(sorted(patch.validated))})"
+            note = (
+                f"{target.path} has source fingerprint {fp}, not one validated ({', '.join(sorted(patch.validated))})"
+            )
             if fp not in patch.validated and note not in st.drift:
                 st.drift.append(note)
 
@@ -289,7 +291,10 @@ class Engine:
         st.verified = "bug present, fixed by patch"
         st.reason = f"{why}; reproduction: {st.verified}"
         if st.drift:
-            self.warn(f"kvpatch: {patch.id} applied to drifted code after its reproduction confirmed it: {why}", key=f"drift:{patch.id}")
+            self.warn(
+                f"kvpatch: {patch.id} applied to drifted code after its reproduction confirmed it: {why}",
+                key=f"drift:{patch.id}",
+            )
 
     def _install_available(self, st: PatchStatus) -> None:
         patch = st.patch
@@ -378,11 +383,7 @@ class Engine:
             return
         keys = {(id(c.owner), c.name) for c in mine}
         first = min(self._changes.index(c) for c in mine)
-        above = [
-            c
-            for c in self._changes[first:]
-            if c.patch_id != st.patch.id and (id(c.owner), c.name) in keys
-        ]
+        above = [c for c in self._changes[first:] if c.patch_id != st.patch.id and (id(c.owner), c.name) in keys]
         for change in reversed(self._changes[first:]):
             if change in mine or change in above:
                 _restore(change)

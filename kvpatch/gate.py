@@ -84,15 +84,21 @@ def decide(patch: Patch, upstream: Upstream, config: Config, placer: Placer | No
         try:
             placement = (placer or _default_placer)(dist, source.commit, patch.fixed_commit, patch.introduced_commit)
         except Exception as exc:  # a broken index must not stop the user's program
-            return Decision(Action.VERIFY, f"{dist} commit {short}: commit index unusable ({exc}); the reproduction decides")
+            return Decision(
+                Action.VERIFY, f"{dist} commit {short}: commit index unusable ({exc}); the reproduction decides"
+            )
         if not placement.known:
             return Decision(Action.VERIFY, placement.reason)
         if placement.fixed:
             return Decision(Action.NOT_NEEDED, f"pinned {dist} commit {short} contains the fix: {placement.reason}")
         if placement.introduced is False:
             return Decision(Action.OUT_OF_RANGE, f"pinned {dist} commit {short} predates the bug: {placement.reason}")
-        if (patch.fixed_commit and placement.fixed is None) or (patch.introduced_commit and placement.introduced is None):
-            return Decision(Action.VERIFY, f"{dist} commit {short} cannot be ordered against the fix: {placement.reason}")
+        if (patch.fixed_commit and placement.fixed is None) or (
+            patch.introduced_commit and placement.introduced is None
+        ):
+            return Decision(
+                Action.VERIFY, f"{dist} commit {short} cannot be ordered against the fix: {placement.reason}"
+            )
         if patch.fixed_commit or patch.introduced_commit:
             return Decision(Action.APPLY, f"pinned {dist} commit {short} has the bug: {placement.reason}")
         # Nothing to place against: fall back to the version the checkout declares.

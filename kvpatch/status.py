@@ -200,25 +200,27 @@ def _state_text(entry: dict[str, Any]) -> str:
 
 def format_text(report: Report) -> str:
     d = report.data
-    lines = [f"kvpatch {d['kvpatch']} on Python {d['python']} ({d['platform']})" + ("" if d["enabled"] else ": OFF (KVPATCH=off)")]
+    lines = [
+        f"kvpatch {d['kvpatch']} on Python {d['python']} ({d['platform']})"
+        + ("" if d["enabled"] else ": OFF (KVPATCH=off)")
+    ]
     for name, up in d["upstream"].items():
         src = up["source"]
         where = "not installed" if up["version"] is None else up["version"]
         if up["version"] is not None and src["kind"] != "index":
-            where += f" ({src['kind']} {src['url'] or ''}{'@' + src['commit'][:12] if src['commit'] else ''})".replace(" )", ")")
+            where += f" ({src['kind']} {src['url'] or ''}{'@' + src['commit'][:12] if src['commit'] else ''})".replace(
+                " )", ")"
+            )
             if src["error"]:
                 where += f" [{src['error']}]"
         lines.append(f"  {name:<8} {where}")
     lines.append("")
     header = ("patch", "state", "affected", "fixed in", "reference")
-    rows = [
-        (e["id"], _state_text(e), e["affected"], _fixed_text(e), e["reference"])
-        for e in d["patches"]
-    ]
+    rows = [(e["id"], _state_text(e), e["affected"], _fixed_text(e), e["reference"]) for e in d["patches"]]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines.append(fmt.format(*header).rstrip())
-    for e, row in zip(d["patches"], rows):
+    for e, row in zip(d["patches"], rows, strict=True):
         lines.append(fmt.format(*row).rstrip())
         lines.append(f"    target: {', '.join(e['targets'])}")
         lines.append(f"    why:    {e['reason']}")

@@ -9,5 +9,4 @@ VENV=${KVPATCH_VENV:-.venv}
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps .
 "$VENV/bin/python" -m pip install -q ".[test]"
-"$VENV/bin/ruff" check kvpatch patches tests scripts
 exec "$VENV/bin/pytest" "$@"

@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPATCH") or k in ("KVPATCH_CACHE", "KVPATCH_BUCKET")}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("KVPATCH") or k in ("KVPATCH_CACHE", "KVPATCH_BUCKET")
+    }
     env.update(extra or {})
     return env
 

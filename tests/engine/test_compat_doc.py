@@ -18,5 +18,7 @@ def test_tested_releases_match_the_matrix():
     from kvpatch.compat import TESTED
 
     for dist, releases in TESTED.items():
-        in_matrix = {b.name.split("-", 1)[1] for b in BUCKETS if b.name.startswith("lm-" if dist == "mlx-lm" else "vlm-")}
+        in_matrix = {
+            b.name.split("-", 1)[1] for b in BUCKETS if b.name.startswith("lm-" if dist == "mlx-lm" else "vlm-")
+        }
         assert set(releases) == in_matrix, dist

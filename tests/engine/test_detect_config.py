@@ -12,7 +12,11 @@ from kvpatch.detect import detect_one, read_source
 
 SOURCES = [
     (None, "index", None),
-    ('{"url": "https://github.com/Blaizzy/mlx-vlm", "vcs_info": {"vcs": "git", "commit_id": "F96138EE0000000000000000000000000000dead"}}', "vcs", "f96138ee0000000000000000000000000000dead"),
+    (
+        '{"url": "https://github.com/Blaizzy/mlx-vlm", "vcs_info": {"vcs": "git", "commit_id": "F96138EE0000000000000000000000000000dead"}}',
+        "vcs",
+        "f96138ee0000000000000000000000000000dead",
+    ),
     ('{"url": "https://github.com/x/y", "vcs_info": {"vcs": "git", "requested_revision": "main"}}', "vcs", None),
     ('{"url": "file:///src/mlx-lm", "dir_info": {"editable": true}}', "editable", None),
     ('{"url": "file:///src/mlx-lm", "dir_info": {}}', "directory", None),
@@ -43,7 +47,9 @@ def _fake_dist(tmp_path, name, version, direct_url=None):
 
 
 def test_detect_one_reads_dist_info(tmp_path, monkeypatch):
-    url = json.dumps({"url": "https://github.com/Blaizzy/mlx-vlm", "vcs_info": {"vcs": "git", "commit_id": "6f60ee44" + "0" * 32}})
+    url = json.dumps(
+        {"url": "https://github.com/Blaizzy/mlx-vlm", "vcs_info": {"vcs": "git", "commit_id": "6f60ee44" + "0" * 32}}
+    )
     monkeypatch.syspath_prepend(str(_fake_dist(tmp_path, "kvpatch-probe-dist", "0.5.0", url)))
     up = detect_one("kvpatch-probe-dist")
     assert up.version == "0.5.0" and up.source.kind == "vcs" and up.commit.startswith("6f60ee44")

@@ -88,7 +88,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("patch", "version", "source", "expected"), CASES, ids=[f"{c[0].id}-{c[1]}-{c[2].kind}" for c in CASES])
+@pytest.mark.parametrize(
+    ("patch", "version", "source", "expected"), CASES, ids=[f"{c[0].id}-{c[1]}-{c[2].kind}" for c in CASES]
+)
 def test_decide(patch, version, source, expected):
     decision = decide(patch, Upstream(patch.distribution, version, source), Config())
     assert decision.action is expected, decision.reason

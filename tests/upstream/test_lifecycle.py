@@ -158,11 +158,19 @@ print(json.dumps({
 
 
 def test_status_cli_and_verify(run_py):
-    out = run_py("import runpy, sys; sys.argv=['kvpatch','status','--json','--verify']; runpy.run_module('kvpatch', run_name='__main__')", check=False)
+    out = run_py(
+        "import runpy, sys; sys.argv=['kvpatch','status','--json','--verify']; runpy.run_module('kvpatch', run_name='__main__')",
+        check=False,
+    )
     start = out.index("{")
     data = json.JSONDecoder().raw_decode(out[start:])[0]
     assert data["schema"] == "kvpatch.status/1"
-    bad = [(p["id"], p["verify"]["outcome"]) for p in data["patches"] if p["verify"] and p["verify"]["outcome"] not in (
-        "bug present, fixed by patch", "bug absent upstream") and not p["verify"]["outcome"].startswith("skipped")]
+    bad = [
+        (p["id"], p["verify"]["outcome"])
+        for p in data["patches"]
+        if p["verify"]
+        and p["verify"]["outcome"] not in ("bug present, fixed by patch", "bug absent upstream")
+        and not p["verify"]["outcome"].startswith("skipped")
+    ]
     assert bad == [], bad
     assert data["check"]["exit"] in (0, 1), data["check"]

@@ -28,7 +28,9 @@ def test_regression(patch):
     if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
         pytest.skip(decision.reason)
     if patch.metal_only and not METAL:
-        pytest.skip(f"{patch.id} is a Metal-only bug: it cannot be reproduced on this backend; gated by version and commit only")
+        pytest.skip(
+            f"{patch.id} is a Metal-only bug: it cannot be reproduced on this backend; gated by version and commit only"
+        )
     import_targets(patch)
     st = engine.status[patch.id]
     if decision.action is Action.NOT_NEEDED:
