@@ -232,7 +232,7 @@ class Engine:
             if not st.verified:
                 self._check_drift(st)
                 if st.needs_verify:
-                    if st.patch.import_name not in self._ready:
+                    if not self._package_ready(st.patch.import_name):
                         return  # wait until the package is fully imported: reproductions import freely
                     if st.installed:
                         self._uninstall(st)  # a newly arrived target drifted: judge the whole patch
@@ -241,6 +241,17 @@ class Engine:
             self._install_available(st)
         except Exception as exc:
             self._fail(st, exc)
+
+    def _package_ready(self, name: str) -> bool:
+        """True once the upstream package has finished importing (reproductions may import freely)."""
+        if name in self._ready:
+            return True
+        module = sys.modules.get(name)
+        spec = getattr(module, "__spec__", None)
+        if module is not None and not getattr(spec, "_initializing", False):
+            self._ready.add(name)
+            return True
+        return False
 
     def _check_drift(self, st: PatchStatus) -> None:
         patch = st.patch

@@ -37,6 +37,16 @@ class KvpatchBootstrapFinder:
                 pass
         finally:
             cls._busy = False
+        # We are inside the import system's loop over sys.meta_path for this very package, and
+        # kvpatch has just put wrapt's post-import finder at the front of it, where that loop will
+        # not look again: ask the finders now in place, so the package's own hook fires too.
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if find is None or finder is cls:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                return spec
         return None
 
     @classmethod

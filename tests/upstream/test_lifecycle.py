@@ -174,3 +174,23 @@ def test_status_cli_and_verify(run_py):
     ]
     assert bad == [], bad
     assert data["check"]["exit"] in (0, 1), data["check"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("_kvpatch_boot") is None, reason="kvpatch is not installed (no .pth)")
+def test_bootstrap_sees_the_top_level_package_finish(run_py):
+    """Through the .pth bootstrap, the package-level hook fires too (it gates reproduction-decided patches)."""
+    pkg = "mlx_lm" if importlib.util.find_spec("mlx_lm") else "mlx_vlm"
+    out = _json_tail(
+        run_py(
+            f"import json, sys, {pkg}\n"
+            "boot = 'kvpatch' in sys.modules\n"
+            "import kvpatch\n"
+            "e = kvpatch.get_engine()\n"
+            f"hooked = {pkg!r} in e._hooked\n"
+            f"print(json.dumps({{'hooked': hooked, 'ready': {pkg!r} in e._ready, 'boot': boot}}))"
+        )
+    )
+    assert out["boot"]
+    if not out["hooked"]:
+        pytest.skip(f"no patch is pending for {pkg} here")
+    assert out["ready"]
