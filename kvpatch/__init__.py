@@ -15,6 +15,7 @@ import logging
 import threading
 import warnings
 
+from .assertions import NotApplied, require_applied
 from .engine import Engine, KvpatchWarning, PatchStatus, State, fingerprint
 from .record import Expiry, Finding, Kind, Patch, Target
 
@@ -24,6 +25,7 @@ __all__ = [
     "Finding",
     "Kind",
     "KvpatchWarning",
+    "NotApplied",
     "Patch",
     "PatchStatus",
     "State",
@@ -34,6 +36,7 @@ __all__ = [
     "fingerprint",
     "get_engine",
     "records",
+    "require_applied",
 ]
 
 __version__ = "0.1.0"

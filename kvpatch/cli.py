@@ -4,6 +4,7 @@ status [--json] [--check] [--verify]   audit what is applied and why
 run -m MODULE [ARGS...] | run SCRIPT [ARGS...]   run a program with kvpatch active
 compat [--write | --check]              print, write or check COMPAT.md from the registry
 fingerprints                            source fingerprints of every target in the installed upstream
+upstream-check [--mlx-lm V|PATH] [--mlx-vlm V|PATH] [--json]   reproductions (kvpatch off) on the newest upstream
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("fingerprints", help="print source fingerprints of every target (imports upstream)")
     p.set_defaults(func=cmd_fingerprints)
+
+    from .upstream_check import add_parser as add_upstream_check
+
+    add_upstream_check(sub)
     return parser
 
 

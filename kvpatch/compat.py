@@ -10,6 +10,7 @@ from .detect import Source, Upstream
 from .gate import Action, decide
 from .record import Kind, Patch
 from .registry import load
+from .retired import render_retired
 
 __all__ = ["KNOWN_PINS", "render", "target_fingerprints"]
 
@@ -133,6 +134,7 @@ def render() -> str:
         for p in mine:
             cells = [_pin_decision(p, commit, version) for commit, version in pins]
             out.append(f"| `{p.id}` | " + " | ".join(cells) + " |")
+    out += ["", *render_retired().rstrip("\n").split("\n")]
     if reg.broken:
         out += ["", "## Broken units", ""] + [f"- {m}: {e}" for m, e in sorted(reg.broken.items())]
     return "\n".join(out) + "\n"

@@ -477,9 +477,11 @@ def _restore(change: _Change) -> None:
             delattr(change.owner, change.name)
         except AttributeError:  # pragma: no cover - someone else removed it
             pass
-    for module, name in change.aliases:
-        if vars(module).get(name) is change.replacement:
-            setattr(module, name, getattr(change.raw_original, "__func__", change.raw_original))
+    if isinstance(change.owner, types.ModuleType) and change.raw_original is not _MISSING:
+        # Modules that imported the replacement by name (before or after the patch) get the original back.
+        _rebind_aliases(
+            change.replacement, getattr(change.raw_original, "__func__", change.raw_original), skip=change.owner
+        )
 
 
 def _rebind_aliases(original: Any, replacement: Any, *, skip: types.ModuleType) -> list[tuple[types.ModuleType, str]]:

@@ -93,6 +93,12 @@ def decide(patch: Patch, upstream: Upstream, config: Config, placer: Placer | No
             return Decision(Action.NOT_NEEDED, f"pinned {dist} commit {short} contains the fix: {placement.reason}")
         if placement.introduced is False:
             return Decision(Action.OUT_OF_RANGE, f"pinned {dist} commit {short} predates the bug: {placement.reason}")
+        if patch.fixed_in and not patch.fixed_commit:
+            return Decision(
+                Action.VERIFY,
+                f"{dist} commit {short}: upstream's fix ({patch.fixed_in}) has no public commit to place it against; "
+                "the reproduction decides",
+            )
         if (patch.fixed_commit and placement.fixed is None) or (
             patch.introduced_commit and placement.introduced is None
         ):
@@ -113,6 +119,12 @@ def decide(patch: Patch, upstream: Upstream, config: Config, placer: Placer | No
     public = Version(version.public)
     fixed = Version(patch.fixed_in) if patch.fixed_in else None
 
+    if fixed is not None and where and public.release == fixed.release:
+        # A source tree declares the coming release before the fix has necessarily landed in it.
+        return Decision(
+            Action.VERIFY, f"{dist} {version} is the fixing release {patch.fixed_in} as a {source.kind} install; "
+            "the reproduction decides"
+        )
     if fixed is not None and public >= fixed:
         return Decision(Action.NOT_NEEDED, f"{dist} {version} >= {patch.fixed_in}, which fixed it{where}")
     if fixed is not None and public.release == fixed.release and (public.is_prerelease or public.is_devrelease):

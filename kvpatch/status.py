@@ -39,6 +39,7 @@ from typing import Any
 
 from . import __version__
 from .engine import Engine, PatchStatus, State, run_reproduction
+from .expiry import expiry_reasons
 from .record import Finding
 
 __all__ = ["Report", "build_report", "format_text"]
@@ -158,11 +159,10 @@ def build_report(engine: Engine, *, verify: bool = False) -> Report:
             reasons_1.append(f"{p.id}: drifted: {st.reason}")
         elif st.drift and st.state is State.APPLIED:
             reasons_1.append(f"{p.id}: applied to drifted code (reproduction confirmed); validate and record it")
-        if p.expiry.overdue() and st.state is not State.OUT_OF_RANGE:
-            reasons_1.append(f"{p.id}: review-by date {p.expiry.review_by} has passed: {p.expiry.condition}")
         patches.append(entry)
     for module, error in engine.broken.items():
         reasons_2.append(f"{module}: could not be loaded: {error}")
+    reasons_1.extend(expiry_reasons(engine.patches))
     reasons_1.extend(engine.config.problems)
     exit_code = 2 if reasons_2 else 1 if reasons_1 else 0
     data: dict[str, Any] = {

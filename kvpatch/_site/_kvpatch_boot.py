@@ -4,6 +4,8 @@ It must cost nothing measurable: it imports only ``os`` and ``sys`` (both alread
 and puts one tiny finder at the front of ``sys.meta_path``. The finder never finds anything; the
 first time something imports ``mlx_lm`` or ``mlx_vlm`` it removes itself and imports kvpatch, which
 registers the real post-import hooks before the upstream package executes.
+
+PYTEST_DONT_REWRITE
 """
 
 import os

@@ -54,7 +54,20 @@ def vcs(commit: str) -> Source:
     return Source(kind="vcs", url="https://github.com/Blaizzy/mlx-vlm", vcs="git", commit=commit)
 
 
+NO_COMMIT = Patch(
+    id="no-public-commit",
+    summary="fixed in a release whose fix is not on the public main line",
+    distribution="mlx-lm",
+    affected=">=0.28.0,<0.32.0",
+    fixed_in="0.32.0",
+    reference="r",
+    expiry=EXPIRY,
+)
+LM_PIN = Source(kind="vcs", url="https://github.com/ml-explore/mlx-lm", vcs="git", commit="a9e1e82c")
+
 CASES = [
+    (NO_COMMIT, "0.32.0", LM_PIN, Action.VERIFY),
+    (NO_COMMIT, "0.31.0", INDEX, Action.APPLY),
     # (patch, version, source, expected action)
     (FIXED, "0.5.0", INDEX, Action.APPLY),
     (FIXED, "0.5.0.post1", INDEX, Action.APPLY),
@@ -70,7 +83,8 @@ CASES = [
     (FIXED, "0.6.0", vcs(F96), Action.APPLY),  # the commit wins over the declared version
     (FIXED, "0.5.0", vcs("0123456789abcdef0123456789abcdef01234567"), Action.VERIFY),
     (FIXED, "0.5.0", Source(kind="editable", url="file:///src/mlx-vlm"), Action.VERIFY),
-    (FIXED, "0.6.0", Source(kind="editable", url="file:///src/mlx-vlm"), Action.NOT_NEEDED),
+    (FIXED, "0.6.0", Source(kind="editable", url="file:///src/mlx-vlm"), Action.VERIFY),
+    (FIXED, "0.6.1", Source(kind="editable", url="file:///src/mlx-vlm"), Action.NOT_NEEDED),
     (FIXED, "0.5.0", Source(kind="directory", url="file:///src/mlx-vlm"), Action.VERIFY),
     (FIXED, "0.5.0", Source(kind="archive", url="file:///x.tar.gz"), Action.VERIFY),
     (FIXED, "0.5.0", Source(kind="unknown", error="broken"), Action.VERIFY),

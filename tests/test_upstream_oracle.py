@@ -1,0 +1,40 @@
+"""Upstream's own model and cache tests give identical outcomes with kvpatch off and active.
+
+Runs ``scripts/upstream_tests_oracle.py`` for the oldest and the newest mlx-lm of the matrix (about two
+minutes with warm caches; the first run also downloads two sdists). Marked ``slow``: deselect with
+``-m "not slow"``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, child_env
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = REPO / "scripts" / "upstream_tests_oracle.py"
+sys.path.insert(0, str(REPO / "scripts"))
+from upstream_tests_oracle import DEFAULT_RELEASES  # noqa: E402
+
+
+@pytest.mark.parametrize("release", DEFAULT_RELEASES)
+def test_upstream_tests_unchanged_by_kvpatch(release):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--json", "--release", release],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode in (0, 1), f"oracle could not run (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    [result] = json.loads(proc.stdout)
+    print(json.dumps({k: result[k] for k in ("off", "active", "applied", "network", "seconds")}, indent=1))
+    assert result["identical"], "kvpatch changed upstream test outcomes:\n" + "\n".join(
+        f"{d['test']}: off {d['off']} -> active {d['active']}" for d in result["differences"]
+    )
+    assert result["applied"], "no patch was applied in the active run: the oracle compared nothing"
+    assert result["off"].get("passed", 0) > 20, result["off"]
