@@ -32,6 +32,7 @@ __all__ = [
     "Patch",
     "RecordError",
     "Target",
+    "upstream_missing",
 ]
 
 #: The upstream distributions kvpatch patches, and their import names.
@@ -100,6 +101,16 @@ class Expiry:
         if self.review_by is None:
             return False
         return (today or _dt.date.today()) > self.review_by
+
+
+def upstream_missing(exc: ImportError) -> bool:
+    """True when ``exc`` says an mlx-lm / mlx-vlm module or name is absent from this release.
+
+    Reproductions use it to tell "this release has no such class: nothing to fix" from a missing
+    third-party dependency, which must not pass for an absent bug.
+    """
+    name = getattr(exc, "name", None) or ""
+    return name.split(".")[0] in DISTRIBUTIONS.values()
 
 
 Builder = Callable[[Any], Any]

@@ -1,0 +1,117 @@
+"""batch-merge-empty (D1) beyond its reproduction: a tiny random-weight llama decodes a batch merged from a
+prefilled and an empty single-sequence cache (both row orders, KVCache and RotatingKVCache rows, bf16)
+with the logits of each row decoded alone; an all-empty merge gives an empty batch cache that prefills
+like a fresh one (except on 0.30.4-0.31.1, where upstream still raises for it and this patch is out of
+range: reported, not patched).
+"""
+
+from __future__ import annotations
+
+import pytest
+from kvpatch.patches.batch_merge_empty import PATCH
+
+from kvpatch.gate import Action
+from kvpatch.testing import import_targets, natural_decision
+
+PREFIX = [7, 3, 22, 41, 8]
+NEXT = [[11, 12], [30, 31], [40, 41]]  # one decode step per entry: (filled row, empty row)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_range():
+    decision = natural_decision(PATCH)
+    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
+        pytest.skip(f"{PATCH.id}: {decision.reason}")
+    import_targets(PATCH)
+
+
+@pytest.fixture(scope="module")
+def model():
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=64,
+        rope_theta=10000.0,
+    )
+    m = llama.Model(args)
+    m.set_dtype(mx.bfloat16)
+    mx.eval(m.parameters())
+    return m
+
+
+def _row_cache(kind: str):
+    from mlx_lm.models import cache as C
+
+    return C.KVCache() if kind == "kv" else C.RotatingKVCache(max_size=16)
+
+
+def _batch_class(kind: str):
+    from mlx_lm.models import cache as C
+
+    return C.BatchKVCache if kind == "kv" else C.BatchRotatingKVCache
+
+
+def _alone(model, kind, prefix, steps):
+    """Logits of one sequence decoded alone, one step per entry of ``steps``."""
+    import mlx.core as mx
+
+    cache = [_row_cache(kind) for _ in model.layers]
+    if prefix:
+        model(mx.array([prefix]), cache=cache)
+    out = []
+    for tok in steps:
+        out.append(model(mx.array([[tok]]), cache=cache)[0, -1].astype(mx.float32))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["kv", "rotating"])
+@pytest.mark.parametrize("empty_first", [False, True], ids=["filled+empty", "empty+filled"])
+def test_merged_decode_matches_rows_alone(model, kind, empty_first):
+    import mlx.core as mx
+
+    filled = [_row_cache(kind) for _ in model.layers]
+    model(mx.array([PREFIX]), cache=filled)
+    empty = [_row_cache(kind) for _ in model.layers]
+    rows = [empty, filled] if empty_first else [filled, empty]
+    merged = [_batch_class(kind).merge([r[i] for r in rows]) for i in range(len(model.layers))]
+    assert all(c.keys.dtype == mx.bfloat16 for c in merged)
+
+    want_filled = _alone(model, kind, PREFIX, [s[0] for s in NEXT])
+    want_empty = _alone(model, kind, [], [s[1] for s in NEXT])
+    fi = 1 if empty_first else 0
+    for step, (a, b) in enumerate(NEXT):
+        toks = [[b], [a]] if empty_first else [[a], [b]]
+        logits = model(mx.array(toks), cache=merged)[:, -1].astype(mx.float32)
+        assert mx.abs(logits[fi] - want_filled[step]).max().item() < 0.05, f"filled row, step {step}"
+        assert mx.abs(logits[1 - fi] - want_empty[step]).max().item() < 0.05, f"empty row, step {step}"
+
+
+@pytest.mark.parametrize("kind", ["kv", "rotating"])
+def test_all_empty_merge_is_a_fresh_batch_cache(model, kind):
+    import importlib.metadata
+
+    import mlx.core as mx
+    from packaging.version import Version
+
+    version = Version(importlib.metadata.version("mlx-lm"))
+    if Version("0.30.4") <= version < Version("0.31.2"):
+        pytest.skip(
+            f"mlx-lm {version}: an all-empty merge raises upstream (fixed in 0.31.2), outside {PATCH.id}'s range"
+        )
+
+    merged = [_batch_class(kind).merge([_row_cache(kind), _row_cache(kind)]) for _ in model.layers]
+    assert all(c.keys is None and c.left_padding.tolist() == [0, 0] for c in merged)
+    got = model(mx.array([PREFIX, PREFIX[::-1]]), cache=merged)[:, -1].astype(mx.float32)
+    for i, prompt in enumerate([PREFIX, PREFIX[::-1]]):
+        cache = [_row_cache(kind) for _ in model.layers]
+        want = model(mx.array([prompt]), cache=cache)[0, -1].astype(mx.float32)
+        assert mx.abs(got[i] - want).max().item() < 0.05

@@ -1,0 +1,106 @@
+"""batch-quantized-extend (V02) beyond its reproduction: a tiny random-weight mlx-vlm model (pixtral's
+language model) decodes a batch merged from a prefilled and an empty BatchQuantizedKVCache
+(``full.extend(empty)`` and ``empty.extend(full)``) with the same logits as each row decoded alone, and a
+merge of two prefilled caches (the path the patch leaves alone) still does.
+
+On a fixed release (0.6.0+) the same tests check upstream's own ``extend``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kvpatch.patches.batch_quantized_extend import PATCH
+
+import kvpatch
+from kvpatch.gate import Action
+from kvpatch.testing import import_targets, natural_decision
+
+PROMPT = [7, 3, 22, 41, 8]
+SHORT_PROMPT = [9, 13]
+STEPS = [[11, 12], [30, 31], [40, 41]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_range():
+    decision = natural_decision(PATCH)
+    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
+        pytest.skip(f"{PATCH.id}: {decision.reason}")
+    import_targets(PATCH)
+    # The merged batch is left-padded: on releases with V01 the decode mask needs left-padding-mask.
+    mask = kvpatch.get_engine().status.get("left-padding-mask")
+    if mask is not None and natural_decision(mask.patch).action is Action.APPLY and not mask.installed:
+        pytest.skip("this release also has V01 (left padding not masked) and left-padding-mask is not applied")
+
+
+def _tiny_model():
+    import mlx.core as mx
+    from mlx_vlm.models.pixtral.config import TextConfig
+    from mlx_vlm.models.pixtral.language import LanguageModel
+
+    mx.random.seed(0)
+    config = TextConfig(
+        model_type="mistral",
+        hidden_size=64,
+        head_dim=32,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,  # no grouped-query attention: mlx-lm <= 0.31.3's quantized SDPA breaks on it (A3)
+        vocab_size=64,
+        rope_theta=10000.0,
+    )
+    model = LanguageModel(config)
+    mx.eval(model.parameters())
+    return model
+
+
+def _caches(model, prompt):
+    import mlx.core as mx
+    from mlx_vlm.models.cache import BatchQuantizedKVCache
+
+    caches = [BatchQuantizedKVCache([0], group_size=32, bits=8) for _ in model.layers]
+    if prompt:
+        model(mx.array([prompt]), cache=caches)
+    return caches
+
+
+def _decode(model, caches, tokens):
+    import mlx.core as mx
+
+    return mx.stack([model(mx.array(t)[:, None], cache=caches).logits[:, -1] for t in tokens], axis=1)
+
+
+def _alone(model, prompt, column):
+    return _decode(model, _caches(model, prompt), [[step[column]] for step in STEPS])[0]
+
+
+@pytest.mark.parametrize("order", ["full.extend(empty)", "empty.extend(full)"])
+def test_merged_decode_matches_rows_alone(order):
+    import mlx.core as mx
+
+    model = _tiny_model()
+    full, empty = _caches(model, PROMPT), _caches(model, None)
+    merged, other = (full, empty) if order[0] == "f" else (empty, full)
+    for a, b in zip(merged, other, strict=True):
+        a.extend(b)
+    p_full, p_empty = (0, 1) if order[0] == "f" else (1, 0)
+    assert merged[0].left_padding.tolist()[p_empty] == len(PROMPT)
+    batched = _decode(model, merged, STEPS)
+
+    err_full = mx.abs(batched[p_full] - _alone(model, PROMPT, p_full)).max().item()
+    err_empty = mx.abs(batched[p_empty] - _alone(model, None, p_empty)).max().item()
+    assert err_full < 1e-4 and err_empty < 1e-4, f"{order}: full row {err_full:.3g}, empty row {err_empty:.3g}"
+
+
+def test_merge_of_two_prefilled_caches_unchanged():
+    import mlx.core as mx
+
+    model = _tiny_model()
+    long, short = _caches(model, PROMPT), _caches(model, SHORT_PROMPT)
+    for a, b in zip(long, short, strict=True):
+        a.extend(b)
+    assert long[0].left_padding.tolist() == [0, len(PROMPT) - len(SHORT_PROMPT)]
+    batched = _decode(model, long, STEPS)
+    for row, prompt in enumerate((PROMPT, SHORT_PROMPT)):
+        err = mx.abs(batched[row] - _alone(model, prompt, row)).max().item()
+        assert err < 1e-4, f"row {row} differs by {err:.3g}"

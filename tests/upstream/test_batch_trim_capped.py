@@ -1,0 +1,109 @@
+"""batch-trim-capped (C4) beyond its reproduction, on a tiny random-weight llama (hidden 64, 2 layers):
+
+* the catalogue case: rows holding 1 and 5 tokens (``left_padding=[4, 0]``), ``trim(2)``: the next steps
+  give the logits of caches that never appended the trimmed tokens (row 0 empty, row 1 its first 3);
+* the ordinary speculative rollback (every row appended 3 draft tokens, ``trim(3)``) still gives the
+  never-appended logits;
+* the replacement reads no array back to the host (no ``item``/``tolist``/``eval``/``async_eval``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from kvpatch.patches.batch_trim_capped import PATCH
+
+from kvpatch.gate import Action
+from kvpatch.testing import import_targets, natural_decision
+
+SHORT, LONG = [9], [7, 3, 22, 41, 8]
+STEPS = [[11, 12], [30, 31], [40, 41]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_range():
+    decision = natural_decision(PATCH)
+    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
+        pytest.skip(f"{PATCH.id}: {decision.reason}")
+    import_targets(PATCH)
+
+
+@pytest.fixture(scope="module")
+def model():
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=64,
+        rope_theta=10000.0,
+    )
+    m = llama.Model(args)
+    mx.eval(m.parameters())
+    return m
+
+
+def _batch(model, prompts):
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    width = max(map(len, prompts))
+    padding = [width - len(p) for p in prompts]
+    caches = [BatchKVCache(padding) for _ in model.layers]
+    model(mx.array([[0] * pad + p for pad, p in zip(padding, prompts, strict=True)]), cache=caches)
+    return caches
+
+
+def _alone(model, prefix, tokens):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    caches = [KVCache() for _ in model.layers]
+    if prefix:
+        model(mx.array([prefix]), cache=caches)
+    return [model(mx.array([[t]]), cache=caches)[0, -1] for t in tokens]
+
+
+def _compare(model, caches, kept):
+    """Decode STEPS through ``caches``; row r must match a cache that only ever held ``kept[r]``."""
+    import mlx.core as mx
+
+    want = [_alone(model, kept[r], [s[r] for s in STEPS]) for r in range(2)]
+    for step, tokens in enumerate(STEPS):
+        logits = model(mx.array([[t] for t in tokens]), cache=caches)[:, -1]
+        for r in range(2):
+            err = mx.abs(logits[r] - want[r][step]).max().item()
+            assert err < 1e-4, f"row {r}, step {step}: max diff {err:.3g} from the never-appended cache"
+
+
+def test_trim_past_a_short_row(model):
+    caches = _batch(model, [SHORT, LONG])
+    assert [c.trim(2) for c in caches] == [2, 2]
+    assert all(c.offset.tolist() == [0, 3] for c in caches)
+    assert all(max(c.left_padding.tolist()) <= c._idx for c in caches)
+    _compare(model, caches, [[], LONG[:3]])
+
+
+def test_ordinary_rollback_unchanged(model):
+    import mlx.core as mx
+
+    caches = _batch(model, [SHORT, LONG])
+    model(mx.array([[5, 6, 7], [8, 9, 10]]), cache=caches)  # three draft tokens per row, all rejected
+    assert [c.trim(3) for c in caches] == [3, 3]
+    assert all(c.offset.tolist() == [1, 5] for c in caches)
+    _compare(model, caches, [SHORT, LONG])
+
+
+def test_no_host_sync():
+    from mlx_lm.models.cache import BatchKVCache
+
+    if natural_decision(PATCH).action is not Action.APPLY:
+        pytest.skip(f"{PATCH.id}: {natural_decision(PATCH).reason}")
+    names = set(BatchKVCache.trim.__code__.co_names)
+    assert not names & {"item", "tolist", "eval", "async_eval"}, names
