@@ -179,11 +179,11 @@ def _spec(requirement: str, interp: _Interpreter) -> _Spec:
         path = Path(requirement).expanduser().resolve()
         if path.is_file() and path.suffix == ".whl":
             try:
-                name, version, _, _ = parse_wheel_filename(path.name)
+                wname, wversion, _, _ = parse_wheel_filename(path.name)
             except InvalidWheelFilename as exc:
                 raise EnvBuildError(f"not a valid wheel file name: {exc}", requirement) from exc
-            digest = _file_digest(path)
-            return _Spec(requirement, f"{name}-{version}-{digest}-{py}", "wheel", str(name), str(version), (), path)
+            key = f"{wname}-{wversion}-{_file_digest(path)}-{py}"
+            return _Spec(requirement, key, "wheel", str(wname), str(wversion), (), path)
         if path.is_dir():
             digest = _tree_digest(path)
             return _Spec(requirement, f"src-{_safe(path.name)}-{digest}-{py}", "source", path=path)
@@ -210,11 +210,7 @@ def _safe(text: str) -> str:
 
 
 def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:12]
+    return _full_digest(path)[:12]
 
 
 def _tree_digest(root: Path) -> str:
