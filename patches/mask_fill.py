@@ -92,7 +92,9 @@ def reproduce() -> Finding:
     if err > 1e-3:
         problems.append(f"boolean mask: max error {err:.3g} against the masked float reference")
     try:
-        out = base.quantized_scaled_dot_product_attention(q + 0, qk, qv, scale=scale, mask="causal", group_size=64, bits=8)
+        out = base.quantized_scaled_dot_product_attention(
+            q + 0, qk, qv, scale=scale, mask="causal", group_size=64, bits=8
+        )
         err = mx.abs(out - reference).max().item()
         if err > 1e-3:
             problems.append(f'"causal" mask: max error {err:.3g}')

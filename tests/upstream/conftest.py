@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+def pytest_collection_modifyitems(config, items):
     if importlib.util.find_spec("mlx") is None:
         skip = pytest.mark.skip(reason="mlx is not installed here; these tests run inside matrix buckets")
         for item in items:
