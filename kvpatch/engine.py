@@ -141,6 +141,7 @@ class Engine:
         self._changes: list[_Change] = []  # in install order
         self._hooked: set[str] = set()
         self._ready: set[str] = set()  # top-level upstream packages fully imported
+        self._hooking: set[str] = set()  # modules whose post-import hook is running now
         self._warned: set[str] = set()
         self._lock = threading.RLock()
         self._active = False
@@ -208,17 +209,24 @@ class Engine:
                 if not self._active:
                     return
                 name = module.__name__
-                if name in DISTRIBUTIONS.values():
-                    self._ready.add(name)
-                    for st in self._in_order():
-                        if st.state is State.PENDING and st.patch.import_name == name:
-                            self._advance(st)
-                    return
-                for st in self._in_order():
-                    if st.state in (State.PENDING, State.APPLIED) and name in st.patch.modules:
-                        self._advance(st)
+                self._hooking.add(name)
+                try:
+                    self._dispatch(name)
+                finally:
+                    self._hooking.discard(name)
         except Exception as exc:  # pragma: no cover - defensive: _advance catches its own errors
             self.warn(f"kvpatch hook for {getattr(module, '__name__', module)} failed: {exc}", key="hook-crash")
+
+    def _dispatch(self, name: str) -> None:
+        if name in DISTRIBUTIONS.values():
+            self._ready.add(name)
+            for st in self._in_order():
+                if st.state is State.PENDING and st.patch.import_name == name:
+                    self._advance(st)
+            return
+        for st in self._in_order():
+            if st.state in (State.PENDING, State.APPLIED) and name in st.patch.modules:
+                self._advance(st)
 
     def _in_order(self) -> Iterator[PatchStatus]:
         return iter([self.status[p.id] for p in self.patches])
@@ -247,8 +255,7 @@ class Engine:
         if name in self._ready:
             return True
         module = sys.modules.get(name)
-        spec = getattr(module, "__spec__", None)
-        if module is not None and not getattr(spec, "_initializing", False):
+        if module is not None and not _executing(module):
             self._ready.add(name)
             return True
         return False
@@ -314,8 +321,8 @@ class Engine:
             if (target.module, target.qualname) in done:
                 continue
             module = sys.modules.get(target.module)
-            if module is None:
-                continue
+            if module is None or (target.module not in self._hooking and _executing(module)):
+                continue  # not imported yet, or still executing (a circular import): its own hook will come
             try:
                 change = self._install_target(patch, target, module)
             except Exception:
@@ -350,6 +357,8 @@ class Engine:
             wrapper_type = type(static) if isinstance(static, (classmethod, staticmethod)) else None
             original = static.__func__ if wrapper_type else getattr(owner, name)
             replacement = patch.builders[target](original)
+            if replacement is original:
+                return None  # the builder declined: this target needs no change here
             if wrapper_type is not None:
                 replacement = wrapper_type(replacement)
         else:
@@ -467,6 +476,11 @@ def run_reproduction(patch: Patch) -> Finding:
     if not isinstance(finding, Finding):
         raise TypeError(f"{patch.id}: reproduction returned {finding!r}, not a Finding")
     return finding
+
+
+def _executing(module: types.ModuleType) -> bool:
+    """True while ``module``'s own code is still running (importlib marks its spec)."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 def _restore(change: _Change) -> None:

@@ -122,8 +122,9 @@ def decide(patch: Patch, upstream: Upstream, config: Config, placer: Placer | No
     if fixed is not None and where and public.release == fixed.release:
         # A source tree declares the coming release before the fix has necessarily landed in it.
         return Decision(
-            Action.VERIFY, f"{dist} {version} is the fixing release {patch.fixed_in} as a {source.kind} install; "
-            "the reproduction decides"
+            Action.VERIFY,
+            f"{dist} {version} is the fixing release {patch.fixed_in} as a {source.kind} install; "
+            "the reproduction decides",
         )
     if fixed is not None and public >= fixed:
         return Decision(Action.NOT_NEEDED, f"{dist} {version} >= {patch.fixed_in}, which fixed it{where}")

@@ -190,7 +190,10 @@ class Patch:
         return decorate
 
     def replace(self, module: str, qualname: str, *, optional: bool = False) -> Callable[[Builder], Builder]:
-        """Declare that ``builder(original) -> replacement`` changes ``module.qualname``."""
+        """Declare that ``builder(original) -> replacement`` changes ``module.qualname``.
+
+        A builder that returns ``original`` itself declines: nothing is changed for that target.
+        """
         return self._register(Target(module, qualname, Kind.REPLACE, optional))
 
     def add(self, module: str, qualname: str, *, optional: bool = False) -> Callable[[Builder], Builder]:
