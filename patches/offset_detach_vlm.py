@@ -1,0 +1,159 @@
+"""offset-detach-vlm (catalogue V32): mlx-vlm's batch caches advance their offset lazily, never evaluated.
+
+Broken: in mlx-vlm 0.5.0–0.7.10 ``mlx_vlm.models.cache.BatchQuantizedKVCache.update_and_fetch`` and
+``mlx_vlm.turboquant.BatchTurboQuantKVCache.update_and_fetch`` (and, from 0.6.4, mlx-vlm's own copy of
+``BatchKVCache``) advance the per-row ``offset`` with ``offset + S`` on every call and never evaluate it.
+On a layer that does not read the offset (NoPE layers, positions taken from elsewhere) the chain grows
+by 5 graph edges per decoded token without bound. TurboQuant's own ``mx.eval(self.keys, self.values)``
+every 50 steps does not reach the offset. Measured here on 0.5.0, 0.6.3, 0.6.4 and 0.7.10 (outputs
+evaluated every step): each cache's offset graph has 55 edges after 10 steps, 305 after 60. mlx-vlm's
+generators evaluate cache state every 50 steps, which bounds it there; custom decode loops (servers
+driving the model directly) are unbounded. Before 0.6.4 ``mlx_vlm.models.cache.BatchKVCache`` IS
+mlx-lm's class: that one is fixed by ``offset-detach`` and this patch leaves it alone (its builder
+returns the attribute it was given, decided once at install).
+
+Upstream: not fixed (checked through 0.7.10). mlx-lm fixed the twin in BatchRotatingKVCache with
+``mx.depends`` (ml-explore/mlx-lm#960); mlx-vlm's BatchRotatingKVCache copy (0.6.4+) carries that fix.
+
+Fix: a delta in front of each original. The incoming keys are made to depend on the current ``offset``
+(``mx.depends``) before the original quantizes and stores them, so evaluating anything that reads this
+step's keys also evaluates the offset as it stood before the step: at most one ``+ S`` stays pending.
+``mx.depends`` shares the keys' buffer (no copy, no arithmetic, no host synchronisation); stored keys,
+values and offsets are bit-identical. mlx releases without ``mx.depends`` (< 0.29.2) predate every
+mlx-vlm release this patches; the fallback (an exact ``* 1`` derived from the offset) is kept anyway.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+from kvpatch.record import Expiry, Finding, Patch
+
+PATCH = Patch(
+    id="offset-detach-vlm",
+    summary="mlx-vlm batch (quantized, TurboQuant, own BatchKVCache) caches never evaluate their lazy offset",
+    distribution="mlx-vlm",
+    affected=">=0.5.0,<=0.7.10",
+    checked_through="0.7.10",
+    reference="not reported upstream (mlx-lm twin fixed by ml-explore/mlx-lm#960)",
+    catalogue="V32",
+    hot_path=True,
+    expiry=Expiry(
+        "retire when mlx-vlm's batch caches evaluate or tie their offset",
+        review_by=_dt.date(2027, 3, 1),
+    ),
+)
+
+
+def _tie(mx: Any) -> Any:
+    """``tie(x, deps) -> x`` made to depend on ``deps``, decided once for the installed mlx."""
+    depends = getattr(mx, "depends", None)
+    if depends is not None:
+        return depends
+
+    def tie(x: Any, deps: Any) -> Any:  # mlx < 0.29.2: an exact 1 computed from the dependencies
+        deps = deps if isinstance(deps, (list, tuple)) else [deps]
+        one = sum((d * 0).sum() for d in deps) + 1
+        return x * one.astype(x.dtype)
+
+    return tie
+
+
+def _tie_offset(original: Any) -> Any:
+    import mlx.core as mx
+
+    tie = _tie(mx)
+
+    def update_and_fetch(self: Any, keys: Any, values: Any) -> Any:
+        return original(self, tie(keys, self.offset), values)
+
+    return update_and_fetch
+
+
+@PATCH.replace("mlx_vlm.models.cache", "BatchQuantizedKVCache.update_and_fetch")
+@PATCH.replace("mlx_vlm.turboquant", "BatchTurboQuantKVCache.update_and_fetch")
+def _build(original: Any) -> Any:
+    return _tie_offset(original)
+
+
+def _own_batch_kv_cache() -> Any:
+    """mlx-vlm's own BatchKVCache class (0.6.4+), or None where it re-exports mlx-lm's."""
+    import mlx_vlm.models.cache as vlm_cache
+
+    cls = getattr(vlm_cache, "BatchKVCache", None)
+    if cls is None or not cls.__module__.startswith("mlx_vlm."):
+        return None
+    return cls
+
+
+@PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.update_and_fetch", optional=True)
+def _build_own_batch_kv(original: Any) -> Any:
+    if _own_batch_kv_cache() is None:
+        return original  # mlx-lm's class (mlx-vlm < 0.6.4): offset-detach's business, left as it is
+    return _tie_offset(original)
+
+
+def graph_edges(array: Any) -> int:
+    """Edges of the unevaluated graph behind ``array`` (0 once it is evaluated and detached)."""
+    import io
+
+    import mlx.core as mx
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, array)
+    return buf.getvalue().count("->")
+
+
+def caches() -> dict[str, Any]:
+    """Fresh left-padded ([2, 0]) instances of every class this patch covers in the running mlx-vlm."""
+    from mlx_vlm.models.cache import BatchQuantizedKVCache
+    from mlx_vlm.turboquant import BatchTurboQuantKVCache
+
+    found = {
+        "BatchQuantizedKVCache": BatchQuantizedKVCache([2, 0], group_size=64, bits=8),
+        "BatchTurboQuantKVCache": BatchTurboQuantKVCache([2, 0], bits=3),
+    }
+    own = _own_batch_kv_cache()
+    if own is not None:
+        found["BatchKVCache"] = own([2, 0])
+    return found
+
+
+def arrays(tree: Any) -> list[Any]:
+    """The arrays inside an ``update_and_fetch`` result (tuples, TurboQuant state proxies, ...)."""
+    import mlx.core as mx
+
+    if tree is None:
+        return []
+    if isinstance(tree, mx.array):
+        return [tree]
+    return [a for item in tree for a in arrays(item)]
+
+
+@PATCH.reproduce
+def reproduce() -> Finding:
+    """Decode steps on a NoPE-style layer for each cache class: evaluate only the outputs, watch the offset."""
+    import mlx.core as mx
+
+    mx.random.seed(0)
+    B, H, D = 2, 2, 64
+    prompt = mx.random.normal((B, H, 3, D))
+    steps = mx.random.normal((60, B, H, 1, D))
+    mx.eval(prompt, steps)
+    grows, notes = [], []
+    for name, cache in caches().items():
+        mx.eval(arrays(cache.update_and_fetch(prompt, prompt + 1)))
+        edges = {}
+        for i in range(60):
+            mx.eval(arrays(cache.update_and_fetch(steps[i], steps[i] + 1)))  # what attention reads
+            if i + 1 in (10, 60):
+                edges[i + 1] = graph_edges(cache.offset)
+        offset = cache.offset.tolist()
+        notes.append(f"{name}: {edges[10]} -> {edges[60]} edges, offset={offset}")
+        if offset != [3 - 2 + 60, 3 + 60] or edges[60] > edges[10]:
+            grows.append(name)
+    detail = "offset graph after 10 -> 60 steps: " + "; ".join(notes)
+    if grows:
+        return Finding(True, f"{detail} (unbounded: {', '.join(grows)})")
+    return Finding(False, f"{detail} (bounded)")
