@@ -28,6 +28,9 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _lazy
+from kvpatch.patches._lazy import graph_edges
+
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -46,24 +49,10 @@ PATCH = Patch(
 )
 
 
-def _tie(mx: Any) -> Any:
-    """``tie(x, deps) -> x`` made to depend on ``deps``, decided once for the installed mlx."""
-    depends = getattr(mx, "depends", None)
-    if depends is not None:
-        return depends
-
-    def tie(x: Any, deps: Any) -> Any:  # mlx < 0.29.2: an exact 1 computed from the dependencies
-        deps = deps if isinstance(deps, (list, tuple)) else [deps]
-        one = sum((d * 0).sum() for d in deps) + 1
-        return x * one.astype(x.dtype)
-
-    return tie
-
-
 def _tie_offset(original: Any) -> Any:
     import mlx.core as mx
 
-    tie = _tie(mx)
+    tie = _lazy.tie(mx)
 
     def update_and_fetch(self: Any, keys: Any, values: Any) -> Any:
         return original(self, tie(keys, self.offset), values)
@@ -92,17 +81,6 @@ def _build_own_batch_kv(original: Any) -> Any:
     if _own_batch_kv_cache() is None:
         return original  # mlx-lm's class (mlx-vlm < 0.6.4): offset-detach's business, left as it is
     return _tie_offset(original)
-
-
-def graph_edges(array: Any) -> int:
-    """Edges of the unevaluated graph behind ``array`` (0 once it is evaluated and detached)."""
-    import io
-
-    import mlx.core as mx
-
-    buf = io.StringIO()
-    mx.export_to_dot(buf, array)
-    return buf.getvalue().count("->")
 
 
 def caches() -> dict[str, Any]:
