@@ -15,7 +15,6 @@ import logging
 import threading
 import warnings
 
-from .assertions import NotApplied, require_applied
 from .engine import Engine, KvpatchWarning, PatchStatus, State, fingerprint
 from .record import Expiry, Finding, Kind, Patch, Target
 
@@ -86,6 +85,15 @@ def records() -> list[PatchStatus]:
     """The status of every patch in this process, for servers that assert kvpatch is active."""
     engine = get_engine()
     return [engine.status[p.id] for p in engine.patches]
+
+
+def __getattr__(name: str) -> object:
+    # The start-up assertions load on first use (kvpatch.require_applied / kvpatch.NotApplied).
+    if name in ("NotApplied", "require_applied"):
+        from . import assertions
+
+        return getattr(assertions, name)
+    raise AttributeError(f"module 'kvpatch' has no attribute {name!r}")
 
 
 activate()

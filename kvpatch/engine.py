@@ -283,12 +283,7 @@ class Engine:
     def _verify_and_apply(self, st: PatchStatus) -> None:
         patch = st.patch
         why = "; ".join(st.drift) or st.decision.reason
-        for module in patch.modules:
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                if not any(t.optional for t in patch.targets if t.module == module):
-                    raise
+        import_target_modules(patch)
         before = run_reproduction(patch)
         if before.skipped:
             st.state, st.reason = State.DRIFTED, f"{why}; reproduction cannot run here ({before.skipped}): not applied"
@@ -467,6 +462,20 @@ class Engine:
 
 class TargetMissing(LookupError):
     """A target attribute is not where the patch expects it."""
+
+
+def import_target_modules(patch: Patch) -> None:
+    """Import every module the patch targets, so that the engine's hooks have run for them.
+
+    A module that holds only optional targets may fail to import in any way (some upstream modules
+    raise RuntimeError at import without Metal): its targets count as absent. Any other failure raises.
+    """
+    for module in patch.modules:
+        try:
+            importlib.import_module(module)
+        except Exception:
+            if not all(t.optional for t in patch.targets if t.module == module):
+                raise
 
 
 def run_reproduction(patch: Patch) -> Finding:

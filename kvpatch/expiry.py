@@ -43,7 +43,7 @@ __all__ = [
 
 #: The oldest supported release of each distribution: the oldest bucket of the test matrix
 #: (tests/matrix.py). Raising it retires every patch fixed at or below the new floor.
-SUPPORTED_FLOOR: dict[str, str] = {"mlx-lm": "0.22.0", "mlx-vlm": "0.5.0"}
+SUPPORTED_FLOOR: dict[str, str] = {"mlx-lm": "0.22.0", "mlx-vlm": "0.4.3"}
 
 
 class Reason(enum.Enum):

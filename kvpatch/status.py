@@ -31,14 +31,13 @@ patch unit could not be loaded, or a patch did not fix its bug.
 
 from __future__ import annotations
 
-import importlib
 import platform
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from . import __version__
-from .engine import Engine, PatchStatus, State, run_reproduction
+from .engine import Engine, PatchStatus, State, import_target_modules, run_reproduction
 from .expiry import expiry_reasons
 from .record import Finding
 
@@ -69,12 +68,7 @@ def verify_patch(engine: Engine, st: PatchStatus) -> dict[str, Any]:
     """Run one reproduction without and (if applied) with its patch."""
     patch = st.patch
     try:
-        for module in patch.modules:
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                if not any(t.optional for t in patch.targets if t.module == module):
-                    raise
+        import_target_modules(patch)
         if st.state is State.APPLIED:
             with engine.without(patch.id):
                 before = run_reproduction(patch)
@@ -105,11 +99,10 @@ def build_report(engine: Engine, *, verify: bool = False) -> Report:
         # Import every relevant target module so that the hooks install what applies.
         for st in engine.status.values():
             if _relevant_for_verify(st):
-                for module in st.patch.modules:
-                    try:
-                        importlib.import_module(module)
-                    except Exception:  # reported per patch by verify_patch
-                        pass
+                try:
+                    import_target_modules(st.patch)
+                except Exception:  # reported per patch by verify_patch
+                    pass
     patches: list[dict[str, Any]] = []
     summary: dict[str, int] = {}
     reasons_1: list[str] = []

@@ -7,14 +7,13 @@ knows whether the running upstream *should* be patched even when ``KVPATCH_DISAB
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from . import get_engine
 from .config import Config
 from .detect import Upstream
-from .engine import run_reproduction
+from .engine import import_target_modules, run_reproduction
 from .gate import Decision, decide
 from .record import Finding, Patch
 
@@ -29,12 +28,7 @@ def natural_decision(patch: Patch) -> Decision:
 
 def import_targets(patch: Patch) -> None:
     """Import the patch's target modules, so that the engine's hooks have run for them."""
-    for module in patch.modules:
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            if not any(t.optional for t in patch.targets if t.module == module):
-                raise
+    import_target_modules(patch)
 
 
 @contextmanager

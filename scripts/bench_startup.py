@@ -27,7 +27,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _time(cmd: list[str], env: dict[str, str]) -> float:
     start = time.perf_counter()
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+    subprocess.run(
+        cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir()
+    )
     return time.perf_counter() - start
 
 
@@ -39,13 +41,15 @@ def compare(label: str, a: tuple[list[str], dict[str, str]], b: tuple[list[str],
         ta.append(_time(*a))
         tb.append(_time(*b))
     ma, mb = statistics.median(ta), statistics.median(tb)
-    print(f"{label}: with kvpatch {ma * 1000:.1f} ms, without {mb * 1000:.1f} ms, ratio {ma / mb:.3f} (median of {runs})")
+    print(
+        f"{label}: with kvpatch {ma * 1000:.1f} ms, without {mb * 1000:.1f} ms, ratio {ma / mb:.3f} (median of {runs})"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=30)
-    parser.add_argument("--python", default=sys.executable, help="interpreter whose environment has kvpatch installed")
+    parser.add_argument("--python", default=sys.executable, help="interpreter of an environment with kvpatch installed")
     args = parser.parse_args()
     env = dict(os.environ)
     env.pop("KVPATCH", None)

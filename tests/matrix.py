@@ -98,6 +98,10 @@ LM_BUCKETS: tuple[Bucket, ...] = (
 #   0.7.10 (Oct 2026, needs >=0.32.4): mlx 0.32.4, mlx-lm 0.32.2.
 # mlx_vlm.turboquant exists in every one of these (it first shipped in mlx-vlm 0.4.3).
 VLM_BUCKETS: tuple[Bucket, ...] = (
+    # 0.4.3: first release with mlx_vlm.turboquant (tq-dequantize-dtype's lower edge); 0.4.4: the
+    # Metal-only kernel bugs' lower edge and the release before every batch cache class.
+    _vlm("0.4.3", "0.31.2", "0.31.3"),
+    _vlm("0.4.4", "0.31.2", "0.31.3"),
     _vlm("0.5.0", "0.31.2", "0.31.3"),
     _vlm("0.6.0", "0.31.2", "0.31.3"),
     _vlm("0.6.3", "0.31.2", "0.31.3"),
@@ -107,6 +111,7 @@ VLM_BUCKETS: tuple[Bucket, ...] = (
     _vlm("0.6.14", "0.32.0", "0.31.3"),
     _vlm("0.6.15", "0.32.0", "0.31.3"),
     _vlm("0.6.16", "0.32.0", "0.31.3"),
+    _vlm("0.7.0", "0.32.3", "0.32.0"),  # tq-prefix-snapshot's lower edge
     _vlm("0.7.6", "0.32.3", "0.32.0"),
     _vlm("0.7.8", "0.32.3", "0.32.0"),
     _vlm("0.7.10", "0.32.4", "0.32.2"),

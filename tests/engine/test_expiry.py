@@ -101,7 +101,7 @@ def _patch(
         (_patch(fixed_in="0.24.0"), TODAY, {}, []),  # no floor for the distribution: never (a)
         (_patch(dist="mlx-vlm", affected=">=0.5.0,<0.6.0", fixed_in="0.6.0"), TODAY, SUPPORTED_FLOOR, []),
         (
-            _patch(dist="mlx-vlm", affected=">=0.4.0,<0.5.0", fixed_in="0.5.0"),
+            _patch(dist="mlx-vlm", affected=">=0.4.0,<0.4.3", fixed_in="0.4.3"),
             TODAY,
             SUPPORTED_FLOOR,
             [Reason.FIXED_EVERYWHERE],
@@ -139,7 +139,7 @@ def test_messages_name_the_file_field_and_value():
 
 def test_enforcement_policy():
     late = _patch(fixed_in=None, affected=">=0.28.0", review_by=dt.date(2026, 1, 1))
-    dead = _patch(dist="mlx-vlm", affected=">=0.4.0,<0.5.0", fixed_in="0.5.0")
+    dead = _patch(dist="mlx-vlm", affected=">=0.4.0,<0.4.3", fixed_in="0.4.3")
     assert [e.reason for e in failing([late, dead], enforce=False, today=TODAY)] == [Reason.FIXED_EVERYWHERE]
     assert [e.reason for e in failing([late, dead], enforce=True, today=TODAY)] == [
         Reason.REVIEW_BY,

@@ -39,7 +39,10 @@ def test_plain():
 
 def _plugin_args() -> list[str]:
     """``-p kvpatch.pytest_plugin`` unless the installed entry point already loads it."""
-    registered = any(ep.value in ("kvpatch.pytest_plugin", "kvpatch_pytest") for ep in importlib.metadata.entry_points(group="pytest11"))
+    registered = any(
+        ep.value in ("kvpatch.pytest_plugin", "kvpatch_pytest")
+        for ep in importlib.metadata.entry_points(group="pytest11")
+    )
     if registered and not os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         return []
     return ["-p", "kvpatch.pytest_plugin"]
