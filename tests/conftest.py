@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("KVPATCH") or k in ("KVPATCH_CACHE", "KVPATCH_BUCKET")
-    }
-    env.update(extra or {})
-    return env
+from support import child_env
 
 
 @pytest.fixture

@@ -325,8 +325,8 @@ def test_test_extra_installs_the_matrix_base():
     """pyproject's `test` extra must carry what every matrix bucket's shared base needs."""
     import re
 
-    from conftest import REPO
     from matrix import BASE_REQUIREMENTS
+    from support import REPO
 
     text = (REPO / "pyproject.toml").read_text()
     extra = text[text.index("test = [") : text.index("]", text.index("test = ["))]

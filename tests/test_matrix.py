@@ -15,8 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import REPO, child_env
 from matrix import BUCKETS
+from support import REPO, child_env
 
 from kvpatch.envs import Bucket, bucket_environ, build
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, child_env
+from support import REPO, child_env
 
 pytestmark = pytest.mark.slow
 

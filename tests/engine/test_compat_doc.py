@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import REPO
+from support import REPO
 
 from kvpatch.compat import render
 

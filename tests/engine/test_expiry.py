@@ -306,7 +306,7 @@ def test_upstream_check_on_a_pinned_release(tmp_path):
     import subprocess
     import sys
 
-    from conftest import child_env
+    from support import child_env
 
     proc = subprocess.run(
         [sys.executable, "-m", "kvpatch", "upstream-check", "--mlx-lm", "0.32.2", "--mlx-vlm", "none", "--json"],
@@ -330,6 +330,6 @@ def test_upstream_check_on_a_pinned_release(tmp_path):
 
 
 def _repo() -> str:
-    from conftest import REPO
+    from support import REPO
 
     return str(REPO)

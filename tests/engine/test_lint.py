@@ -6,7 +6,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import REPO
+from support import REPO
 
 RUFF = shutil.which("ruff")
 

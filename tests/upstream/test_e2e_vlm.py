@@ -25,7 +25,8 @@ skipped on every other release. Measured without patches (``KVPATCH_DISABLE``): 
 TurboQuant scenarios fail in both dtypes (``left-padding-mask``: first tokens wrong; ``batch-quantized-extend``
 / ``empty-tq-rows``: the decode after the empty-cache join raises; ``qsdpa-gqa-batch-mask``: the quantized
 prefill raises) and the dense one in bfloat16 (``batch-extend-empty``: float32 cache after the empty join);
-on 0.7.10 the TurboQuant scenario fails (``empty-tq-rows``).
+on 0.7.10 the TurboQuant scenario fails (``empty-tq-rows``) and the dense one in bfloat16
+(``vlm-batch-extend-dtype``, mlx-vlm's own copy of ``extend``: float32 cache after the empty join).
 """
 
 from __future__ import annotations
@@ -233,29 +234,10 @@ def _alone(model, make, prompt, n):
     return tokens, steps
 
 
-def _own_batch_kv_cache():
-    from mlx_vlm.models import cache as vlm_cache
-
-    return vlm_cache.BatchKVCache.__module__.startswith("mlx_vlm.")
-
-
 @pytest.mark.parametrize("family", FAMILIES)
-def test_continuous_batching_rows_match_rows_alone(request, dtype, model, family):
+def test_continuous_batching_rows_match_rows_alone(dtype, model, family):
     import mlx.core as mx
 
-    if family == "plain" and dtype == "bfloat16" and _own_batch_kv_cache():
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason=(
-                    "mlx-vlm's own BatchKVCache (0.6.4+, measured 0.6.4 and 0.7.10) extend() gives the side with no "
-                    "keys float32 stand-ins (mx.array([]).reshape(B, H, 0, D)), so a bfloat16 batch comes back "
-                    "float32 after an empty-cache join: catalogue D2's dtype half, fixed in mlx-lm 0.32.0 but not "
-                    "in mlx-vlm's copy, not patched by kvpatch (batch-extend-empty targets mlx_lm only)"
-                ),
-            )
-        )
     make = _factory(model, family)
     server = _Server(model, make)
     server.admit(FIRST)
