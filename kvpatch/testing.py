@@ -44,3 +44,44 @@ def reproduce(patch: Patch) -> Finding:
 def reproduce_without(patch: Patch) -> Finding:
     with without(patch.id):
         return run_reproduction(patch)
+
+
+def require_affected(patch: Patch) -> Decision:
+    """For tests: skip unless the installed upstream has the patch's range in play; import its targets.
+
+    Skips (through pytest) when the distribution is absent or predates the bug; otherwise imports
+    the target modules so the engine's hooks have run, and returns the natural decision.
+    """
+    import pytest
+
+    from .gate import Action
+
+    decision = natural_decision(patch)
+    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
+        pytest.skip(f"{patch.id}: {decision.reason}")
+    import_target_modules(patch)
+    return decision
+
+
+def tiny_llama(*, seed: int = 0, heads: int = 4, kv_heads: int = 2, vocab: int = 64, dtype: object = None) -> object:
+    """A random-weight mlx-lm llama (hidden 64, 2 layers): the test model. No downloads."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        rope_theta=10000.0,
+    )
+    model = llama.Model(args)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model

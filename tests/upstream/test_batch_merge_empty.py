@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.batch_merge_empty import PATCH
 
-from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision
+from kvpatch.testing import require_affected, tiny_llama
 
 PREFIX = [7, 3, 22, 41, 8]
 NEXT = [[11, 12], [30, 31], [40, 41]]  # one decode step per entry: (filled row, empty row)
@@ -19,33 +18,14 @@ NEXT = [[11, 12], [30, 31], [40, 41]]  # one decode step per entry: (filled row,
 
 @pytest.fixture(scope="module", autouse=True)
 def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+    require_affected(PATCH)
 
 
 @pytest.fixture(scope="module")
 def model():
     import mlx.core as mx
-    from mlx_lm.models import llama
 
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=64,
-        rope_theta=10000.0,
-    )
-    m = llama.Model(args)
-    m.set_dtype(mx.bfloat16)
-    mx.eval(m.parameters())
-    return m
+    return tiny_llama(dtype=mx.bfloat16)
 
 
 def _row_cache(kind: str):

@@ -13,7 +13,7 @@ import pytest
 from kvpatch.patches.batch_trim_capped import PATCH
 
 from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision
+from kvpatch.testing import natural_decision, require_affected, tiny_llama
 
 SHORT, LONG = [9], [7, 3, 22, 41, 8]
 STEPS = [[11, 12], [30, 31], [40, 41]]
@@ -21,32 +21,12 @@ STEPS = [[11, 12], [30, 31], [40, 41]]
 
 @pytest.fixture(scope="module", autouse=True)
 def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+    require_affected(PATCH)
 
 
 @pytest.fixture(scope="module")
 def model():
-    import mlx.core as mx
-    from mlx_lm.models import llama
-
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=64,
-        rope_theta=10000.0,
-    )
-    m = llama.Model(args)
-    mx.eval(m.parameters())
-    return m
+    return tiny_llama()
 
 
 def _batch(model, prompts):

@@ -16,7 +16,7 @@ from kvpatch.patches.rotating_merge_empty import PATCH
 
 import kvpatch
 from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision, without
+from kvpatch.testing import import_targets, natural_decision, require_affected, tiny_llama, without
 
 PREFIX = [7, 3, 22, 41, 8]
 OTHER = [5, 9, 2, 33, 17, 21]
@@ -27,32 +27,12 @@ TARGET = "mlx_lm.models.cache.BatchRotatingKVCache.merge"
 
 @pytest.fixture(scope="module", autouse=True)
 def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+    require_affected(PATCH)
 
 
 @pytest.fixture(scope="module")
 def model():
-    import mlx.core as mx
-    from mlx_lm.models import llama
-
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=64,
-        rope_theta=10000.0,
-    )
-    m = llama.Model(args)
-    mx.eval(m.parameters())
-    return m
+    return tiny_llama()
 
 
 def _rows(model, how):
