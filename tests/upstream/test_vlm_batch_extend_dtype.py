@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.vlm_batch_extend_dtype import PATCH
 
-from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision
+from kvpatch.testing import require_affected
 
 PROMPTS = [[7, 3, 22, 41, 8], [9, 13, 2]]
 NEW = 17  # the one-token prompt that joins empty
@@ -30,10 +29,7 @@ def _own_classes() -> bool:
 
 @pytest.fixture(scope="module")
 def in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+    require_affected(PATCH)
 
 
 @pytest.fixture(scope="module", params=list(TOL))
