@@ -43,7 +43,7 @@ def _run_bucket(bucket: Bucket, workdir: Path) -> tuple[int, str]:
     env = bucket_environ(bucket, base=child_env())
     workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(REPO / "tests" / "upstream"), "-q", "-rs", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", str(REPO / "tests" / "upstream"), "-q", "-rfE", "-p", "no:cacheprovider"],
         cwd=workdir,
         env=env,
         capture_output=True,
