@@ -35,6 +35,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _qsdpa
+
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -57,27 +59,7 @@ PATCH = Patch(
 
 @PATCH.replace("mlx_lm.models.base", "quantized_scaled_dot_product_attention")
 def _build(original: Any) -> Any:
-    def quantized_scaled_dot_product_attention(
-        queries: Any,
-        q_keys: Any,
-        q_values: Any,
-        scale: float,
-        mask: Any,
-        group_size: int = 64,
-        bits: int = 8,
-    ) -> Any:
-        if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
-            n_q_heads = queries.shape[1]
-            n_kv_heads = q_keys[0].shape[-3]
-            if n_q_heads != n_kv_heads:
-                heads = mask.shape[1]
-                if heads == 1:
-                    mask = mask[:, :, None]
-                elif heads == n_q_heads:
-                    mask = mask.reshape(mask.shape[0], n_kv_heads, n_q_heads // n_kv_heads, *mask.shape[2:])
-        return original(queries, q_keys, q_values, scale, mask, group_size, bits)
-
-    return quantized_scaled_dot_product_attention
+    return _qsdpa.regrouping(original)
 
 
 @PATCH.reproduce

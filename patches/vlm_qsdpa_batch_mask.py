@@ -46,6 +46,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _qsdpa
+
 from kvpatch.record import Expiry, Finding, Patch, upstream_missing
 
 PATCH = Patch(
@@ -72,29 +74,7 @@ _MODULES = ("mlx_vlm.models.base", "mlx_vlm.models.text_models.base")
 @PATCH.replace("mlx_vlm.models.base", "quantized_scaled_dot_product_attention")
 @PATCH.replace("mlx_vlm.models.text_models.base", "quantized_scaled_dot_product_attention", optional=True)
 def _build(original: Any) -> Any:
-    import mlx.core as mx
-
-    def quantized_scaled_dot_product_attention(
-        queries: Any,
-        q_keys: Any,
-        q_values: Any,
-        scale: float,
-        mask: Any,
-        group_size: int = 64,
-        bits: int = 8,
-    ) -> Any:
-        if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
-            n_q_heads = queries.shape[1]
-            n_kv_heads = q_keys[0].shape[-3]
-            if n_q_heads != n_kv_heads:
-                heads = mask.shape[1]
-                if heads == 1:
-                    mask = mx.expand_dims(mask, 2)
-                elif heads == n_q_heads:
-                    mask = mask.reshape(mask.shape[0], n_kv_heads, n_q_heads // n_kv_heads, *mask.shape[2:])
-        return original(queries, q_keys, q_values, scale, mask, group_size, bits)
-
-    return quantized_scaled_dot_product_attention
+    return _qsdpa.regrouping(original)
 
 
 def _case(module: Any, batch: int, n_kv_heads: int, additive: bool) -> str | None:
