@@ -25,6 +25,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _rows
+
 from kvpatch.record import Expiry, Finding, Patch, upstream_missing
 
 PATCH = Patch(
@@ -46,11 +48,6 @@ PATCH = Patch(
 
 @PATCH.replace("mlx_vlm.models.cache", "BatchQuantizedKVCache.extend")
 def _build(original: Any) -> Any:
-    import mlx.core as mx
-
-    def pad_rows(parts: Any, before: int, after: int) -> Any:
-        return tuple(mx.pad(a, [(before, after)] + [(0, 0)] * (a.ndim - 1)) for a in parts)
-
     def extend(self: Any, other: Any) -> Any:
         self_empty = self.keys is None
         other_empty = other.keys is None
@@ -58,11 +55,7 @@ def _build(original: Any) -> Any:
         n_other = other.offset.shape[0]
         result = original(self, other)
         if self_empty != other_empty and self.keys is not None:
-            missing = n_self if self_empty else n_other
-            if self.keys[0].shape[0] == n_self + n_other - missing:
-                before, after = (missing, 0) if self_empty else (0, missing)
-                self.keys = pad_rows(self.keys, before, after)
-                self.values = pad_rows(self.values, before, after)
+            _rows.fill_missing_rows(self, self_empty, n_self, n_other)
         return result
 
     return extend

@@ -29,6 +29,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _rows
+
 from kvpatch.record import Expiry, Finding, Patch, upstream_missing
 
 PATCH = Patch(
@@ -48,30 +50,6 @@ PATCH = Patch(
 )
 
 
-def _rows(state: Any) -> int | None:
-    """Batch size of the first array in a (nested) TurboQuant state."""
-    if isinstance(state, tuple):
-        for item in state:
-            rows = _rows(item)
-            if rows is not None:
-                return rows
-        return None
-    shape = getattr(state, "shape", None)
-    return shape[0] if shape else None
-
-
-def _pad_rows(state: Any, before: int, after: int) -> Any:
-    """Insert zero rows along the batch axis of every array in a (nested, NamedTuple) state."""
-    import mlx.core as mx
-
-    if isinstance(state, mx.array):
-        return mx.pad(state, [(before, after)] + [(0, 0)] * (state.ndim - 1))
-    if isinstance(state, tuple):
-        items = [_pad_rows(item, before, after) for item in state]
-        return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
-    return state
-
-
 @PATCH.replace("mlx_vlm.turboquant", "BatchTurboQuantKVCache.extend")
 def _build(original: Any) -> Any:
     def extend(self: Any, other: Any) -> Any:
@@ -81,11 +59,7 @@ def _build(original: Any) -> Any:
         n_other = other.offset.shape[0]
         result = original(self, other)
         if self_empty != other_empty and self.keys is not None:
-            missing = n_self if self_empty else n_other
-            if _rows(self.keys) == n_self + n_other - missing:
-                before, after = (missing, 0) if self_empty else (0, missing)
-                self.keys = _pad_rows(self.keys, before, after)
-                self.values = _pad_rows(self.values, before, after)
+            _rows.fill_missing_rows(self, self_empty, n_self, n_other)
             if self_empty and self.key_codec is None:
                 self.key_codec = other.key_codec
                 self.value_codec = other.value_codec
