@@ -36,6 +36,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _pending
+
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -58,18 +60,7 @@ PATCH = Patch(
 PENDING = (("BatchKVCache", "_right_padding"), ("BatchRotatingKVCache", "_lengths"))
 
 
-def _filter_pending(attribute: str) -> Any:
-    def build(original: Any) -> Any:
-        def filter(self: Any, batch_indices: Any) -> Any:
-            pending = getattr(self, attribute, None)
-            result = original(self, batch_indices)
-            if pending is not None:
-                setattr(self, attribute, pending[batch_indices])
-            return result
-
-        return filter
-
-    return build
+_filter_pending = _pending.filter_pending
 
 
 for _cls, _attribute in PENDING:
