@@ -40,7 +40,9 @@ def _run_bucket(bucket: Bucket, workdir: Path) -> tuple[int, str]:
         build(bucket)
     except Exception as exc:
         return 99, f"building {bucket.name} failed: {exc}"
-    env = bucket_environ(bucket, base=child_env())
+    # KVPATCH / KVPATCH_DISABLE pass through, so `KVPATCH_DISABLE=<id>` shows a regression test failing.
+    passed = {k: os.environ[k] for k in ("KVPATCH", "KVPATCH_DISABLE") if k in os.environ}
+    env = bucket_environ(bucket, base=child_env(passed))
     workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(REPO / "tests" / "upstream"), "-q", "-rfE", "-p", "no:cacheprovider"],
