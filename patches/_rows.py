@@ -44,3 +44,17 @@ def fill_missing_rows(cache: Any, self_was_empty: bool, n_self: int, n_other: in
         before, after = (missing, 0) if self_was_empty else (0, missing)
         cache.keys = pad_rows(cache.keys, before, after)
         cache.values = pad_rows(cache.values, before, after)
+
+
+def zero_length_like(cache: Any, like: Any) -> None:
+    """Give an empty batch cache zero-length keys/values in ``like``'s dtype, heads and head dims.
+
+    Shared by batch-extend-empty (mlx-lm, D2+F1) and vlm-batch-extend-dtype (mlx-vlm's copy): upstream's
+    ``extend`` pads the empty side from float32 placeholders, so a bf16 batch came back float32.
+    """
+    import mlx.core as mx
+
+    rows = cache.offset.shape[0]
+    heads, k_dim = like.keys.shape[1], like.keys.shape[3]
+    cache.keys = mx.zeros((rows, heads, 0, k_dim), dtype=like.keys.dtype)
+    cache.values = mx.zeros((rows, heads, 0, like.values.shape[3]), dtype=like.values.dtype)

@@ -32,6 +32,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _rows
+
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -54,11 +56,7 @@ def _build(original: Any) -> Any:
 
     import mlx.core as mx
 
-    def stand_in(cache: Any, like: Any) -> None:
-        rows = cache.offset.shape[0]
-        _, heads, _, k_dim = like.keys.shape
-        cache.keys = mx.zeros((rows, heads, 0, k_dim), dtype=like.keys.dtype)
-        cache.values = mx.zeros((rows, heads, 0, like.values.shape[3]), dtype=like.values.dtype)
+    stand_in = _rows.zero_length_like
 
     def extend(self: Any, other: Any) -> Any:
         if self.keys is None and other.keys is None:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _rows
+
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -48,13 +50,7 @@ PATCH = Patch(
 def _build(original: Any) -> Any:
     import copy
 
-    import mlx.core as mx
-
-    def stand_in(cache: Any, like: Any) -> None:
-        rows = cache.offset.shape[0]
-        heads, k_dim = like.keys.shape[1], like.keys.shape[3]
-        cache.keys = mx.zeros((rows, heads, 0, k_dim), dtype=like.keys.dtype)
-        cache.values = mx.zeros((rows, heads, 0, like.values.shape[3]), dtype=like.values.dtype)
+    stand_in = _rows.zero_length_like
 
     def extend(self: Any, other: Any) -> Any:
         if (self.keys is None) == (other.keys is None):
