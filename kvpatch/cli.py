@@ -15,11 +15,15 @@ import runpy
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 __all__ = ["main"]
 
 
-def _engine():  # type: ignore[no-untyped-def]
+def _engine() -> Engine:
     import kvpatch
 
     return kvpatch.get_engine()

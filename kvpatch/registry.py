@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import pkgutil
 import sys
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -28,7 +29,7 @@ class Registry:
         self.broken = broken
         self.by_id = {p.id: p for p in patches}
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Patch]:
         return iter(self.patches)
 
     def __len__(self) -> int:

@@ -438,7 +438,7 @@ def requirement_on(requires: Iterable[str], dependency: str) -> SpecifierSet | N
             reqs.append(req)
     if not reqs:
         return None
-    env: dict[str, str] = dict(default_environment())
+    env: dict[str, str] = {k: str(v) for k, v in default_environment().items()}
     for system in (env["platform_system"], "Darwin"):
         chosen = [
             r
@@ -1044,7 +1044,7 @@ def format_text(outcome: Outcome) -> str:
         lines.append(f"note: {note}")
     failed = [r for r in outcome.rows if r.verdict and r.verdict.agrees is False]
     unmeasured = [r for r in failed if r.measured is Measured.COULD_NOT_RUN]
-    must = [(r, a) for r in failed if r.measured is not Measured.COULD_NOT_RUN for a in r.verdict.advice]
+    must = [(r, a) for r in failed if r.verdict and r.measured is not Measured.COULD_NOT_RUN for a in r.verdict.advice]
     may = [(r, a) for r in outcome.rows if r.verdict and r.verdict.agrees is True for a in r.verdict.advice]
     lines.append("")
     if must:

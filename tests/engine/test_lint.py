@@ -18,3 +18,13 @@ def test_ruff(args):
         [RUFF, *args, "kvpatch", "patches", "tests", "scripts"], cwd=REPO, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+MYPY = shutil.which("mypy")
+
+
+@pytest.mark.skipif(MYPY is None, reason="mypy is not installed")
+def test_mypy_engine():
+    """kvpatch ships py.typed: its engine type-checks."""
+    proc = subprocess.run([MYPY], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
