@@ -173,7 +173,15 @@ def test_status_cli_and_verify(run_py):
         and not p["verify"]["outcome"].startswith("skipped")
     ]
     assert bad == [], bad
-    assert data["check"]["exit"] in (0, 1), data["check"]
+    # every patch applied here must show its bug present without it and fixed with it
+    # (Metal-only patches are applied by version and commit; their reproductions skip off Metal)
+    applied = {
+        p["id"]: p["verify"]["outcome"]
+        for p in data["patches"]
+        if p["state"] == "applied" and p["verify"] and not p["metal_only"]
+    }
+    assert {k: v for k, v in applied.items() if v != "bug present, fixed by patch"} == {}
+    assert data["check"]["exit"] == 0, data["check"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("_kvpatch_boot") is None, reason="kvpatch is not installed (no .pth)")
