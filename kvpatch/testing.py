@@ -85,3 +85,40 @@ def tiny_llama(*, seed: int = 0, heads: int = 4, kv_heads: int = 2, vocab: int =
         model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
+
+
+def tiny_pixtral_language_model(*, head_dim: int, heads: int = 4, kv_heads: int = 2, dtype: object = None) -> object:
+    """A random-weight mlx-vlm language model (pixtral's, hidden 64, 2 layers): the mlx-vlm test model."""
+    import mlx.core as mx
+    from mlx_vlm.models.pixtral.config import TextConfig
+    from mlx_vlm.models.pixtral.language import LanguageModel
+
+    mx.random.seed(0)
+    config = TextConfig(
+        model_type="mistral",
+        hidden_size=64,
+        head_dim=head_dim,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=64,
+        rope_theta=10000.0,
+    )
+    model = LanguageModel(config)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def skip_unless_in_place(patch_id: str, why: str) -> None:
+    """For tests that rely on another patch: skip when the running upstream needs it and it is not installed
+    (e.g. run with ``KVPATCH_DISABLE``), so that only that patch's own tests fail."""
+    import pytest
+
+    from .gate import Action
+
+    st = get_engine().status.get(patch_id)
+    if st is not None and natural_decision(st.patch).action is Action.APPLY and not st.installed:
+        pytest.skip(f"this release also has {why} and {patch_id} is not applied")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import pytest
 
 import kvpatch
+from kvpatch.testing import tiny_pixtral_language_model
 
 RELEASES = ("0.5.0", "0.7.10")
 FAMILIES = ("quantized", "turboquant", "plain")
@@ -70,25 +71,8 @@ def dtype(request):
 @pytest.fixture(scope="module")
 def model(dtype):
     import mlx.core as mx
-    from mlx_vlm.models.pixtral.config import TextConfig
-    from mlx_vlm.models.pixtral.language import LanguageModel
 
-    mx.random.seed(0)
-    config = TextConfig(
-        model_type="mistral",
-        hidden_size=64,
-        head_dim=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        rope_theta=10000.0,
-    )
-    m = LanguageModel(config)
-    m.set_dtype(getattr(mx, dtype))
-    mx.eval(m.parameters())
-    return m
+    return tiny_pixtral_language_model(head_dim=64, heads=4, kv_heads=2, dtype=getattr(mx, dtype))
 
 
 def _server_make_cache():

@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.empty_tq_rows import PATCH
 
-import kvpatch
 from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision
+from kvpatch.testing import import_targets, natural_decision, skip_unless_in_place, tiny_pixtral_language_model
 
 PROMPT = [7, 3, 22, 41, 8]
 SHORT_PROMPT = [9, 13]
@@ -25,32 +24,11 @@ def _in_range():
         pytest.skip(f"{PATCH.id}: {decision.reason}")
     import_targets(PATCH)
     # The merged batch is left-padded: on releases with V01 the decode mask needs left-padding-mask.
-    engine = kvpatch.get_engine()
-    mask = engine.status.get("left-padding-mask")
-    if mask is not None and natural_decision(mask.patch).action is Action.APPLY and not mask.installed:
-        pytest.skip("this release also has V01 (left padding not masked) and left-padding-mask is not applied")
+    skip_unless_in_place("left-padding-mask", "V01 (left padding not masked)")
 
 
 def _tiny_model():
-    import mlx.core as mx
-    from mlx_vlm.models.pixtral.config import TextConfig
-    from mlx_vlm.models.pixtral.language import LanguageModel
-
-    mx.random.seed(0)
-    config = TextConfig(
-        model_type="mistral",
-        hidden_size=64,
-        head_dim=32,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        rope_theta=10000.0,
-    )
-    model = LanguageModel(config)
-    mx.eval(model.parameters())
-    return model
+    return tiny_pixtral_language_model(head_dim=32, heads=4, kv_heads=2)
 
 
 def _caches(model, bits, prompt):

@@ -13,7 +13,7 @@ import pytest
 from kvpatch.patches.left_padding_mask import PATCH
 
 from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision
+from kvpatch.testing import import_targets, natural_decision, tiny_pixtral_language_model
 
 LEFT_PADDING = [3, 1, 0]
 CASES = [  # (stage, N, return_array, window_size)
@@ -68,25 +68,8 @@ def test_mask_equals_mlx_lm_batch_kv_cache(kind, stage, n, return_array, window)
 
 
 def _tiny_model():
-    import mlx.core as mx
-    from mlx_vlm.models.pixtral.config import TextConfig
-    from mlx_vlm.models.pixtral.language import LanguageModel
-
-    mx.random.seed(0)
-    config = TextConfig(
-        model_type="mistral",
-        hidden_size=64,
-        head_dim=32,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=2,  # no grouped-query attention: mlx-lm <= 0.31.3's quantized SDPA breaks on it (A3)
-        vocab_size=64,
-        rope_theta=10000.0,
-    )
-    model = LanguageModel(config)
-    mx.eval(model.parameters())
-    return model
+    # no grouped-query attention: mlx-lm <= 0.31.3's quantized SDPA breaks on it (A3)
+    return tiny_pixtral_language_model(head_dim=32, heads=2, kv_heads=2)
 
 
 @pytest.mark.parametrize("kind", ["quantized", "turboquant"])

@@ -14,9 +14,8 @@ import pytest
 from kvpatch.patches.mask_fill import PATCH as MASK_FILL
 from kvpatch.patches.qsdpa_gqa_batch_mask import PATCH
 
-import kvpatch
 from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision
+from kvpatch.testing import import_targets, natural_decision, skip_unless_in_place, tiny_pixtral_language_model
 
 PROMPTS = [[7, 3, 22, 41, 8], [9, 13]]
 STEPS = [[11, 12], [30, 31], [40, 41]]
@@ -68,29 +67,8 @@ def _vlm_uses_mlx_lm_attention() -> bool:
 def vlm_model():
     if not _vlm_uses_mlx_lm_attention():
         pytest.skip("needs mlx-vlm 0.5.0-0.6.3 (BatchQuantizedKVCache over mlx-lm's quantized attention)")
-    engine = kvpatch.get_engine()
-    mask = engine.status.get("left-padding-mask")  # V01 (mlx-vlm 0.5.0): left padding not masked
-    if mask is not None and natural_decision(mask.patch).action is Action.APPLY and not mask.installed:
-        pytest.skip("this release also has V01 (left padding not masked) and left-padding-mask is not applied")
-    import mlx.core as mx
-    from mlx_vlm.models.pixtral.config import TextConfig
-    from mlx_vlm.models.pixtral.language import LanguageModel
-
-    mx.random.seed(0)
-    config = TextConfig(
-        model_type="mistral",
-        hidden_size=64,
-        head_dim=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        rope_theta=10000.0,
-    )
-    model = LanguageModel(config)
-    mx.eval(model.parameters())
-    return model
+    skip_unless_in_place("left-padding-mask", "V01 (left padding not masked)")
+    return tiny_pixtral_language_model(head_dim=64, heads=4, kv_heads=2)
 
 
 def _vlm_decode(model, prompts, steps):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.vlm_batch_extend_dtype import PATCH
 
-from kvpatch.testing import require_affected
+from kvpatch.testing import require_affected, tiny_pixtral_language_model
 
 PROMPTS = [[7, 3, 22, 41, 8], [9, 13, 2]]
 NEW = 17  # the one-token prompt that joins empty
@@ -40,25 +40,8 @@ def dtype(request):
 @pytest.fixture(scope="module")
 def model(in_range, dtype):
     import mlx.core as mx
-    from mlx_vlm.models.pixtral.config import TextConfig
-    from mlx_vlm.models.pixtral.language import LanguageModel
 
-    mx.random.seed(0)
-    config = TextConfig(
-        model_type="mistral",
-        hidden_size=64,
-        head_dim=16,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        rope_theta=10000.0,
-    )
-    m = LanguageModel(config)
-    m.set_dtype(getattr(mx, dtype))
-    mx.eval(m.parameters())
-    return m
+    return tiny_pixtral_language_model(head_dim=16, heads=4, kv_heads=2, dtype=getattr(mx, dtype))
 
 
 def _logits(model, tokens, caches):
