@@ -98,6 +98,8 @@ class PatchStatus:
     verified: str | None = None
     installed: list[Target] = field(default_factory=list)
     suspended: bool = False
+    #: Targets whose source fingerprint has been checked already.
+    fingerprinted: set[Target] = field(default_factory=set)
 
     @property
     def needs_verify(self) -> bool:
@@ -265,7 +267,7 @@ class Engine:
         if not patch.validated:
             return
         for target in patch.targets:
-            if target.kind is not Kind.REPLACE:
+            if target.kind is not Kind.REPLACE or target in st.fingerprinted:
                 continue
             module = sys.modules.get(target.module)
             if module is None:
@@ -273,12 +275,11 @@ class Engine:
             original = self._upstream_original(target, module)
             if original is _MISSING:
                 continue
+            st.fingerprinted.add(target)  # reading source costs: once per target, not once per hook
             fp = fingerprint(original)
-            note = (
-                f"{target.path} has source fingerprint {fp}, not one validated ({', '.join(sorted(patch.validated))})"
-            )
-            if fp not in patch.validated and note not in st.drift:
-                st.drift.append(note)
+            if fp not in patch.validated:
+                known = ", ".join(sorted(patch.validated))
+                st.drift.append(f"{target.path} has source fingerprint {fp}, not one validated ({known})")
 
     def _verify_and_apply(self, st: PatchStatus) -> None:
         patch = st.patch

@@ -202,3 +202,53 @@ def test_bootstrap_sees_the_top_level_package_finish(run_py):
     if not out["hooked"]:
         pytest.skip(f"no patch is pending for {pkg} here")
     assert out["ready"]
+
+
+def test_drifted_target_is_judged_by_the_reproduction(run_py):
+    """A target whose source fingerprint is not one the patch was validated on is not applied blindly: the
+    reproduction runs, and the patch goes in only because it shows the bug present and then fixed."""
+    out = _json_tail(
+        run_py(
+            _prelude()
+            + """
+import copy
+from kvpatch import registry
+from kvpatch.config import Config
+from kvpatch.engine import Engine, fingerprint
+from kvpatch.gate import Action
+from kvpatch.testing import natural_decision
+candidates = [p for p in registry.load().patches
+              if natural_decision(p).action is Action.APPLY and not p.metal_only
+              and any(t.kind.value == "replace" and not t.optional for t in p.targets)]
+if not candidates:
+    print(json.dumps(None)); raise SystemExit
+real = candidates[0]
+result = {"patch": real.id}
+for label, validated in (("drifted", frozenset({"000000000000"})), ("validated", None)):
+    probe = copy.copy(real)
+    if validated is None:  # the true fingerprints of the installed targets
+        import_all(list(real.modules))
+        fps = set()
+        for t in real.targets:
+            obj = sys.modules[t.module]
+            for part in t.qualname.split("."):
+                obj = getattr(obj, part, None)
+            if obj is not None:
+                fps.add(fingerprint(obj))
+        validated = frozenset(fps)
+    probe.validated = validated
+    eng = Engine([probe], config=Config())
+    eng.activate()
+    import_all(list(real.modules))
+    st = eng.status[real.id]
+    result[label] = {"state": st.state.value, "drift": bool(st.drift), "verified": st.verified}
+    eng.deactivate()
+print(json.dumps(result))
+""",
+            env={"KVPATCH": "off"},
+        )
+    )
+    if out is None:
+        pytest.skip("no patch applies to this upstream release")
+    assert out["drifted"] == {"state": "applied", "drift": True, "verified": "bug present, fixed by patch"}, out
+    assert out["validated"] == {"state": "applied", "drift": False, "verified": None}, out
