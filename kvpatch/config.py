@@ -3,6 +3,8 @@
 ``KVPATCH``          ``off`` (also ``0``, ``false``, ``no``, ``disable(d)``) turns kvpatch off entirely,
                      including auto-activation. ``on`` or unset: active.
 ``KVPATCH_DISABLE``  comma-separated patch ids to leave out; ``*`` leaves out all of them.
+``KVPATCH_ENABLE``   comma-separated ids of opt-in patches to turn on (patches that change documented
+                     upstream behaviour rather than fix a bug are off unless named here); ``*``: all.
 ``KVPATCH_ENFORCE``  ``1``: overdue patches fail ``status --check`` and the test suite (set in CI,
                      never by default).
 
@@ -28,9 +30,14 @@ class Config:
     disable_all: bool = False
     enforce: bool = False
     problems: tuple[str, ...] = ()
+    enabled_ids: frozenset[str] = frozenset()
+    enable_all: bool = False
 
     def is_disabled(self, patch_id: str) -> bool:
         return self.disable_all or patch_id in self.disabled_ids
+
+    def is_opted_in(self, patch_id: str) -> bool:
+        return self.enable_all or patch_id in self.enabled_ids
 
 
 def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[str] | None = None) -> Config:
@@ -45,18 +52,8 @@ def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[s
         if raw not in ON_VALUES:
             problems.append(f"KVPATCH={env.get('KVPATCH')!r} is not understood (use 'off' or 'on'); kvpatch stays on")
 
-    disabled: set[str] = set()
-    disable_all = False
-    for item in env.get("KVPATCH_DISABLE", "").split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
-        if item == "*":
-            disable_all = True
-        elif known_ids is not None and item not in known_ids:
-            problems.append(f"KVPATCH_DISABLE names unknown patch id {item!r} (known: {', '.join(sorted(known_ids))})")
-        else:
-            disabled.add(item)
+    disabled, disable_all = _ids(env, "KVPATCH_DISABLE", known_ids, problems)
+    opted, enable_all = _ids(env, "KVPATCH_ENABLE", known_ids, problems)
 
     enforce_raw = env.get("KVPATCH_ENFORCE", "").strip().lower()
     enforce = False
@@ -68,4 +65,23 @@ def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[s
                 f"KVPATCH_ENFORCE={env.get('KVPATCH_ENFORCE')!r} is not understood (use 1 or 0); not enforcing"
             )
 
-    return Config(enabled, frozenset(disabled), disable_all, enforce, tuple(problems))
+    return Config(enabled, frozenset(disabled), disable_all, enforce, tuple(problems), frozenset(opted), enable_all)
+
+
+def _ids(
+    env: Mapping[str, str], variable: str, known_ids: frozenset[str] | None, problems: list[str]
+) -> tuple[set[str], bool]:
+    """The ids a comma-separated variable names, and whether it says ``*``."""
+    ids: set[str] = set()
+    every = False
+    for item in env.get(variable, "").split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        if item == "*":
+            every = True
+        elif known_ids is not None and item not in known_ids:
+            problems.append(f"{variable} names unknown patch id {item!r} (known: {', '.join(sorted(known_ids))})")
+        else:
+            ids.add(item)
+    return ids, every

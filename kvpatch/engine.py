@@ -55,6 +55,7 @@ class State(enum.Enum):
     OUT_OF_RANGE = "out of range"
     NOT_INSTALLED = "not installed"
     DISABLED = "disabled"
+    OPT_IN = "opt-in"  # changes documented upstream behaviour; off unless KVPATCH_ENABLE names it
     DRIFTED = "drifted"  # target code is not what the patch was validated on, and the reproduction did not settle it
     FAILED = "failed"
 
@@ -66,6 +67,7 @@ _FROM_ACTION = {
     Action.OUT_OF_RANGE: State.OUT_OF_RANGE,
     Action.NOT_INSTALLED: State.NOT_INSTALLED,
     Action.DISABLED: State.DISABLED,
+    Action.OPT_IN: State.OPT_IN,
 }
 
 
@@ -480,12 +482,45 @@ def import_target_modules(patch: Patch) -> None:
 
 
 def run_reproduction(patch: Patch) -> Finding:
+    """Run ``patch``'s reproduction: present, absent, or inconclusive (an error that is not the bug's symptom).
+
+    mlx's global random state, default device and default stream are saved and put back, so a
+    reproduction leaves no trace in the process that ran it.
+    """
     if patch.reproduction is None:
         raise LookupError(f"{patch.id} has no reproduction")
-    finding = patch.reproduction()
+    with _mlx_state_kept():
+        try:
+            finding = patch.reproduction()
+        except Exception as exc:
+            return Finding.from_error(exc)
     if not isinstance(finding, Finding):
         raise TypeError(f"{patch.id}: reproduction returned {finding!r}, not a Finding")
     return finding
+
+
+@contextmanager
+def _mlx_state_kept() -> Iterator[None]:
+    """Put mlx's default device and stream back after a block, and its random state where mlx allows it.
+
+    mlx up to 0.31 keeps the global key in a plain list, which is restored. Newer mlx keeps it in an
+    opaque ``_RandomState`` that cannot be set back, which is one reason reproductions never run in a
+    user's process (verdicts are settled by ``kvpatch verify`` or in a child process).
+    """
+    mx = sys.modules.get("mlx.core")
+    if mx is None:
+        import mlx.core as mx
+    state = getattr(mx.random, "state", None)
+    saved = list(state) if isinstance(state, list) else None
+    device = mx.default_device()
+    stream = mx.default_stream(device)
+    try:
+        yield
+    finally:
+        if saved is not None and isinstance(state, list):
+            state[:] = saved
+        mx.set_default_device(device)
+        mx.set_default_stream(stream)
 
 
 def _executing(module: types.ModuleType) -> bool:

@@ -29,6 +29,8 @@ class Action(enum.Enum):
     OUT_OF_RANGE = "out of range"
     NOT_INSTALLED = "not installed"
     DISABLED = "disabled"
+    #: The patch changes documented upstream behaviour and was not asked for (``KVPATCH_ENABLE``).
+    OPT_IN = "opt-in"
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,17 @@ def decide(patch: Patch, upstream: Upstream, config: Config, placer: Placer | No
         return Decision(Action.DISABLED, f"disabled by {how}")
     if not upstream.installed:
         return Decision(Action.NOT_INSTALLED, f"{patch.distribution} is not installed")
+    decision = _decide_installed(patch, upstream, placer)
+    if patch.opt_in and decision.action in (Action.APPLY, Action.VERIFY) and not config.is_opted_in(patch.id):
+        return Decision(
+            Action.OPT_IN,
+            f"{decision.reason}; this patch changes documented upstream behaviour, so it is off unless asked for: "
+            f"KVPATCH_ENABLE={patch.id}",
+        )
+    return decision
+
+
+def _decide_installed(patch: Patch, upstream: Upstream, placer: Placer | None) -> Decision:
 
     dist = patch.distribution
     source = upstream.source

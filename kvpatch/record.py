@@ -32,6 +32,7 @@ __all__ = [
     "Patch",
     "RecordError",
     "Target",
+    "symptom",
     "upstream_missing",
 ]
 
@@ -77,12 +78,51 @@ class Target:
 
 @dataclass(frozen=True)
 class Finding:
-    """What a reproduction observed in the running upstream."""
+    """What a reproduction observed in the running upstream: present, absent, or inconclusive.
+
+    Only the bug's own symptom is ``present`` (a wrong value, or the exact error the bug raises; see
+    :func:`symptom`). Anything else that goes wrong while reproducing (an unrelated error, a kernel
+    this backend lacks, an API that moved) says nothing about the bug: the engine turns an exception
+    that escapes a reproduction into an *inconclusive* finding, and nothing ever advises a record
+    edit on one.
+    """
 
     present: bool
     detail: str = ""
-    #: Set when the reproduction could not run at all here (e.g. a Metal-only bug on CPU).
+    #: Set when the reproduction declares it cannot run here at all (e.g. a Metal-only bug on CPU).
     skipped: str | None = None
+    #: Set when the reproduction ran into something other than the bug (the error, as text).
+    inconclusive: str | None = None
+
+    @property
+    def verdict(self) -> str:
+        """``present``, ``absent``, ``inconclusive`` or ``skipped``."""
+        if self.skipped:
+            return "skipped"
+        if self.inconclusive:
+            return "inconclusive"
+        return "present" if self.present else "absent"
+
+    @classmethod
+    def from_error(cls, exc: BaseException) -> Finding:
+        """The inconclusive finding for an error that is not the bug's own symptom."""
+        return cls(False, inconclusive=f"{type(exc).__name__}: {exc}")
+
+
+def symptom(exc: BaseException, *fragments: str) -> str:
+    """``str(exc)`` when it carries one of ``fragments`` (the bug's own error message); else re-raise ``exc``.
+
+    Reproductions catch only the exception type the bug raises and confirm the message with this, so an
+    unrelated error of the same type (a missing kernel on another backend, an API change) propagates and
+    the finding is inconclusive rather than "present"::
+
+        except ValueError as exc:
+            return Finding(True, f"extend then decode raises: {symptom(exc, 'Cannot broadcast')}")
+    """
+    text = str(exc)
+    if any(fragment in text for fragment in fragments):
+        return text
+    raise exc
 
 
 @dataclass(frozen=True)
@@ -148,6 +188,9 @@ class Patch:
     validated: frozenset[str] = frozenset()
     #: True when the bug cannot be observed on this backend (e.g. Metal-only kernels).
     metal_only: bool = False
+    #: True when the fix changes documented upstream behaviour (a policy, not a bug fix): the patch is
+    #: off unless ``KVPATCH_ENABLE`` names it (see :mod:`kvpatch.config`).
+    opt_in: bool = False
     targets: list[Target] = field(default_factory=list)
     builders: dict[Target, Builder] = field(default_factory=dict, repr=False)
     reproduction: Reproduction | None = field(default=None, repr=False)
@@ -172,6 +215,12 @@ class Patch:
                     raise RecordError(f"{self.id}: bad {name} {value!r}") from exc
         if self.fixed_in is not None and self.specifier.contains(self.fixed_in, prereleases=True):
             raise RecordError(f"{self.id}: fixed_in {self.fixed_in} lies inside {self.affected}")
+        if not any(spec.operator in ("<", "<=", "==", "~=", "===") for spec in self.specifier):
+            # An open range would apply blindly to every future release: a range ends at the fix, or
+            # (unfixed) at the newest release measured, and newer releases go to the reproduction.
+            raise RecordError(f"{self.id}: affected range {self.affected!r} has no upper bound")
+        if self.fixed_in is None and self.checked_through is None:
+            raise RecordError(f"{self.id}: an unfixed bug needs checked_through (the newest release measured)")
         self.validated = frozenset(self.validated)
 
     # -- declaration helpers used by patch modules ------------------------------------------

@@ -44,7 +44,7 @@ PATCH = Patch(
     id="lm-filter-right-padding",
     summary="mlx-lm batch cache filter() leaves pending right padding (_right_padding/_lengths) unfiltered",
     distribution="mlx-lm",
-    affected=">=0.28.4",
+    affected=">=0.28.4,<=0.32.2",
     introduced_commit="088e7ad7",
     checked_through="0.32.2",
     reference="not reported upstream",

@@ -149,6 +149,9 @@ def test_known_pins_against_real_index():
         {"affected": "not a range"},
         {"fixed_in": "0.5.5"},  # inside the affected range
         {"fixed_in": "x.y"},
+        {"affected": ">=0.5.0"},  # open range: would apply blindly to every future release
+        {"affected": ">=0.5.0", "checked_through": "0.6.0"},
+        {"affected": ">=0.5.0,<=0.6.0", "fixed_in": None},  # unfixed without checked_through
     ],
 )
 def test_bad_records_are_rejected(kwargs):
@@ -166,6 +169,6 @@ def test_bad_records_are_rejected(kwargs):
 
 
 def test_target_outside_upstream_is_rejected():
-    p = Patch(id="t", summary="s", distribution="mlx-lm", affected=">=0.1", reference="r", expiry=EXPIRY)
+    p = Patch(id="t", summary="s", distribution="mlx-lm", affected=">=0.1,<0.2", fixed_in="0.2", reference="r", expiry=EXPIRY)
     with pytest.raises(RecordError):
         p.replace("os.path", "join")
