@@ -11,10 +11,9 @@ tiny ``.pth`` bootstrap that costs nothing to processes that never import them).
 
 from __future__ import annotations
 
-import logging
 import threading
-import warnings
 
+from ._warn import emit as _emit
 from .engine import Engine, KvpatchWarning, PatchStatus, State, fingerprint
 from .record import Expiry, Finding, Kind, Patch, Target
 
@@ -40,9 +39,10 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-log = logging.getLogger(__name__)
-_engine: Engine | None = None
-_lock = threading.Lock()
+# ``importlib.reload(kvpatch)`` re-runs this file in the same namespace: keep the engine that is already
+# active (a second engine would find the first one's marks and install nothing, but one is enough).
+_engine: Engine | None = globals().get("_engine")
+_lock = globals().get("_lock") or threading.Lock()
 
 
 def _build() -> Engine:
@@ -55,9 +55,13 @@ def _build() -> Engine:
 def get_engine() -> Engine:
     """The process's engine (built on first use; not necessarily active)."""
     global _engine
+    engine = _engine
+    if engine is not None:
+        return engine
+    built = _build()  # outside the lock: building imports the patch units
     with _lock:
         if _engine is None:
-            _engine = _build()
+            _engine = built
         return _engine
 
 
@@ -69,9 +73,7 @@ def activate() -> Engine | None:
             engine.activate()
         return engine
     except Exception as exc:  # kvpatch must never break the user's program
-        message = f"kvpatch could not activate: {type(exc).__name__}: {exc}"
-        log.warning("%s", message)
-        warnings.warn(message, KvpatchWarning, stacklevel=2)
+        _emit(f"kvpatch could not activate: {type(exc).__name__}: {exc}", key="activate")
         return None
 
 
@@ -82,8 +84,13 @@ def deactivate() -> None:
 
 
 def records() -> list[PatchStatus]:
-    """The status of every patch in this process, for servers that assert kvpatch is active."""
+    """The status of every patch in this process as it is now, for servers that assert kvpatch is active.
+
+    Each installed replacement is looked up again: one that something else has since replaced shows as
+    ``overridden`` (call this, or :func:`require_applied`, after your own patches are in).
+    """
     engine = get_engine()
+    engine.refresh()
     return [engine.status[p.id] for p in engine.patches]
 
 

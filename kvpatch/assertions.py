@@ -63,6 +63,7 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
     could not be loaded.
     """
     loaded = set(sys.modules if imported is None else imported)
+    engine.refresh()  # "applied" means reachable now, not installed once
     applicable: list[PatchStatus] = []
     found: list[Problem] = []
     for patch in engine.patches:
@@ -75,7 +76,12 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
             if st.state is State.PENDING and not any(m in loaded for m in patch.modules):
                 continue  # its modules were never imported: nothing to patch yet
             found.append(Problem(patch.id, st.state.value, st.error or st.reason))
-        elif action is Action.VERIFY and st.state in (State.FAILED, State.DRIFTED):
+        elif action is Action.VERIFY and st.state in (
+            State.FAILED,
+            State.DRIFTED,
+            State.TARGET_MISSING,
+            State.OVERRIDDEN,
+        ):
             found.append(Problem(patch.id, st.state.value, st.error or st.reason))
     for module, error in engine.broken.items():
         found.append(Problem(module, "broken", error))

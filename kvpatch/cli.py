@@ -33,7 +33,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from .status import build_report, format_text
 
     engine = _engine()
-    report = build_report(engine, verify=args.verify)
+    report = build_report(engine, verify=args.verify, settle=not args.no_settle, fresh=args.fresh)
     if args.json:
         print(json.dumps(report.data, indent=2, sort_keys=False))
     else:
@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 0 clean, 1 action needed, 2 a patch failed")
     p.add_argument(
         "--verify", action="store_true", help="run each relevant reproduction with and without its patch (imports mlx)"
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="settle outcomes again (import upstream) even if the environment is unchanged",
+    )
+    p.add_argument(
+        "--no-settle", action="store_true", help="predictions only: read package metadata, import nothing of upstream"
     )
     p.set_defaults(func=cmd_status)
 

@@ -1,14 +1,17 @@
-"""Apply and restore patches through post-import hooks.
+"""Apply and restore patches through post-import hooks: the lifecycle of kvpatch in one process.
 
-The engine decides once per process (the gate), registers a wrapt post-import hook per target
-module, and when a module arrives installs the patches that apply to it. Replacements are plain
-attributes set on the owner (module or class): nothing wraps them per call. Every change is kept in a
-restore record (owner, name, whether the owner held the attribute itself, the raw original), so that
-removing a patch puts back exactly what was there: an inherited attribute is deleted again rather than
-shadowed, and modules that had imported a replaced function by name get the original back.
+The engine decides once per process (the gate), registers a wrapt post-import hook per target module,
+and when a module arrives installs the patches that apply to it. Replacements are plain functions set on
+the owner (module or class): nothing wraps them per call. The surgery itself (marks, metadata, foreign
+wrappers, restore, aliases) lives in :mod:`kvpatch.surgery`; this module keeps the lifecycle.
 
-Nothing in a hook may raise into the user's import: every error is recorded on the patch's status
-(state ``failed``), logged, and warned about once with :class:`KvpatchWarning`.
+Threads and imports: the engine's lock guards only its own bookkeeping and is never held while importing,
+while calling a patch's builder (builders may import), while registering wrapt hooks, or while warning.
+Replacements are built outside the lock and committed under it; a target that meanwhile got kvpatch's
+replacement from another thread (or another engine: the mark tells) is not patched twice.
+
+Nothing in a hook may raise into the user's import: every error is recorded on the patch's status (state
+``failed`` or ``target missing``) and warned about once through :mod:`kvpatch._warn`.
 """
 
 from __future__ import annotations
@@ -21,16 +24,19 @@ import logging
 import sys
 import threading
 import types
-import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import surgery
+from ._warn import KvpatchWarning, emit
 from .config import Config, read_config
 from .detect import Upstream, detect
 from .gate import Action, Decision, decide
 from .record import DISTRIBUTIONS, Finding, Kind, Patch, Target
+from .surgery import MISSING as _MISSING
+from .surgery import Change
 
 __all__ = [
     "Engine",
@@ -41,11 +47,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_MISSING = object()
-
-
-class KvpatchWarning(UserWarning):
-    """Something about kvpatch's patches needs attention (never raised, only warned)."""
 
 
 class State(enum.Enum):
@@ -58,6 +59,8 @@ class State(enum.Enum):
     OPT_IN = "opt-in"  # changes documented upstream behaviour; off unless KVPATCH_ENABLE names it
     DRIFTED = "drifted"  # target code is not what the patch was validated on, and the reproduction did not settle it
     FAILED = "failed"
+    TARGET_MISSING = "target missing"  # a target is not where the patch expects it (moved or removed upstream)
+    OVERRIDDEN = "overridden"  # installed, but something else replaced kvpatch's replacement since
 
 
 _FROM_ACTION = {
@@ -69,20 +72,6 @@ _FROM_ACTION = {
     Action.DISABLED: State.DISABLED,
     Action.OPT_IN: State.OPT_IN,
 }
-
-
-@dataclass
-class _Change:
-    """One attribute changed on one owner: how to put it back."""
-
-    patch_id: str
-    target: Target
-    owner: Any
-    name: str
-    had_own: bool
-    raw_original: Any
-    replacement: Any
-    aliases: list[tuple[types.ModuleType, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -102,6 +91,10 @@ class PatchStatus:
     suspended: bool = False
     #: Targets whose source fingerprint has been checked already.
     fingerprinted: set[Target] = field(default_factory=set)
+    #: What restore had to leave in place (foreign wrappers over kvpatch's replacement), newest last.
+    notes: list[str] = field(default_factory=list)
+    #: Targets where kvpatch's replacement is reached only through someone else's wrapper.
+    wrapped: list[str] = field(default_factory=list)
 
     @property
     def needs_verify(self) -> bool:
@@ -112,7 +105,8 @@ def fingerprint(obj: Any) -> str | None:
     """A short hash of an object's source text (blank lines and indentation normalised).
 
     Source, not bytecode, so the same upstream code has the same fingerprint on every Python.
-    ``None`` when the source cannot be read.
+    ``None`` when the source cannot be read. kvpatch's own replacements are looked through
+    (``__wrapped__``), so a patched target has its upstream fingerprint.
     """
     func = inspect.unwrap(obj) if callable(obj) else obj
     func = getattr(func, "__func__", func)
@@ -142,12 +136,11 @@ class Engine:
         self.config = config if config is not None else read_config(known_ids=known)
         self.broken = dict(broken or {})
         self.status: dict[str, PatchStatus] = {}
-        self._changes: list[_Change] = []  # in install order
+        self._changes: list[Change] = []  # in install order
         self._hooked: set[str] = set()
         self._ready: set[str] = set()  # top-level upstream packages fully imported
-        self._hooking: set[str] = set()  # modules whose post-import hook is running now
-        self._warned: set[str] = set()
-        self._lock = threading.RLock()
+        self._local = threading.local()  # per thread: modules whose post-import hook runs now
+        self._lock = threading.RLock()  # bookkeeping only: never held while importing or building
         self._active = False
         for problem in self.config.problems:
             self.warn(problem, key=f"config:{problem}")
@@ -167,57 +160,95 @@ class Engine:
         return PatchStatus(patch, decision, _FROM_ACTION[decision.action], decision.reason)
 
     # -- activation --------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return self._active
+
     def activate(self) -> None:
         """Register the post-import hooks (patches modules already imported right away)."""
         with self._lock:
             if self._active:
                 return
             self._active = True
-            modules: dict[str, None] = {}
-            packages: dict[str, None] = {}
+            names: dict[str, None] = {}
             for st in self.status.values():
-                if st.state is State.PENDING:
-                    packages[st.patch.import_name] = None
+                if st.state in (State.PENDING, State.APPLIED):
+                    names[st.patch.import_name] = None
+            for st in self.status.values():
+                if st.state in (State.PENDING, State.APPLIED):
                     for module in st.patch.modules:
-                        modules[module] = None
-            if not modules:
-                return
+                        names[module] = None
+            fresh = [n for n in names if n not in self._hooked]
+            again = [n for n in names if n in self._hooked]
+            self._hooked.update(fresh)
+        if not names:
+            return
+        # Outside the lock: wrapt may call the hook at once (module already imported), and our hook
+        # takes the lock itself; holding it here could deadlock against an import in another thread.
+        for name in again:  # re-activation: wrapt will not call us again for these
+            loaded = sys.modules.get(name)
+            if loaded is not None:
+                self._hook(loaded)
+        if not fresh:
+            return
+        try:
             import wrapt
+        except Exception as exc:  # no wrapt: no hook will ever fire, so nothing pending will ever apply
+            self._cannot_activate(exc)
+            return
 
-            for name in [*packages, *modules]:
-                if name in self._hooked:  # re-activation: wrapt will not call us again for these
-                    if name in sys.modules:
-                        self._hook(sys.modules[name])
-                    continue
-                self._hooked.add(name)
-                try:
-                    wrapt.register_post_import_hook(self._hook, name)
-                except Exception as exc:  # pragma: no cover - wrapt itself failing
-                    self.warn(f"could not hook {name}: {exc}", key=f"hook:{name}")
+        for name in fresh:
+            try:
+                wrapt.register_post_import_hook(self._hook, name)
+            except Exception as exc:  # pragma: no cover - wrapt itself failing
+                self.warn(f"could not hook {name}: {exc}", key=f"hook:{name}")
 
-    def deactivate(self) -> None:
-        """Restore every original; hooks stay registered but do nothing until re-activated."""
+    def _cannot_activate(self, exc: BaseException) -> None:
+        """Record that no patch can be installed in this process (the outcome, not a prediction)."""
+        error = f"kvpatch could not activate: {_describe(exc)}"
         with self._lock:
             self._active = False
+            self._hooked.clear()
             for st in self.status.values():
-                if st.installed:
-                    self._uninstall(st)
-                    if st.state is State.APPLIED:
-                        st.state = State.PENDING
-                        st.reason = st.decision.reason
+                if st.state is State.PENDING:
+                    st.state, st.error, st.reason = State.FAILED, error, error
+        self.warn(error, key="activate")
+
+    def deactivate(self) -> None:
+        """Restore every original still held by kvpatch; hooks stay registered but do nothing until re-activated.
+
+        Foreign wrappers installed over kvpatch's replacements stay (see :func:`kvpatch.surgery.restore`);
+        what had to be left is in each status's ``notes``.
+        """
+        with self._lock:
+            self._active = False
+            statuses = [st for st in self.status.values() if st.installed]
+        for st in statuses:
+            self._uninstall(st)
+            with self._lock:
+                if st.state in (State.APPLIED, State.OVERRIDDEN):
+                    st.state = State.PENDING
+                    st.reason = st.decision.reason
+
+    def _hooking(self) -> set[str]:
+        hooking: set[str] | None = getattr(self._local, "hooking", None)
+        if hooking is None:
+            hooking = self._local.hooking = set()
+        return hooking
 
     def _hook(self, module: types.ModuleType) -> None:
-        # Runs inside the user's import statement: it must never raise.
+        # Runs inside the user's import statement: it must never raise, and never holds the lock while
+        # anything imports.
         try:
-            with self._lock:
-                if not self._active:
-                    return
-                name = module.__name__
-                self._hooking.add(name)
-                try:
-                    self._dispatch(name)
-                finally:
-                    self._hooking.discard(name)
+            if not self._active:
+                return
+            name = module.__name__
+            hooking = self._hooking()
+            hooking.add(name)
+            try:
+                self._dispatch(name)
+            finally:
+                hooking.discard(name)
         except Exception as exc:  # pragma: no cover - defensive: _advance catches its own errors
             self.warn(f"kvpatch hook for {getattr(module, '__name__', module)} failed: {exc}", key="hook-crash")
 
@@ -251,6 +282,8 @@ class Engine:
                     self._verify_and_apply(st)
                     return
             self._install_available(st)
+        except TargetMissing as exc:
+            self._fail(st, exc, State.TARGET_MISSING)
         except Exception as exc:
             self._fail(st, exc)
 
@@ -314,65 +347,98 @@ class Engine:
 
     def _install_available(self, st: PatchStatus) -> None:
         patch = st.patch
-        done = {(t.module, t.qualname) for t in st.installed}
         for target in patch.targets:
-            if (target.module, target.qualname) in done:
+            if any(t == target for t in st.installed):
                 continue
             module = sys.modules.get(target.module)
-            if module is None or (target.module not in self._hooking and _executing(module)):
+            if module is None or (target.module not in self._hooking() and _executing(module)):
                 continue  # not imported yet, or still executing (a circular import): its own hook will come
             try:
-                change = self._install_target(patch, target, module)
+                self._install_target(st, target, module)
             except Exception:
                 self._uninstall(st)  # all or nothing for what is installable now
                 raise
-            if change is not None:
-                st.installed.append(target)
-        if st.installed:
-            st.state = State.APPLIED
-            if not st.verified:
-                st.reason = st.decision.reason
+        with self._lock:
+            if st.installed and st.state is not State.APPLIED:
+                st.state = State.APPLIED
+                if not st.verified:
+                    st.reason = st.decision.reason
 
-    def _install_target(self, patch: Patch, target: Target, module: types.ModuleType) -> _Change | None:
+    def _locate(self, target: Target, module: types.ModuleType) -> Any:
         owner: Any = module
         for part in target.owner_path:
             owner = getattr(owner, part, _MISSING)
             if owner is _MISSING:
                 if target.optional:
-                    return None
+                    return _MISSING
                 raise TargetMissing(f"{target.path}: {'.'.join(target.owner_path)} not found in {target.module}")
+        return owner
+
+    def _install_target(self, st: PatchStatus, target: Target, module: types.ModuleType) -> Change | None:
+        """Build the replacement (outside the lock: builders may import), then commit it under the lock."""
+        patch = st.patch
+        owner = self._locate(target, module)
+        if owner is _MISSING:
+            return None
         name = target.attribute
-        own = vars(owner)
-        had_own = name in own
-        raw = own[name] if had_own else _MISSING
-        if target.kind is Kind.REPLACE:
-            try:
-                static = inspect.getattr_static(owner, name)
-            except AttributeError:
-                if target.optional:
+        for _attempt in range(3):
+            own = vars(owner)
+            had_own = name in own
+            raw = own[name] if had_own else _MISSING
+            wrapper_type: type | None = None
+            if target.kind is Kind.REPLACE:
+                try:
+                    static = inspect.getattr_static(owner, name)
+                except AttributeError:
+                    if target.optional:
+                        return None
+                    raise TargetMissing(f"{target.path} not found (moved or removed upstream?)") from None
+                if surgery.carries(static, patch.id):
+                    self._adopt(st, target)
                     return None
-                raise TargetMissing(f"{target.path} not found (moved or removed upstream?)") from None
-            wrapper_type = type(static) if isinstance(static, (classmethod, staticmethod)) else None
-            original = static.__func__ if wrapper_type else getattr(owner, name)
-            replacement = patch.builders[target](original)
-            if replacement is original:
+                wrapper_type = type(static) if isinstance(static, (classmethod, staticmethod)) else None
+                original = static.__func__ if wrapper_type else getattr(owner, name)
+            else:
+                present = inspect.getattr_static(owner, name, _MISSING)
+                if present is not _MISSING and surgery.carries(present, patch.id):
+                    self._adopt(st, target)
+                    return None
+                if present is not _MISSING:
+                    raise TargetMissing(
+                        f"{target.path} already exists upstream: either upstream fixed it (retire this patch) "
+                        "or it moved (retarget it)"
+                    )
+                original = None
+            function = surgery.prepare(patch.id, target, owner, original, patch.builders[target])
+            if function is original:
                 return None  # the builder declined: this target needs no change here
-            if wrapper_type is not None:
-                replacement = wrapper_type(replacement)
-        else:
-            if hasattr(owner, name):
-                raise TargetMissing(
-                    f"{target.path} already exists upstream: either upstream fixed it (retire this patch) "
-                    "or it moved (retarget it)"
-                )
-            original = None
-            replacement = patch.builders[target](None)
-        setattr(owner, name, replacement)
-        change = _Change(patch.id, target, owner, name, had_own, raw, replacement)
-        if isinstance(owner, types.ModuleType) and original is not None:
-            change.aliases = _rebind_aliases(original, replacement, skip=owner)
-        self._changes.append(change)
-        return change
+            stored = wrapper_type(function) if wrapper_type is not None else function
+            with self._lock:
+                if vars(owner).get(name, _MISSING) is not raw:
+                    continue  # someone changed the attribute while we built: look again
+                if target in st.installed:
+                    return None  # another thread of this engine got there first
+                setattr(owner, name, stored)
+                change = Change(patch.id, target, owner, name, had_own, raw, original, stored, function)
+                self._changes.append(change)
+                st.installed.append(target)
+            if isinstance(owner, types.ModuleType) and original is not None:
+                # Late activation (the module was imported before kvpatch): any module may hold the
+                # original by name. At a fresh import only the upstream packages can.
+                everywhere = target.module not in self._hooking()
+                change.aliases = surgery.rebind_aliases(original, function, skip=owner, everywhere=everywhere)
+            return change
+        raise RuntimeError(f"{target.path} kept changing while kvpatch installed {patch.id}")
+
+    def _adopt(self, st: PatchStatus, target: Target) -> None:
+        """The target already carries this patch's replacement (another engine, a reloaded kvpatch)."""
+        with self._lock:
+            note = f"{target.path}: already carries kvpatch's {st.patch.id} (installed by another kvpatch engine)"
+            if note not in st.notes:
+                st.notes.append(note)
+            if st.state is State.PENDING:
+                st.state = State.APPLIED
+                st.reason = f"{st.decision.reason}; installed by another kvpatch engine in this process"
 
     def _upstream_original(self, target: Target, module: types.ModuleType) -> Any:
         """The upstream object at ``target``, looking through kvpatch's own changes."""
@@ -391,61 +457,103 @@ class Engine:
             static = inspect.getattr_static(owner, target.attribute)
         except AttributeError:
             return _MISSING
-        return getattr(static, "__func__", static)
+        static = getattr(static, "__func__", static)
+        for obj in surgery.chain(static):  # look through kvpatch replacements installed by another engine
+            if surgery.mark_of(obj) is None:
+                return obj
+        return static
 
     def _uninstall(self, st: PatchStatus) -> None:
-        """Remove one patch's changes, keeping patches stacked above it on the same attributes."""
-        mine = [c for c in self._changes if c.patch_id == st.patch.id]
-        if not mine:
-            st.installed.clear()
-            return
-        keys = {(id(c.owner), c.name) for c in mine}
-        first = min(self._changes.index(c) for c in mine)
-        above = [c for c in self._changes[first:] if c.patch_id != st.patch.id and (id(c.owner), c.name) in keys]
-        for change in reversed(self._changes[first:]):
-            if change in mine or change in above:
-                _restore(change)
-                self._changes.remove(change)
-        st.installed.clear()
-        for change in above:  # reinstall what was stacked above, on top of the restored original
-            patch = self.status[change.patch_id].patch
-            module = sys.modules[change.target.module]
-            new = self._install_target(patch, change.target, module)
-            if new is None:  # pragma: no cover - the owner vanished meanwhile
-                continue
+        """Remove one patch's changes, keeping patches stacked above it on the same attributes.
 
-    def _fail(self, st: PatchStatus, exc: BaseException) -> None:
+        Only what is still kvpatch's is put back; what a foreign wrapper holds stays (noted on the status).
+        """
+        with self._lock:
+            mine = [c for c in self._changes if c.patch_id == st.patch.id]
+            if not mine:
+                st.installed.clear()
+                return
+            keys = {(id(c.owner), c.name) for c in mine}
+            first = min(self._changes.index(c) for c in mine)
+            above = [c for c in self._changes[first:] if c.patch_id != st.patch.id and (id(c.owner), c.name) in keys]
+            undo = [c for c in reversed(self._changes[first:]) if c in mine or c in above]
+            for change in undo:
+                self._changes.remove(change)
+            st.installed.clear()
+            for change in above:
+                other = self.status[change.patch_id]
+                if change.target in other.installed:
+                    other.installed.remove(change.target)
+        for change in undo:
+            note = surgery.restore(change)
+            if note:
+                owner_st = self.status[change.patch_id]
+                owner_st.notes.append(note)
+                self.warn(f"kvpatch: {note}", key=f"restore:{change.target.path}:{note}")
+        for change in above:  # reinstall what was stacked above, on top of the restored original
+            other = self.status[change.patch_id]
+            module = sys.modules.get(change.target.module)
+            if module is not None:
+                self._install_target(other, change.target, module)
+
+    def _fail(self, st: PatchStatus, exc: BaseException, state: State = State.FAILED) -> None:
         try:
             self._uninstall(st)
         except Exception as inner:  # pragma: no cover - restoring failed too
             log.error("kvpatch: restoring %s failed: %s", st.patch.id, inner)
-        st.state = State.FAILED
+        st.state = state
         st.error = _describe(exc)
-        st.reason = f"failed: {st.error}"
-        self.warn(f"kvpatch: patch {st.patch.id} failed and is not applied: {st.error}", key=f"fail:{st.patch.id}")
+        st.reason = f"{state.value}: {st.error}"
+        self.warn(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
+
+    # -- live truth --------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Re-read every installed replacement: "applied" means it is still reachable now.
+
+        A replacement that something else replaced (without calling it) makes the patch ``overridden``;
+        one reached only through a foreign wrapper stays ``applied`` with the wrapper named in ``wrapped``.
+        """
+        with self._lock:
+            changes = list(self._changes)
+        by_patch: dict[str, list[tuple[str, str]]] = {}
+        for change in changes:
+            by_patch.setdefault(change.patch_id, []).append(surgery.liveness(change))
+        with self._lock:
+            for pid, results in by_patch.items():
+                st = self.status[pid]
+                gone = [detail for state, detail in results if state in ("overridden", "removed")]
+                st.wrapped = [detail for state, detail in results if state == "wrapped"]
+                if gone and st.state is State.APPLIED:
+                    st.state = State.OVERRIDDEN
+                    st.reason = "; ".join(gone)
+                elif not gone and st.state is State.OVERRIDDEN:
+                    st.state = State.APPLIED
+                    st.reason = st.decision.reason
+
+    def live_function(self, target_path: str) -> Any:
+        """kvpatch's replacement function installed at ``target_path`` (``None`` when none is)."""
+        with self._lock:
+            for change in self._changes:
+                if change.target.path == target_path:
+                    return change.function
+        return None
 
     # -- public helpers ----------------------------------------------------------------------------
     def warn(self, message: str, *, key: str) -> None:
-        """Log and warn once per key."""
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        log.warning("%s", message)
-        warnings.warn(message, KvpatchWarning, stacklevel=3)
+        """Warn once per key, through the one guarded path (never raises, never under the lock)."""
+        emit(message, key=key)
 
     def suspend(self, patch_id: str) -> None:
         """Take one patch out (restoring the originals) without forgetting its decision."""
-        with self._lock:
-            st = self.status[patch_id]
-            st.suspended = True
-            self._uninstall(st)
+        st = self.status[patch_id]
+        st.suspended = True
+        self._uninstall(st)
 
     def resume(self, patch_id: str) -> None:
-        with self._lock:
-            st = self.status[patch_id]
-            st.suspended = False
-            if st.state is State.APPLIED:
-                self._install_available(st)
+        st = self.status[patch_id]
+        st.suspended = False
+        if st.state in (State.APPLIED, State.OVERRIDDEN):
+            self._install_available(st)
 
     @contextmanager
     def without(self, *patch_ids: str) -> Iterator[None]:
@@ -460,7 +568,8 @@ class Engine:
                 self.resume(pid)
 
     def changes(self) -> list[tuple[str, str]]:
-        return [(c.patch_id, c.target.path) for c in self._changes]
+        with self._lock:
+            return [(c.patch_id, c.target.path) for c in self._changes]
 
 
 class TargetMissing(LookupError):
@@ -507,9 +616,7 @@ def _mlx_state_kept() -> Iterator[None]:
     opaque ``_RandomState`` that cannot be set back, which is one reason reproductions never run in a
     user's process (verdicts are settled by ``kvpatch verify`` or in a child process).
     """
-    mx = sys.modules.get("mlx.core")
-    if mx is None:
-        import mlx.core as mx
+    mx: Any = sys.modules.get("mlx.core") or importlib.import_module("mlx.core")
     state = getattr(mx.random, "state", None)
     saved = list(state) if isinstance(state, list) else None
     device = mx.default_device()
@@ -526,37 +633,6 @@ def _mlx_state_kept() -> Iterator[None]:
 def _executing(module: types.ModuleType) -> bool:
     """True while ``module``'s own code is still running (importlib marks its spec)."""
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
-
-
-def _restore(change: _Change) -> None:
-    if change.had_own:
-        setattr(change.owner, change.name, change.raw_original)
-    else:
-        try:
-            delattr(change.owner, change.name)
-        except AttributeError:  # pragma: no cover - someone else removed it
-            pass
-    if isinstance(change.owner, types.ModuleType) and change.raw_original is not _MISSING:
-        # Modules that imported the replacement by name (before or after the patch) get the original back.
-        _rebind_aliases(
-            change.replacement, getattr(change.raw_original, "__func__", change.raw_original), skip=change.owner
-        )
-
-
-def _rebind_aliases(original: Any, replacement: Any, *, skip: types.ModuleType) -> list[tuple[types.ModuleType, str]]:
-    """Rebind names that upstream modules imported from the owner before the patch was installed."""
-    found: list[tuple[types.ModuleType, str]] = []
-    prefixes = tuple(f"{pkg}." for pkg in DISTRIBUTIONS.values())
-    for mod_name, module in list(sys.modules.items()):
-        if module is None or module is skip:
-            continue
-        if not (mod_name.startswith(prefixes) or mod_name in DISTRIBUTIONS.values()):
-            continue
-        for name, value in list(vars(module).items()):
-            if value is original:
-                setattr(module, name, replacement)
-                found.append((module, name))
-    return found
 
 
 def _describe(exc: BaseException) -> str:

@@ -121,7 +121,7 @@ def failing(patches: Iterable[Patch], *, enforce: bool, today: _dt.date | None =
 
 def warn(patches: Iterable[Patch], today: _dt.date | None = None) -> list[Expired]:
     """Warn (:class:`kvpatch.KvpatchWarning`) once per expiry; never raises. Returns them."""
-    from .engine import KvpatchWarning
+    from ._warn import KvpatchWarning
 
     found = expired(patches, today)
     for e in found:

@@ -38,7 +38,6 @@ from typing import Any
 
 from . import __version__
 from .engine import Engine, PatchStatus, State, import_target_modules, run_reproduction
-from .expiry import expiry_reasons
 from .record import Finding
 
 __all__ = ["Report", "build_report", "format_text"]
@@ -94,7 +93,21 @@ def _relevant_for_verify(st: PatchStatus) -> bool:
     return st.state not in (State.OUT_OF_RANGE, State.NOT_INSTALLED)
 
 
-def build_report(engine: Engine, *, verify: bool = False) -> Report:
+#: States that are facts about this environment needing attention: ``--check`` exits 2 on these.
+_FAILING = {State.FAILED.value, State.TARGET_MISSING.value}
+#: ... and 1 on these.
+_ATTENTION = {State.DRIFTED.value, State.OVERRIDDEN.value}
+
+
+def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, fresh: bool = False) -> Report:
+    """The audit. ``settle`` (default): outcomes, not predictions (see :mod:`kvpatch.settle`)."""
+    settled = None
+    if settle and not verify:
+        from .settle import settle as settle_outcomes
+
+        settled = settle_outcomes(engine, fresh=fresh)
+    else:
+        engine.refresh()
     if verify:
         # Import every relevant target module so that the hooks install what applies.
         for st in engine.status.values():
@@ -133,8 +146,13 @@ def build_report(engine: Engine, *, verify: bool = False) -> Report:
             "error": st.error,
             "drift": list(st.drift),
             "verified": st.verified,
+            "notes": list(st.notes),
+            "wrapped": list(st.wrapped),
+            "opt_in": p.opt_in,
             "verify": None,
         }
+        if settled is not None and settled.how == "cache" and p.id in settled.outcomes:
+            entry.update({k: settled.outcomes[p.id].get(k, entry[k]) for k in ("state", "reason", "error", "notes")})
         if verify and _relevant_for_verify(st):
             entry["verify"] = verify_patch(engine, st)
             entry["state"], entry["reason"] = st.state.value, st.reason
@@ -145,17 +163,23 @@ def build_report(engine: Engine, *, verify: bool = False) -> Report:
                 reasons_1.append(f"{p.id}: {outcome}: the record says otherwise; update it")
             elif outcome == OUTCOME_ABSENT and st.state is State.APPLIED:
                 reasons_1.append(f"{p.id}: applied, but the bug is absent upstream: update the record")
-        summary[st.state.value] = summary.get(st.state.value, 0) + 1
-        if st.state is State.FAILED:
-            reasons_2.append(f"{p.id}: {st.reason}")
-        elif st.state is State.DRIFTED:
-            reasons_1.append(f"{p.id}: drifted: {st.reason}")
+        state = entry["state"]
+        summary[state] = summary.get(state, 0) + 1
+        if state in _FAILING:
+            reasons_2.append(f"{p.id}: {entry['reason']}")
+        elif state in _ATTENTION:
+            reasons_1.append(f"{p.id}: {state}: {entry['reason']}")
         elif st.drift and st.state is State.APPLIED:
             reasons_1.append(f"{p.id}: applied to drifted code (reproduction confirmed); validate and record it")
         patches.append(entry)
     for module, error in engine.broken.items():
         reasons_2.append(f"{module}: could not be loaded: {error}")
-    reasons_1.extend(expiry_reasons(engine.patches))
+    if engine.config.enforce:
+        # Review-by dates are the project's own deadlines: they fail kvpatch's CI (KVPATCH_ENFORCE=1), never
+        # an operator's health check on a calendar day with nothing changed in the environment.
+        from .expiry import expiry_reasons
+
+        reasons_1.extend(expiry_reasons(engine.patches))
     reasons_1.extend(engine.config.problems)
     exit_code = 2 if reasons_2 else 1 if reasons_1 else 0
     data: dict[str, Any] = {
@@ -176,6 +200,7 @@ def build_report(engine: Engine, *, verify: bool = False) -> Report:
             }
             for name, up in engine.upstream.items()
         },
+        "settled": None if settled is None else {"how": settled.how, "at": settled.at},
         "patches": patches,
         "broken": dict(engine.broken),
         "problems": list(engine.config.problems),

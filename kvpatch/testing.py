@@ -23,7 +23,7 @@ __all__ = ["import_targets", "natural_decision", "reproduce", "reproduce_without
 def natural_decision(patch: Patch) -> Decision:
     engine = get_engine()
     upstream = engine.upstream.get(patch.distribution) or Upstream(patch.distribution, None)
-    return decide(patch, upstream, Config())
+    return decide(patch, upstream, Config(enable_all=True))
 
 
 def import_targets(patch: Patch) -> None:

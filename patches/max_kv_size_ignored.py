@@ -13,7 +13,8 @@ max_kv_size)`` (0.30.x up to 0.31.1: ``BatchKVCache`` instead of ``BatchRotating
 models); 0.31.2–0.31.3 bound it in ``BatchGenerator._make_new_cache``, and 0.32.x call
 ``make_prompt_cache(model, max_kv_size)`` again. The catalogue gives 0.28.1–0.32.2 (llama); measured here
 0.20.5–0.32.2 with cohere2 (0.20.4 and older have no model whose ``make_cache`` returns a ``KVCache``).
-Not fixed upstream; not reported upstream (upstream's docstring describes the behaviour).
+Not fixed upstream; upstream threads: ml-explore/mlx-lm#1343, #1526 (upstream's docstring describes the
+behaviour, so this patch is opt-in: ``KVPATCH_ENABLE=max-kv-size-ignored``).
 
 Fix: deltas after the originals. When ``max_kv_size`` is given and the model defines ``make_cache``, each
 entry of the model's own layout whose type is exactly ``KVCache`` (``BatchKVCache`` in ``_make_cache``)
@@ -41,6 +42,9 @@ PATCH = Patch(
     checked_through="0.32.2",
     reference="not reported upstream",
     catalogue="H5",
+    # Upstream documents the behaviour ("the model's own make_cache wins"), and servers probe it: bounding
+    # the cache is a policy change, not a bug fix, so it is off unless KVPATCH_ENABLE names it.
+    opt_in=True,
     expiry=Expiry(
         "retire when upstream's make_prompt_cache bounds full-attention layers of make_cache models",
         review_by=_dt.date(2027, 3, 1),

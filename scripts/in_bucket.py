@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from matrix import BUCKETS  # noqa: E402
+from matrix import BUCKETS
 
-from kvpatch.envs import bucket_environ  # noqa: E402
+from kvpatch.envs import bucket_environ
 
 
 def main(argv: list[str]) -> int:

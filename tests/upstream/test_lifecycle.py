@@ -128,7 +128,7 @@ from kvpatch.record import Expiry, Finding, Patch
 dist, mod = ("mlx-lm", "mlx_lm.models.cache") if importlib.util.find_spec("mlx_lm") else ("mlx-vlm", "mlx_vlm.models.cache")
 
 def make(pid):
-    p = Patch(id=pid, summary="injected", distribution=dist, affected=">=0", reference="test", expiry=Expiry("test"))
+    p = Patch(id=pid, summary="injected", distribution=dist, affected=">=0,<99", checked_through="99", reference="test", expiry=Expiry("test"))
     p.reproduce(lambda: Finding(False))
     return p
 
@@ -152,7 +152,7 @@ print(json.dumps({
         )
     )
     assert out["states"]["inject-raise"][0] == "failed" and "boom" in out["states"]["inject-raise"][1]
-    assert out["states"]["inject-missing"][0] == "failed" and "not found" in out["states"]["inject-missing"][1]
+    assert out["states"]["inject-missing"][0] == "target missing" and "not found" in out["states"]["inject-missing"][1]
     assert out["warnings"] == 2, "each failure is warned about exactly once"
     assert out["intact"]
 

@@ -1,0 +1,272 @@
+"""Surgery on someone else's objects: install a replacement, know whether it is still there, put things back.
+
+The rules (the anchors' way, see STYLE.md "Living in someone else's process"):
+
+* **Mark and metadata.** Every replacement kvpatch installs is a plain function carrying the original's
+  metadata (``functools.update_wrapper``: ``__name__``, ``__qualname__``, ``__module__``, ``__doc__``,
+  ``__wrapped__``, so ``inspect.signature`` and pickling by qualified name work) and the mark
+  ``__kvpatch__ = <patch id>``. An attribute *added* where upstream has none gets the qualified name it
+  would have had.
+* **Never twice.** Before installing, the current attribute and everything it wraps (``__wrapped__``
+  chain) is searched for the patch's mark: a second engine, a reloaded kvpatch or a re-activation finds
+  its own replacement already reachable and installs nothing.
+* **Live truth.** :func:`liveness` tells whether a replacement is still what the attribute holds, still
+  reached through a foreign wrapper's ``__wrapped__`` chain, or gone (someone replaced it without calling
+  it: ``overridden by <qualified name>``).
+* **Restore only what is still ours.** :func:`restore` puts the original back only where kvpatch's
+  replacement is still the attribute. Where a foreign wrapper sits on top, the wrapper stays: if it is a
+  wrapt proxy (which calls through ``__wrapped__``) the original is spliced in under it; a plain-function
+  wrapper holds kvpatch's replacement in its closure, which nobody can change from outside, so it is left
+  and reported. Where someone replaced kvpatch's replacement outright, theirs stays.
+* **Aliases.** Modules that imported a replaced module-level function by name are rebound, by identity
+  only: at install, inside the upstream packages (the bootstrap activates before anything else can import
+  them), and in every module of ``sys.modules`` when a target was already imported before kvpatch
+  activated, and on restore.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .record import DISTRIBUTIONS, Target
+
+__all__ = [
+    "MARK",
+    "MISSING",
+    "Change",
+    "carries",
+    "chain",
+    "describe",
+    "liveness",
+    "mark_of",
+    "prepare",
+    "rebind_aliases",
+    "restore",
+]
+
+#: The attribute that marks a kvpatch replacement (its value: the patch id).
+MARK = "__kvpatch__"
+MISSING: Any = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
+_MAX_CHAIN = 64  # a __wrapped__ chain longer than this is a cycle or a pathology: stop looking
+#: Every replacement function kvpatch made in this process, with its patch id. The ``__kvpatch__`` attribute
+#: is the visible mark, but ``functools.wraps`` copies ``__dict__`` (mark included) onto a foreign wrapper,
+#: so only this registry says which functions are really kvpatch's. Kept across ``importlib.reload``.
+_OURS: weakref.WeakKeyDictionary[Any, str] = globals().get("_OURS") or weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Change:
+    """One attribute changed on one owner, and how to put it back."""
+
+    patch_id: str
+    target: Target
+    owner: Any
+    name: str
+    #: True when the owner held the attribute in its own ``__dict__`` (else it was inherited or absent).
+    had_own: bool
+    #: What the owner's ``__dict__`` held before (``MISSING`` when it held nothing).
+    raw_original: Any
+    #: The plain original function (``None`` for an added attribute).
+    original: Any
+    #: What was stored on the owner (the replacement, re-wrapped in classmethod/staticmethod if needed).
+    stored: Any
+    #: The plain replacement function (carries the mark).
+    function: Any
+    aliases: list[tuple[types.ModuleType, str]] = field(default_factory=list)
+
+
+def _plain(obj: Any) -> Any:
+    # type(), not isinstance(): a wrapt proxy reports its wrapped object's class through __class__
+    return obj.__func__ if type(obj) in (classmethod, staticmethod) else obj
+
+
+def chain(obj: Any) -> Iterator[Any]:
+    """``obj`` and everything it wraps, following ``__wrapped__`` (classmethod/staticmethod unwrapped)."""
+    seen: set[int] = set()
+    current = _plain(obj)
+    for _ in range(_MAX_CHAIN):
+        if current is None or id(current) in seen:
+            return
+        seen.add(id(current))
+        yield current
+        try:
+            current = _plain(getattr(current, "__wrapped__", None))
+        except Exception:  # a proxy whose __wrapped__ raises
+            return
+
+
+def carries(obj: Any, patch_id: str) -> bool:
+    """True when kvpatch's replacement for ``patch_id`` is ``obj`` or reachable under it."""
+    return any(mark_of(o) == patch_id for o in chain(obj))
+
+
+def mark_of(obj: Any) -> str | None:
+    # Only a real function carries kvpatch's mark: a proxy (wrapt, OpenTelemetry...) forwards attribute
+    # reads to what it wraps and would otherwise pass for kvpatch's own replacement.
+    if type(obj) is not types.FunctionType:
+        return None
+    return _OURS.get(obj)
+
+
+def describe(obj: Any) -> str:
+    """``module.qualname`` of a function or wrapper (or its type's name)."""
+    obj = _plain(obj)
+    try:
+        module = getattr(obj, "__module__", None)
+        qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    except Exception:
+        module = qualname = None
+    if isinstance(module, str) and isinstance(qualname, str):
+        return f"{module}.{qualname}"
+    return f"<{type(obj).__module__}.{type(obj).__qualname__} object>"
+
+
+def prepare(
+    patch_id: str,
+    target: Target,
+    owner: Any,
+    original: Any,
+    build: Callable[[Any], Any],
+) -> Any:
+    """Build the replacement for ``target`` and give it the original's identity and kvpatch's mark.
+
+    Returns ``original`` itself when the builder declines (nothing to change here).
+    """
+    function = build(original)
+    if function is original:
+        return original
+    if type(function) is not types.FunctionType:
+        raise TypeError(f"{patch_id}: builder for {target.path} returned {function!r}, not a plain function")
+    if original is not None:
+        try:
+            functools.update_wrapper(function, original)
+        except (AttributeError, TypeError):  # pragma: no cover - a builtin or odd original
+            function.__wrapped__ = original  # type: ignore[attr-defined]
+    else:
+        owner_qualname = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", "")
+        owner_module = owner.__name__ if isinstance(owner, types.ModuleType) else getattr(owner, "__module__", None)
+        try:
+            function.__qualname__ = (
+                target.attribute if isinstance(owner, types.ModuleType) else f"{owner_qualname}.{target.attribute}"
+            )
+            function.__name__ = target.attribute
+            if owner_module:
+                function.__module__ = owner_module
+        except (AttributeError, TypeError):  # pragma: no cover - a builder returned a non-function callable
+            pass
+    setattr(function, MARK, patch_id)
+    _OURS[function] = patch_id
+    return function
+
+
+def liveness(change: Change) -> tuple[str, str]:
+    """Where ``change``'s replacement stands now: ``("in place" | "wrapped" | "overridden" | "removed", detail)``.
+
+    ``wrapped``: a foreign wrapper holds the attribute and reaches kvpatch's replacement through its
+    ``__wrapped__`` chain (the replacement still runs if the wrapper calls through, as wrappers do).
+    ``overridden``: the attribute holds something that does not reach it.
+    """
+    try:
+        current = vars(change.owner).get(change.name, MISSING)
+        if current is MISSING:
+            current = getattr(change.owner, change.name, MISSING)
+    except Exception as exc:  # pragma: no cover - an owner whose attribute access raises
+        return "overridden", f"{change.target.path} cannot be read: {exc}"
+    if current is MISSING:
+        return "removed", f"{change.target.path} no longer exists"
+    foreign = None  # the outermost object above kvpatch's replacement that is not kvpatch's own
+    for obj in chain(current):
+        if obj is change.function:
+            return ("in place", "") if foreign is None else ("wrapped", f"under {describe(foreign)}")
+        if foreign is None and mark_of(obj) is None:
+            foreign = obj
+    return "overridden", f"overridden by {describe(current)}"
+
+
+def restore(change: Change) -> str | None:
+    """Undo ``change`` where kvpatch's replacement is still its own; return a note when something was left.
+
+    The note says what was left in place and why (a foreign wrapper or replacement); ``None`` when the
+    original is back.
+    """
+    state, detail = liveness(change)
+    note: str | None = None
+    if state == "in place":
+        if change.had_own:
+            setattr(change.owner, change.name, change.raw_original)
+        else:
+            try:
+                delattr(change.owner, change.name)
+            except AttributeError:  # pragma: no cover - someone else removed it
+                pass
+    elif state == "wrapped":
+        current = vars(change.owner).get(change.name, MISSING)
+        if current is MISSING:
+            current = getattr(change.owner, change.name)
+        if not _splice(current, change):
+            note = (
+                f"{change.target.path}: left {describe(current)} in place; it wraps kvpatch's replacement in a way "
+                "that cannot be changed from outside (a closure), so the fix stays active underneath it"
+            )
+    elif state == "overridden":
+        note = f"{change.target.path}: left in place ({detail}); kvpatch's replacement was no longer reachable"
+    if isinstance(change.owner, types.ModuleType) and change.original is not None:
+        # Modules that imported the replacement by name get the original back (identity only).
+        rebind_aliases(change.function, change.original, skip=change.owner, everywhere=True)
+    return note
+
+
+def _splice(current: Any, change: Change) -> bool:
+    """Put the original in place of kvpatch's replacement inside a wrapt proxy chain; True if done."""
+    wrapt = sys.modules.get("wrapt")
+    # wrapt 2 derives its function wrappers from BaseObjectProxy (ObjectProxy is a subclass); wrapt 1 from ObjectProxy
+    proxy_types = tuple(t for t in (getattr(wrapt, n, None) for n in ("BaseObjectProxy", "ObjectProxy")) if t)
+    for obj in chain(current):
+        try:
+            inner = _plain(getattr(obj, "__wrapped__", None))
+        except Exception:
+            return False
+        if inner is change.function:
+            if not proxy_types or not isinstance(obj, proxy_types):
+                return False
+            try:
+                obj.__wrapped__ = change.original
+            except (AttributeError, TypeError):
+                return False
+            return _plain(obj.__wrapped__) is change.original
+    return False
+
+
+def rebind_aliases(
+    old: Any, new: Any, *, skip: types.ModuleType, everywhere: bool = False
+) -> list[tuple[types.ModuleType, str]]:
+    """Rebind module attributes that are ``old`` (by identity) to ``new``; return where.
+
+    ``everywhere=False`` looks only inside the upstream packages; ``True`` looks in every module.
+    """
+    found: list[tuple[types.ModuleType, str]] = []
+    prefixes = tuple(f"{pkg}." for pkg in DISTRIBUTIONS.values())
+    packages = frozenset(DISTRIBUTIONS.values())
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or module is skip:
+            continue
+        if not everywhere and not (mod_name in packages or mod_name.startswith(prefixes)):
+            continue
+        try:
+            namespace = vars(module)
+        except TypeError:  # pragma: no cover - a module stand-in without __dict__
+            continue
+        for name, value in list(namespace.items()):
+            if value is old:
+                try:
+                    setattr(module, name, new)
+                except Exception:  # pragma: no cover - a read-only module stand-in
+                    continue
+                found.append((module, name))
+    return found
