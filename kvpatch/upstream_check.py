@@ -469,6 +469,8 @@ def _child_env(layers: Sequence[Path], *, off: bool) -> dict[str, str]:
     env["HF_HUB_OFFLINE"] = "1"
     if off:
         env["KVPATCH"] = "off"
+    else:
+        env["KVPATCH_ENABLE"] = "*"  # opt-in patches are measured too: does the patch fix what it claims to?
     return env
 
 
