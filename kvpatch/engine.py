@@ -137,6 +137,9 @@ class Engine:
         self.broken = dict(broken or {})
         self.status: dict[str, PatchStatus] = {}
         self._changes: list[Change] = []  # in install order
+        #: (id(owner), name) -> the change whose original restore spliced in under a foreign wrapt proxy:
+        #: resuming that patch puts its replacement back under the same proxy, not on top of it.
+        self._spliced: dict[tuple[int, str], Change] = {}
         self._hooked: set[str] = set()
         self._ready: set[str] = set()  # top-level upstream packages fully imported
         self._local = threading.local()  # per thread: modules whose post-import hook runs now
@@ -396,6 +399,9 @@ class Engine:
                 if surgery.carries(static, patch.id):
                     self._adopt(st, target)
                     return None
+                spliced = self._spliced.get((id(owner), name))
+                if spliced is not None and spliced.patch_id == patch.id:
+                    return self._splice_back(st, spliced, static)
                 wrapper_type = type(static) if isinstance(static, (classmethod, staticmethod)) else None
                 original = static.__func__ if wrapper_type else getattr(owner, name)
             else:
@@ -429,6 +435,29 @@ class Engine:
                 change.aliases = surgery.rebind_aliases(original, function, skip=owner, everywhere=everywhere)
             return change
         raise RuntimeError(f"{target.path} kept changing while kvpatch installed {patch.id}")
+
+    def _splice_back(self, st: PatchStatus, old: Change, proxy: Any) -> Change | None:
+        """Resume a patch whose original restore spliced in under a foreign proxy: splice the fix back there."""
+        key = (id(old.owner), old.name)
+        function = surgery.prepare(st.patch.id, old.target, old.owner, old.original, st.patch.builders[old.target])
+        with self._lock:
+            self._spliced.pop(key, None)
+            if proxy is not old.spliced_into or not surgery.splice_under(proxy, old.original, function):
+                return None  # the proxy changed or went: install afresh next time the module is seen
+            change = Change(
+                st.patch.id,
+                old.target,
+                old.owner,
+                old.name,
+                old.had_own,
+                old.raw_original,
+                old.original,
+                old.stored,
+                function,
+            )
+            self._changes.append(change)
+            st.installed.append(old.target)
+        return change
 
     def _adopt(self, st: PatchStatus, target: Target) -> None:
         """The target already carries this patch's replacement (another engine, a reloaded kvpatch)."""
@@ -486,6 +515,9 @@ class Engine:
                     other.installed.remove(change.target)
         for change in undo:
             note = surgery.restore(change)
+            if change.spliced_into is not None:
+                with self._lock:
+                    self._spliced[(id(change.owner), change.name)] = change
             if note:
                 owner_st = self.status[change.patch_id]
                 owner_st.notes.append(note)

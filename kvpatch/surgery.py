@@ -48,6 +48,7 @@ __all__ = [
     "prepare",
     "rebind_aliases",
     "restore",
+    "splice_under",
 ]
 
 #: The attribute that marks a kvpatch replacement (its value: the patch id).
@@ -79,6 +80,8 @@ class Change:
     #: The plain replacement function (carries the mark).
     function: Any
     aliases: list[tuple[types.ModuleType, str]] = field(default_factory=list)
+    #: Set by :func:`restore` when it put the original in under a foreign wrapt proxy (that proxy).
+    spliced_into: Any = None
 
 
 def _plain(obj: Any) -> Any:
@@ -235,12 +238,22 @@ def _splice(current: Any, change: Change) -> bool:
         if inner is change.function:
             if not proxy_types or not isinstance(obj, proxy_types):
                 return False
-            try:
-                obj.__wrapped__ = change.original
-            except (AttributeError, TypeError):
+            if not splice_under(obj, change.function, change.original):
                 return False
-            return _plain(obj.__wrapped__) is change.original
+            change.spliced_into = obj
+            return True
     return False
+
+
+def splice_under(proxy: Any, old: Any, new: Any) -> bool:
+    """Replace ``old`` by ``new`` as what the wrapt ``proxy`` wraps; True if it now wraps ``new``."""
+    try:
+        if _plain(proxy.__wrapped__) is not old:
+            return False
+        proxy.__wrapped__ = new
+        return _plain(proxy.__wrapped__) is new
+    except (AttributeError, TypeError):
+        return False
 
 
 def rebind_aliases(

@@ -150,6 +150,13 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
         eng.refresh()
         result["wrapped_state"] = eng.status[pid].state.value
         result["wrapped_detail"] = list(eng.status[pid].wrapped)
+        # without() (tests, in-process verify) under the proxy: the original goes in under it, then the fix
+        # goes back under the same proxy, never on top of it
+        with eng.without(pid):
+            result["without_under"] = (inspect.getattr_static(owner, name) is proxy
+                                       and surgery._plain(proxy.__wrapped__) is c.original)
+        result["resumed_under"] = (inspect.getattr_static(owner, name) is proxy
+                                   and surgery.mark_of(surgery._plain(proxy.__wrapped__)) == pid)
         kvpatch.deactivate()
         after = inspect.getattr_static(owner, name)
         result["proxy_kept"] = after is proxy
@@ -218,6 +225,7 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
     if "skip" in out:
         pytest.skip(out["skip"])
     assert out["wrapped_state"] == "applied" and out["wrapped_detail"], out
+    assert out["without_under"] and out["resumed_under"], out
     assert out["proxy_kept"] and out["spliced"], out
     assert out["upstream_back"], out
     assert out["closure_kept"] and "left" in out["closure_note"], out
