@@ -159,7 +159,7 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
             outcome = entry["verify"]["outcome"]
             if outcome == OUTCOME_NOT_FIXED:
                 reasons_2.append(f"{p.id}: {outcome}")
-            elif outcome.startswith(OUTCOME_UNPATCHED) and st.state is not State.DISABLED:
+            elif outcome.startswith(OUTCOME_UNPATCHED) and st.state not in (State.DISABLED, State.OPT_IN):
                 reasons_1.append(f"{p.id}: {outcome}: the record says otherwise; update it")
             elif outcome == OUTCOME_ABSENT and st.state is State.APPLIED:
                 reasons_1.append(f"{p.id}: applied, but the bug is absent upstream: update the record")

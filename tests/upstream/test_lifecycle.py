@@ -171,6 +171,8 @@ def test_status_cli_and_verify(run_py):
         if p["verify"]
         and p["verify"]["outcome"] not in ("bug present, fixed by patch", "bug absent upstream")
         and not p["verify"]["outcome"].startswith("skipped")
+        # an opt-in patch left off (KVPATCH_ENABLE not set in this child): upstream's documented behaviour stays
+        and not (p["state"] == "opt-in" and p["verify"]["outcome"] == "bug present, patch not applied (opt-in)")
     ]
     assert bad == [], bad
     # every patch applied here must show its bug present without it and fixed with it
