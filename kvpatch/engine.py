@@ -507,9 +507,9 @@ def _mlx_state_kept() -> Iterator[None]:
     opaque ``_RandomState`` that cannot be set back, which is one reason reproductions never run in a
     user's process (verdicts are settled by ``kvpatch verify`` or in a child process).
     """
-    mx = sys.modules.get("mlx.core")
+    mx: Any = sys.modules.get("mlx.core")
     if mx is None:
-        import mlx.core as mx
+        mx = importlib.import_module("mlx.core")
     state = getattr(mx.random, "state", None)
     saved = list(state) if isinstance(state, list) else None
     device = mx.default_device()

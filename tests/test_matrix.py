@@ -18,7 +18,7 @@ import pytest
 from matrix import BUCKETS
 from support import REPO, child_env
 
-from kvpatch.envs import Bucket, bucket_environ, build
+from kvpatch.maint.envs import Bucket, bucket_environ, build
 
 SELECT = os.environ.get("KVPATCH_MATRIX", "all").strip()
 if SELECT in ("", "all"):

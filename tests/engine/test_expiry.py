@@ -19,10 +19,9 @@ from packaging.version import Version
 from kvpatch import registry
 from kvpatch.config import read_config
 from kvpatch.engine import KvpatchWarning
-from kvpatch.expiry import SUPPORTED_FLOOR, Reason, evaluate, expired, expiry_reasons, failing, patch_file
-from kvpatch.record import Expiry, Patch
-from kvpatch.retired import Retired, render_retired
-from kvpatch.upstream_check import (
+from kvpatch.maint.expiry import SUPPORTED_FLOOR, Reason, evaluate, expired, expiry_reasons, failing, patch_file
+from kvpatch.maint.retired import Retired, render_retired
+from kvpatch.maint.upstream_check import (
     Expect,
     Measured,
     Release,
@@ -32,6 +31,7 @@ from kvpatch.upstream_check import (
     relevant,
     requirement_on,
 )
+from kvpatch.record import Expiry, Patch
 
 PATCHES = registry.load().patches
 TODAY = dt.date(2026, 11, 21)
@@ -113,8 +113,18 @@ def _patch(
             SUPPORTED_FLOOR,
             [Reason.REVIEW_BY],
         ),
-        (_patch(fixed_in=None, affected=">=0.28.0,<=0.32.2", checked="0.32.2", review_by=TODAY), TODAY, SUPPORTED_FLOOR, []),  # due, not past
-        (_patch(fixed_in=None, affected=">=0.28.0,<=0.32.2", checked="0.32.2", review_by=None), TODAY, SUPPORTED_FLOOR, []),
+        (
+            _patch(fixed_in=None, affected=">=0.28.0,<=0.32.2", checked="0.32.2", review_by=TODAY),
+            TODAY,
+            SUPPORTED_FLOOR,
+            [],
+        ),  # due, not past
+        (
+            _patch(fixed_in=None, affected=">=0.28.0,<=0.32.2", checked="0.32.2", review_by=None),
+            TODAY,
+            SUPPORTED_FLOOR,
+            [],
+        ),
         (
             _patch(fixed_in="0.24.0", review_by=dt.date(2020, 1, 1)),
             TODAY,
@@ -130,8 +140,14 @@ def test_evaluate(patch, today, floor, expect):
 def test_messages_name_the_file_field_and_value():
     dead = _patch(fixed_in="0.24.0", module="kvpatch.patches.mask_fill")
     [e] = evaluate(dead, TODAY, {"mlx-lm": "0.24.0"})
-    assert "delete patches/mask_fill.py" in e.message and "RETIRED in kvpatch/retired.py" in e.message
-    late = _patch(fixed_in=None, affected=">=0.28.0,<=0.32.2", checked="0.32.2", review_by=dt.date(2026, 1, 1), module="kvpatch.patches.x_y")
+    assert "delete patches/mask_fill.py" in e.message and "RETIRED in kvpatch/maint/retired.py" in e.message
+    late = _patch(
+        fixed_in=None,
+        affected=">=0.28.0,<=0.32.2",
+        checked="0.32.2",
+        review_by=dt.date(2026, 1, 1),
+        module="kvpatch.patches.x_y",
+    )
     [e] = evaluate(late, TODAY)
     assert "2026-01-01" in e.message and "Expiry(review_by=...) in patches/x_y.py" in e.message
     assert expiry_reasons([late], TODAY) == [e.message]
@@ -284,7 +300,7 @@ def test_render_retired_empty_and_filled():
 
 
 def test_retired_ids_are_not_in_the_registry():
-    from kvpatch.retired import RETIRED
+    from kvpatch.maint.retired import RETIRED
 
     assert not {r.id for r in RETIRED} & {p.id for p in PATCHES}
 
