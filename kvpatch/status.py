@@ -293,7 +293,7 @@ def _verify_counts(d: dict[str, Any]) -> str:
             outcome = str(e["verify"].get("outcome") or "")
             key = "skipped" if outcome.startswith("skipped") else outcome
             counts[key] = counts.get(key, 0) + 1
-    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return "; ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _not_installed_lines(d: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
