@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -128,6 +126,8 @@ def _terminal_width() -> int | None:
 
 def cmd_run(argv: Sequence[str]) -> int:
     """``run -m MODULE [ARGS...]`` or ``run SCRIPT [ARGS...]``: everything after is the program's."""
+    import runpy
+
     import kvpatch
 
     argv = list(argv)
@@ -259,6 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _internal_error() -> None:
     try:
+        import traceback
+
         traceback.print_exc()
         print(
             f"kvpatch: internal error (exit {EXIT_INTERNAL}): a bug in kvpatch, not a finding about your environment; "

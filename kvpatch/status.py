@@ -242,8 +242,9 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
     lines = _header(d)
     lines.append("")
     lines.extend(_full_table(d) if verbose else _compact(d, width))
-    lines.extend(f"BROKEN patch module {module}: {error}" for module, error in d["broken"].items())
-    lines.extend(f"config: {problem}" for problem in d["problems"])
+    reasons = "\n".join(d["check"]["reasons"])  # what the check section lists is not repeated above it
+    lines.extend(f"BROKEN patch module {m}: {e}" for m, e in d["broken"].items() if f"{m}: " not in reasons)
+    lines.extend(f"config: {problem}" for problem in d["problems"] if problem not in reasons)
     if lines[-1]:
         lines.append("")
     lines.extend(_check(d))
@@ -327,9 +328,13 @@ def _compact(d: dict[str, Any], width: int | None) -> list[str]:
             lines.extend(_wrapped(", ".join(e["id"] for e in entries), "  ", width))
             lines.append("")
             continue
+        explained = state in QUIET_STATES or _RANK.get(state, _ATTENTION_END) <= _ATTENTION_END
+        shared = explained and len(entries) > 1 and len({e["reason"] for e in entries}) == 1
+        if shared:  # one reason for the whole group (a distribution whose version is unknown): say it once
+            lines.extend(_wrapped(f"all {len(entries)}: {entries[0]['reason']}", "  ", width))
         for e in entries:
             lines.append(_cut(f"  {e['id']:<{pad}}  {e['summary']}", width))
-            if state in QUIET_STATES or _RANK.get(state, _ATTENTION_END) <= _ATTENTION_END:
+            if explained and not shared:
                 lines.extend(_wrapped(f"{state}: {e['reason']}", " " * (pad + 4), width))
                 if e.get("error") and e["error"] not in e["reason"]:
                     lines.extend(_wrapped(f"error: {e['error']}", " " * (pad + 4), width))
