@@ -209,6 +209,12 @@ def test_status_imports_no_maintainer_code(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "[] []"
 
 
+def test_enforce_reads_expiry_lazily(tmp_path):
+    """KVPATCH_ENFORCE=1 (kvpatch's own CI) adds expiry facts; the maintainer module loads only then."""
+    proc = _run(["status", "--check"], cwd=tmp_path, env={"KVPATCH_ENFORCE": "1"})
+    assert proc.returncode in (0, 1, 2) and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_maintainer_commands_still_load_their_modules(tmp_path):
     proc = _run(["upstream-check", "--help"], cwd=tmp_path)
     assert proc.returncode == 0 and "--mlx-lm" in proc.stdout, proc.stderr
