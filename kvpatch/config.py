@@ -9,6 +9,8 @@
                      never by default).
 
 A malformed value never raises: it is reported through :attr:`Config.problems` and warned about once.
+Messages quote at most :data:`SHOWN` characters of a value, and an unknown patch id gets the closest
+known id as a suggestion (``mask-fil``: did you mean ``mask-fill``?), never the list of every id.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["OFF_VALUES", "ON_VALUES", "Config", "read_config"]
+__all__ = ["OFF_VALUES", "ON_VALUES", "SHOWN", "Config", "read_config"]
+
+#: The most characters of one environment value a message quotes.
+SHOWN = 60
+#: The most unknown ids one message names.
+_NAMED = 3
 
 OFF_VALUES = frozenset({"off", "0", "false", "no", "disable", "disabled"})
 ON_VALUES = frozenset({"", "on", "1", "true", "yes", "enable", "enabled", "auto"})
@@ -50,7 +57,8 @@ def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[s
     else:
         enabled = True
         if raw not in ON_VALUES:
-            problems.append(f"KVPATCH={env.get('KVPATCH')!r} is not understood (use 'off' or 'on'); kvpatch stays on")
+            value = _shown(env.get("KVPATCH", ""))
+            problems.append(f"KVPATCH={value} is not understood (use 'off' or 'on'); kvpatch stays on")
 
     disabled, disable_all = _ids(env, "KVPATCH_DISABLE", known_ids, problems)
     opted, enable_all = _ids(env, "KVPATCH_ENABLE", known_ids, problems)
@@ -61,9 +69,8 @@ def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[s
         if enforce_raw in ON_VALUES:
             enforce = True
         else:
-            problems.append(
-                f"KVPATCH_ENFORCE={env.get('KVPATCH_ENFORCE')!r} is not understood (use 1 or 0); not enforcing"
-            )
+            value = _shown(env.get("KVPATCH_ENFORCE", ""))
+            problems.append(f"KVPATCH_ENFORCE={value} is not understood (use 1 or 0); not enforcing")
 
     return Config(enabled, frozenset(disabled), disable_all, enforce, tuple(problems), frozenset(opted), enable_all)
 
@@ -73,6 +80,7 @@ def _ids(
 ) -> tuple[set[str], bool]:
     """The ids a comma-separated variable names, and whether it says ``*``."""
     ids: set[str] = set()
+    unknown: list[str] = []
     every = False
     for item in env.get(variable, "").split(","):
         item = item.strip().lower()
@@ -81,7 +89,33 @@ def _ids(
         if item == "*":
             every = True
         elif known_ids is not None and item not in known_ids:
-            problems.append(f"{variable} names unknown patch id {item!r} (known: {', '.join(sorted(known_ids))})")
+            if item not in unknown:
+                unknown.append(item)
         else:
             ids.add(item)
+    if unknown and known_ids is not None:
+        problems.append(_unknown_ids(variable, unknown, known_ids))
     return ids, every
+
+
+def _unknown_ids(variable: str, unknown: list[str], known_ids: frozenset[str]) -> str:
+    """One message for every unknown id in ``variable``: the first few, each with its closest match."""
+    import difflib
+
+    named = []
+    for item in unknown[:_NAMED]:
+        close = difflib.get_close_matches(item[:SHOWN], sorted(known_ids), n=1, cutoff=0.6) if len(item) <= 200 else []
+        named.append(_shown(item) + (f" (did you mean {close[0]!r}?)" if close else ""))
+    more = f" and {len(unknown) - _NAMED} more" if len(unknown) > _NAMED else ""
+    noun = "id" if len(unknown) == 1 else "ids"
+    return (
+        f"{variable} names unknown patch {noun} {', '.join(named)}{more}; ignored "
+        "(`kvpatch status -v` lists every patch id)"
+    )
+
+
+def _shown(value: str) -> str:
+    """``value`` quoted for a message, cut to :data:`SHOWN` characters (a 100 KB value is never echoed)."""
+    if len(value) <= SHOWN:
+        return repr(value)
+    return f"{value[:SHOWN]!r}... ({len(value)} characters)"

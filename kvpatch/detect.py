@@ -3,6 +3,13 @@
 Versions come from ``importlib.metadata``; the install source from the PEP 610
 ``direct_url.json`` that pip writes into a distribution's ``.dist-info`` for VCS, local-directory
 (editable or not) and archive installs. A plain install from an index has no such file.
+
+When the metadata gives no version (``METADATA`` missing, empty, not UTF-8, without a ``Version``,
+or no ``.dist-info`` at all) the package may still be importable, and then it runs unpatched unless
+kvpatch looks: such a distribution is *installed, version unknown* (:attr:`Upstream.version_unknown`
+says why) and the gate leaves the decision to the reproduction. Whether the package is importable is
+found with :class:`importlib.machinery.PathFinder` directly: nothing is imported, and no finder on
+``sys.meta_path`` (kvpatch's own bootstrap, wrapt's post-import finder) is consulted.
 """
 
 from __future__ import annotations
@@ -10,11 +17,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import metadata
+from importlib.machinery import PathFinder
 
-__all__ = ["Source", "Upstream", "detect", "detect_one", "read_source"]
+__all__ = ["NOT_INSTALLED", "Source", "Upstream", "detect", "detect_one", "read_source"]
 
 #: What status reports on: the array library and the two patched distributions.
 WATCHED = ("mlx", "mlx-lm", "mlx-vlm")
+
+#: The module whose presence shows a distribution is importable (``mlx`` is a namespace package).
+PROBES: dict[str, str] = {"mlx": "mlx.core", "mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
 
 
 @dataclass(frozen=True)
@@ -22,7 +33,8 @@ class Source:
     """Where a distribution was installed from (PEP 610)."""
 
     #: ``index`` (no direct_url.json), ``vcs``, ``editable``, ``directory``, ``archive``,
-    #: or ``unknown`` (direct_url.json present but unreadable or of an unknown form).
+    #: ``unknown`` (direct_url.json present but unreadable or of an unknown form, or no metadata at all),
+    #: or ``none`` (the distribution is not installed).
     kind: str = "index"
     url: str | None = None
     vcs: str | None = None
@@ -32,6 +44,8 @@ class Source:
     error: str | None = None
 
     def describe(self) -> str:
+        if self.kind == "none":
+            return "not installed"
         if self.kind == "index":
             return "package index"
         if self.kind == "vcs":
@@ -42,6 +56,10 @@ class Source:
         return f"{self.kind} {self.url}"
 
 
+#: The source of a distribution that is not installed.
+NOT_INSTALLED = Source(kind="none")
+
+
 @dataclass(frozen=True)
 class Upstream:
     """One installed (or absent) distribution."""
@@ -50,10 +68,13 @@ class Upstream:
     version: str | None
     source: Source = Source()
     location: str | None = None
+    #: Why the version is unknown although the package is importable (``METADATA`` missing, empty,
+    #: unreadable, or no ``.dist-info`` at all); ``None`` otherwise.
+    version_unknown: str | None = None
 
     @property
     def installed(self) -> bool:
-        return self.version is not None
+        return self.version is not None or self.version_unknown is not None
 
     @property
     def commit(self) -> str | None:
@@ -62,6 +83,8 @@ class Upstream:
     def describe(self) -> str:
         if not self.installed:
             return "not installed"
+        if self.version is None:
+            return f"installed, version unknown ({self.version_unknown})"
         return f"{self.version} ({self.source.describe()})"
 
 
@@ -103,24 +126,97 @@ def _is_hex(text: str) -> bool:
 def detect_one(name: str) -> Upstream:
     """Detect one distribution; never raises."""
     try:
+        return _detect_one(name)
+    except Exception as exc:  # pragma: no cover - defensive: each step below catches its own errors
+        problem = f"detection failed: {_err(exc)}"
+        where = _importable(name)
+        if where is None:
+            return Upstream(name, None, NOT_INSTALLED)
+        return Upstream(name, None, Source(kind="unknown", error=problem), where, version_unknown=problem)
+
+
+def _detect_one(name: str) -> Upstream:
+    dist: metadata.Distribution | None
+    problem = ""
+    try:
         dist = metadata.distribution(name)
     except metadata.PackageNotFoundError:
-        return Upstream(name, None)
+        dist, problem = None, "no .dist-info metadata found"
     except Exception as exc:  # a broken .dist-info must not break the user's program
-        return Upstream(name, None, Source(kind="unknown", error=f"metadata unreadable: {exc}"))
-    version = dist.version
+        dist, problem = None, f"metadata unreadable: {_err(exc)}"
+    version: str | None = None
+    if dist is not None:
+        try:
+            raw = dist.version
+        except Exception as exc:  # a METADATA that is not UTF-8 raises UnicodeDecodeError here
+            problem = f"METADATA unreadable: {_err(exc)}"
+        else:
+            if isinstance(raw, str) and raw.strip():
+                version = raw.strip()
+            else:
+                problem = _no_version(dist)
+    location: str | None = None
+    source = NOT_INSTALLED
+    if dist is not None:
+        source = _source(dist)
+        try:
+            location = str(dist.locate_file(""))
+        except Exception:
+            location = None
+    if version is not None:
+        return Upstream(name, version, source, location)
+    where = _importable(name)
+    if where is None:  # no version and nothing to import: not installed (a leftover .dist-info at most)
+        return Upstream(name, None, NOT_INSTALLED, location)
+    if dist is None:
+        source = Source(kind="unknown", error=problem)
+    return Upstream(name, None, source, location or where, version_unknown=problem)
+
+
+def _source(dist: metadata.Distribution) -> Source:
     try:
         text = dist.read_text("direct_url.json")
     except Exception as exc:
-        source = Source(kind="unknown", error=f"direct_url.json unreadable: {exc}")
-    else:
-        source = read_source(text)
-    location: str | None
+        return Source(kind="unknown", error=f"direct_url.json unreadable: {_err(exc)}")
+    return read_source(text)
+
+
+def _no_version(dist: metadata.Distribution) -> str:
+    """Why a distribution's metadata gave no version."""
     try:
-        location = str(dist.locate_file(""))
+        text = dist.read_text("METADATA")
+    except Exception as exc:  # pragma: no cover - dist.version would have raised first
+        return f"METADATA unreadable: {_err(exc)}"
+    if text is None:
+        return "METADATA missing"
+    if not text.strip():
+        return "METADATA empty"
+    return "METADATA has no Version"
+
+
+def _importable(name: str) -> str | None:
+    """Where the distribution's package would be imported from, or ``None``; imports nothing.
+
+    Uses :class:`PathFinder` over ``sys.path`` directly, so no finder on ``sys.meta_path`` (kvpatch's
+    bootstrap among them) is asked. A bare namespace directory does not count.
+    """
+    parts = PROBES.get(name, name.replace("-", "_")).split(".")
+    try:
+        spec = PathFinder.find_spec(parts[0])
+        for i in range(1, len(parts)):
+            if spec is None or not spec.submodule_search_locations:
+                return None
+            spec = PathFinder.find_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
     except Exception:
-        location = None
-    return Upstream(name, version or None, source, location)
+        return None
+    if spec is None or spec.origin is None or spec.origin == "namespace":
+        return None
+    return spec.origin
+
+
+def _err(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def detect(names: tuple[str, ...] = WATCHED) -> dict[str, Upstream]:

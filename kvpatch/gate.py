@@ -85,10 +85,17 @@ def decide(patch: Patch, upstream: Upstream, config: Config, placer: Placer | No
     return decision
 
 
+def _version_unknown(dist: str, upstream: Upstream) -> Decision:
+    why = upstream.version_unknown or "no version in its metadata"
+    return Decision(Action.VERIFY, f"{dist} is installed, version unknown ({why}): the reproduction decides")
+
+
 def _decide_installed(patch: Patch, upstream: Upstream, placer: Placer | None) -> Decision:
 
     dist = patch.distribution
     source = upstream.source
+    if upstream.version is None and not (source.kind == "vcs" and source.commit):
+        return _version_unknown(dist, upstream)
     if source.kind == "unknown":
         return Decision(Action.VERIFY, f"{dist} install source unknown ({source.error}); the reproduction decides")
 
@@ -122,8 +129,10 @@ def _decide_installed(patch: Patch, upstream: Upstream, placer: Placer | None) -
             return Decision(Action.APPLY, f"pinned {dist} commit {short} has the bug: {placement.reason}")
         # Nothing to place against: fall back to the version the checkout declares.
 
+    if upstream.version is None:  # a git pin the commit index could not place
+        return _version_unknown(dist, upstream)
     try:
-        version = Version(upstream.version or "")
+        version = Version(upstream.version)
     except InvalidVersion:
         return Decision(Action.VERIFY, f"{dist} version {upstream.version!r} is not PEP 440; the reproduction decides")
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import __version__
+from .detect import Upstream
 from .engine import Engine, PatchStatus, State, import_target_modules, run_reproduction
 from .record import Finding
 
@@ -176,8 +177,9 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
         reasons_2.append(f"{module}: could not be loaded: {error}")
     if engine.config.enforce:
         # Review-by dates are the project's own deadlines: they fail kvpatch's CI (KVPATCH_ENFORCE=1), never
-        # an operator's health check on a calendar day with nothing changed in the environment.
-        from .expiry import expiry_reasons
+        # an operator's health check on a calendar day with nothing changed in the environment. The runtime
+        # never imports kvpatch.maint otherwise.
+        from .maint.expiry import expiry_reasons
 
         reasons_1.extend(expiry_reasons(engine.patches))
     reasons_1.extend(engine.config.problems)
@@ -188,18 +190,7 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
         "python": platform.python_version(),
         "platform": sys.platform,
         "enabled": engine.config.enabled,
-        "upstream": {
-            name: {
-                "version": up.version,
-                "source": {
-                    "kind": up.source.kind,
-                    "url": up.source.url,
-                    "commit": up.source.commit,
-                    "error": up.source.error,
-                },
-            }
-            for name, up in engine.upstream.items()
-        },
+        "upstream": {name: upstream_entry(up) for name, up in engine.upstream.items()},
         "settled": None if settled is None else {"how": settled.how, "at": settled.at},
         "patches": patches,
         "broken": dict(engine.broken),
@@ -210,54 +201,223 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
     return Report(data)
 
 
+# -- presentation -------------------------------------------------------------------------------------
+
+
+def upstream_entry(up: Upstream) -> dict[str, Any]:
+    """One distribution in the JSON report (``upstream.<name>``)."""
+    return {
+        "version": up.version,
+        "installed": up.installed,
+        "version_unknown": up.version_unknown,
+        "source": {
+            "kind": up.source.kind,
+            "url": up.source.url,
+            "commit": up.source.commit,
+            "error": up.source.error,
+        },
+    }
+
+
+#: States shown in the compact view only as a count in the summary line.
+QUIET_STATES = frozenset({State.NOT_NEEDED.value, State.OUT_OF_RANGE.value, State.NOT_INSTALLED.value})
+
+#: How the compact view groups what it shows, attention first: (state as ``_state_text`` says it, title).
+#: A state missing here is shown too, under its own name, after the attention groups.
+_GROUPS: tuple[tuple[str, str], ...] = (
+    ("failed", "FAILED: not applied, the bug is live"),
+    ("target missing", "TARGET MISSING: upstream moved or removed what the patch replaces"),
+    ("drifted", "DRIFTED: the target's code is not what the patch was validated on"),
+    ("inconclusive", "INCONCLUSIVE: the reproduction could not tell"),
+    ("pending (verify)", "pending verification: the reproduction decides"),
+    ("overridden", "overridden"),
+    ("opt-in", "opt-in available: off unless KVPATCH_ENABLE names it"),
+    ("disabled", "disabled"),
+    ("applied", "applied"),
+    ("pending", "will apply when its module is imported"),
+)
+_RANK = {state: i for i, (state, _) in enumerate(_GROUPS)}
+_ATTENTION_END = _RANK["pending (verify)"]
+#: Verify outcomes that say nothing new about the patch's state.
+_EXPECTED_OUTCOMES = (OUTCOME_FIXED, OUTCOME_ABSENT, "skipped")
+
+
 def _state_text(entry: dict[str, Any]) -> str:
     if entry["state"] == State.PENDING.value:
         return "pending" if entry["action"] == "apply" else "pending (verify)"
     return str(entry["state"])
 
 
-def format_text(report: Report) -> str:
+def _notable_verify(entry: dict[str, Any]) -> str | None:
+    """The verify outcome when it is worth a line of its own in the compact view."""
+    verify = entry.get("verify")
+    if not verify:
+        return None
+    outcome = str(verify.get("outcome") or "")
+    return None if outcome.startswith(_EXPECTED_OUTCOMES) else outcome
+
+
+def format_text(report: Report, *, verbose: bool = False, width: int | None = None) -> str:
+    """The text of ``kvpatch status``: compact by default, every patch with ``verbose`` (``-v``).
+
+    ``width`` cuts one-line summaries to fit a terminal (``None``: never cut, for pipes and logs).
+    """
     d = report.data
-    lines = [
-        f"kvpatch {d['kvpatch']} on Python {d['python']} ({d['platform']})"
-        + ("" if d["enabled"] else ": OFF (KVPATCH=off)")
-    ]
+    lines = _header(d)
+    lines.append("")
+    lines.extend(_full_table(d) if verbose else _compact(d, width))
+    reasons = "\n".join(d["check"]["reasons"])  # what the check section lists is not repeated above it
+    lines.extend(f"BROKEN patch module {m}: {e}" for m, e in d["broken"].items() if f"{m}: " not in reasons)
+    lines.extend(f"config: {problem}" for problem in d["problems"] if problem not in reasons)
+    if lines[-1]:
+        lines.append("")
+    lines.extend(_check(d))
+    if not verbose:
+        lines.append("`kvpatch status -v` lists every patch with its targets and reason.")
+    return "\n".join(lines)
+
+
+def _header(d: dict[str, Any]) -> list[str]:
+    off = "" if d["enabled"] else ": OFF (KVPATCH=off), nothing is patched"
+    lines = [f"kvpatch {d['kvpatch']} on Python {d['python']} ({d['platform']}){off}"]
+    shown, notes = [], []
     for name, up in d["upstream"].items():
         src = up["source"]
-        where = "not installed" if up["version"] is None else up["version"]
-        if up["version"] is not None and src["kind"] != "index":
-            where += f" ({src['kind']} {src['url'] or ''}{'@' + src['commit'][:12] if src['commit'] else ''})".replace(
-                " )", ")"
+        if up["version"] is not None:
+            shown.append(f"{name} {up['version']}")
+        elif up.get("version_unknown") or up.get("installed"):
+            shown.append(f"{name} (version unknown)")
+            notes.append(
+                f"  {name}: installed, version unknown ({up.get('version_unknown')}): the reproduction decides"
             )
+            continue
+        else:
+            shown.append(f"{name} not installed")
+            continue
+        if src["kind"] not in ("index", "none"):
+            where = f"{src['kind']} install" + (f" {src['url']}" if src["url"] else "")
+            if src["commit"]:
+                where += f"@{src['commit'][:12]}"
             if src["error"]:
                 where += f" [{src['error']}]"
-        lines.append(f"  {name:<8} {where}")
+            notes.append(f"  {name}: {where}")
+    lines.append("upstream: " + ", ".join(shown))
+    lines.extend(notes)
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(d["summary"].items(), key=lambda kv: (-kv[1], kv[0])))
+    lines.append(f"{len(d['patches'])} patches: {counts}" if d["patches"] else "no patches loaded")
+    verified = _verify_counts(d)
+    if verified:
+        lines.append(f"verified: {verified}")
+    return lines
+
+
+def _verify_counts(d: dict[str, Any]) -> str:
+    counts: dict[str, int] = {}
+    for e in d["patches"]:
+        if e.get("verify"):
+            outcome = str(e["verify"].get("outcome") or "")
+            key = "skipped" if outcome.startswith("skipped") else outcome
+            counts[key] = counts.get(key, 0) + 1
+    return "; ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _not_installed_lines(d: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
+    """One line per distribution that is not installed (not one per patch)."""
+    by_dist: dict[str, int] = {}
+    for e in entries:
+        by_dist[e["distribution"]] = by_dist.get(e["distribution"], 0) + 1
+    return [f"{dist} not installed: its {n} patches do not apply" for dist, n in by_dist.items()]
+
+
+def _compact(d: dict[str, Any], width: int | None) -> list[str]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for e in d["patches"]:
+        state = _state_text(e)
+        if state in QUIET_STATES and not _notable_verify(e):
+            continue
+        groups.setdefault(state, []).append(e)
+    if not groups:
+        installed = [name for name, up in d["upstream"].items() if up.get("installed", up["version"] is not None)]
+        if not any(name in installed for name in ("mlx-lm", "mlx-vlm")):
+            return ["nothing to patch here: neither mlx-lm nor mlx-vlm is installed", ""]
+        return ["nothing to patch here: every patch is fixed upstream or predates this release", ""]
+    pad = max(len(e["id"]) for es in groups.values() for e in es)
+    order = sorted(groups, key=lambda s: _RANK.get(s, _ATTENTION_END))
+    lines: list[str] = []
+    for state in order:
+        entries = groups[state]
+        title = dict(_GROUPS).get(state, state)
+        lines.append(f"{title} ({len(entries)}):")
+        if state == "disabled":
+            lines.extend(_wrapped(", ".join(e["id"] for e in entries), "  ", width))
+            lines.append("")
+            continue
+        explained = state in QUIET_STATES or _RANK.get(state, _ATTENTION_END) <= _ATTENTION_END
+        shared = explained and len(entries) > 1 and len({e["reason"] for e in entries}) == 1
+        if shared:  # one reason for the whole group (a distribution whose version is unknown): say it once
+            lines.extend(_wrapped(f"all {len(entries)}: {entries[0]['reason']}", "  ", width))
+        for e in entries:
+            lines.append(_cut(f"  {e['id']:<{pad}}  {e['summary']}", width))
+            if explained and not shared:
+                lines.extend(_wrapped(f"{state}: {e['reason']}", " " * (pad + 4), width))
+                if e.get("error") and e["error"] not in e["reason"]:
+                    lines.extend(_wrapped(f"error: {e['error']}", " " * (pad + 4), width))
+            elif state == "opt-in":
+                lines.append(f"{' ' * (pad + 4)}turn it on: KVPATCH_ENABLE={e['id']}")
+            notable = _notable_verify(e)
+            if notable:
+                lines.extend(_wrapped(f"verify: {notable}", " " * (pad + 4), width))
+        lines.append("")
+    return lines
+
+
+def _full_table(d: dict[str, Any]) -> list[str]:
+    absent = [e for e in d["patches"] if e["state"] == State.NOT_INSTALLED.value]
+    present = [e for e in d["patches"] if e["state"] != State.NOT_INSTALLED.value]
+    lines: list[str] = []
+    if present:
+        header = ("patch", "state", "affected", "fixed in", "reference")
+        rows = [(e["id"], _state_text(e), e["affected"], _fixed_text(e), e["reference"]) for e in present]
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines.append(fmt.format(*header).rstrip())
+        for e, row in zip(present, rows, strict=True):
+            lines.append(fmt.format(*row).rstrip())
+            lines.append(f"    target: {', '.join(e['targets'])}")
+            lines.append(f"    why:    {e['reason']}")
+            if e.get("error") and e["error"] not in e["reason"]:
+                lines.append(f"    error:  {e['error']}")
+            if e["verify"]:
+                lines.append(f"    verify: {e['verify']['outcome']}")
+    if absent:
+        if lines:
+            lines.append("")
+        lines.extend(_not_installed_lines(d, absent))
     lines.append("")
-    header = ("patch", "state", "affected", "fixed in", "reference")
-    rows = [(e["id"], _state_text(e), e["affected"], _fixed_text(e), e["reference"]) for e in d["patches"]]
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines.append(fmt.format(*header).rstrip())
-    for e, row in zip(d["patches"], rows, strict=True):
-        lines.append(fmt.format(*row).rstrip())
-        lines.append(f"    target: {', '.join(e['targets'])}")
-        lines.append(f"    why:    {e['reason']}")
-        if e["verify"]:
-            lines.append(f"    verify: {e['verify']['outcome']}")
-    for module, error in d["broken"].items():
-        lines.append(f"BROKEN {module}: {error}")
-    for problem in d["problems"]:
-        lines.append(f"config: {problem}")
-    lines.append("")
-    summary = ", ".join(f"{n} {s}" for s, n in sorted(d["summary"].items()))
-    lines.append(f"summary: {len(d['patches'])} patches: {summary}")
+    return lines
+
+
+def _check(d: dict[str, Any]) -> list[str]:
     check = d["check"]
-    if check["reasons"]:
-        lines.append(f"check: exit {check['exit']}")
-        lines.extend(f"  - {r}" for r in check["reasons"])
-    else:
-        lines.append("check: clean (exit 0)")
-    return "\n".join(lines)
+    code = check["exit"]
+    if not check["reasons"]:
+        return [f"check: clean (--check exits {code})"]
+    what = {1: "attention needed", 2: "a patch failed or did not fix its bug"}.get(code, f"exit {code}")
+    return [f"check: {what} (--check exits {code}):", *(f"  - {r}" for r in check["reasons"])]
+
+
+def _cut(text: str, width: int | None) -> str:
+    if width is None or len(text) <= width:
+        return text
+    return text[: max(width - 3, 10)] + "..."
+
+
+def _wrapped(text: str, indent: str, width: int | None) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(
+        text, width=max(width or 120, len(indent) + 40), initial_indent=indent, subsequent_indent=indent + "  "
+    ) or [indent.rstrip()]
 
 
 def _fixed_text(entry: dict[str, Any]) -> str:

@@ -4,7 +4,7 @@
     KVPATCH_DISABLE=offset-detach .venv/bin/python scripts/in_bucket.py lm-0.32.2 -- python -m pytest ...
 
 ``python`` as the command's first word means this interpreter (the one with kvpatch and the test
-extra). The layers are built on first use and cached (``kvpatch.envs``). Exit status: the command's.
+extra). The layers are built on first use and cached (``kvpatch.maint.envs``). Exit status: the command's.
 """
 
 from __future__ import annotations
@@ -12,13 +12,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from matrix import BUCKETS
-
-from kvpatch.envs import bucket_environ
+from kvpatch.maint.envs import bucket_environ
+from kvpatch.maint.matrix import BUCKETS
 
 
 def main(argv: list[str]) -> int:

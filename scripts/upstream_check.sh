@@ -2,7 +2,7 @@
 # CI step "upstream check": every patch's reproduction, with kvpatch off, on the newest mlx-lm and mlx-vlm
 # on PyPI (releases younger than 48 hours are ignored), layered over a virtualenv like scripts/test.sh's.
 # Fails (exit 1) when a patch record disagrees with what was measured, and says which record, which field
-# and what value to set. Arguments go to `python -m kvpatch upstream-check` (e.g. --mlx-lm 0.32.2).
+# and what value to set. Arguments go to `kvpatch upstream-check` (e.g. --mlx-lm 0.32.2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,7 +14,7 @@ VENV=${KVPATCH_VENV:-.venv}
 
 echo "== upstream check: reproductions (KVPATCH=off) on the newest upstream releases =="
 set +e
-"$VENV/bin/python" -m kvpatch upstream-check "$@"
+"$VENV/bin/kvpatch" upstream-check "$@"  # the console script: the checkout's kvpatch/ never shadows the install
 status=$?
 set -e
 if [ "$status" -ne 0 ]; then
@@ -24,8 +24,8 @@ UPSTREAM CHECK FAILED (exit $status): upstream changed under a patch, or a repro
 For every line under "records that disagree with what was measured" above, open the patches/<file>.py it
 names and set the field it names (fixed_in, fixed_commit, affected, checked_through, expiry) to the value
 it gives; for "target moved or gone", retarget the patch (bug still there) or retire it (bug gone). Then:
-    python -m kvpatch compat --write && bash scripts/test.sh
-Re-run just this check: bash scripts/upstream_check.sh   (or: python -m kvpatch upstream-check --mlx-lm X.Y.Z)
+    $VENV/bin/kvpatch compat --write && bash scripts/test.sh
+Re-run just this check: bash scripts/upstream_check.sh   (or: $VENV/bin/kvpatch upstream-check --mlx-lm X.Y.Z)
 MSG
 fi
 exit "$status"

@@ -2,8 +2,8 @@
 
 For each mlx-lm release given (default: the oldest and the newest of the test matrix, 0.22.0 and
 0.32.2), this takes upstream's tests from its sdist on PyPI (``pip download --no-binary :all:``;
-cached under ``kvpatch.envs.cache_dir()/upstream-tests/``), layers the release with the mlx (and
-transformers) of its matrix bucket (``tests/matrix.py``) over this interpreter, and runs the model and
+cached under ``kvpatch.maint.envs.cache_dir()/upstream-tests/``), layers the release with the mlx (and
+transformers) of its matrix bucket (``kvpatch/maint/matrix.py``) over this interpreter, and runs the model and
 cache test files (:data:`FILES`) twice: once with ``KVPATCH=off`` and once with kvpatch active (a
 ``-p`` plugin imports kvpatch before any test module imports mlx-lm). The per-test outcomes must be
 identical.
@@ -32,11 +32,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO)]
 
-from matrix import BY_NAME, LM_BUCKETS  # noqa: E402
-
-from kvpatch import envs  # noqa: E402
+from kvpatch.maint import envs  # noqa: E402
+from kvpatch.maint.matrix import BY_NAME, LM_BUCKETS  # noqa: E402
 
 #: The model and cache test files of mlx-lm's suite (those present in a release are run).
 FILES = (
@@ -223,7 +222,7 @@ def run_once(release: str, root: Path, layers: list[Path], *, active: bool, time
 def check_release(release: str, *, timeout: float) -> dict[str, Any]:
     bucket = BY_NAME.get(f"lm-{release}")
     if bucket is None:
-        raise SetupError(f"mlx-lm {release} is not a bucket of tests/matrix.py")
+        raise SetupError(f"mlx-lm {release} is not a bucket of kvpatch/maint/matrix.py")
     started = time.monotonic()
     layers = envs.build(bucket)
     root = upstream_tests(release)
@@ -257,7 +256,7 @@ def _counts(c: dict[str, int]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--release", action="append", help="mlx-lm release (a tests/matrix.py bucket); repeatable")
+    parser.add_argument("--release", action="append", help="mlx-lm release (a matrix bucket); repeatable")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run")
     args = parser.parse_args(argv)

@@ -1,12 +1,51 @@
-"""Shared fixtures. ``run_py`` runs Python code in a fresh interpreter (the way users' processes start)."""
+"""Shared fixtures. ``run_py`` runs Python code in a fresh interpreter (the way users' processes start).
+
+``tests/upstream`` needs a real mlx-lm / mlx-vlm: where mlx is not importable (the test environment
+itself, which layers upstream releases per matrix bucket) it is not collected at all, so the closing
+line counts only tests that ran here; the matrix buckets that ran it are summed up separately at the end.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import subprocess
 import sys
 
 import pytest
-from support import child_env
+from support import MATRIX_RESULTS, MATRIX_SELECTED, child_env
+
+HAS_MLX = importlib.util.find_spec("mlx") is not None
+#: tests/upstream runs inside matrix buckets (tests/test_matrix.py), or wherever mlx is installed.
+collect_ignore = [] if HAS_MLX else ["upstream"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Matrix buckets run / failed, and what ran inside them, apart from this process's own counts."""
+    lines = []
+    results = config.stash.get(MATRIX_RESULTS, None)
+    if results is not None:
+        selected = config.stash.get(MATRIX_SELECTED, len(results))
+        failed = sorted(name for name, (code, _) in results.items() if code != 0)
+        totals: dict[str, int] = {}
+        for _, line in results.values():
+            for n, what in re.findall(r"(\d+) (\w+)", line):
+                totals[what] = totals.get(what, 0) + int(n)
+        inside = ", ".join(f"{n} {what}" for what, n in totals.items()) or "nothing"
+        lines.append(
+            f"matrix: {len(results)} of {selected} selected buckets ran, {len(results) - len(failed)} passed"
+            + (f", {len(failed)} failed ({', '.join(failed)})" if failed else "")
+            + f"; inside them: {inside}"
+        )
+    if not HAS_MLX:
+        lines.append(
+            "tests/upstream: not collected here (no mlx in this environment); it runs inside each matrix bucket "
+            "(KVPATCH_MATRIX selects them; scripts/in_bucket.py runs one by hand)"
+        )
+    if lines:
+        terminalreporter.write_sep("-", "kvpatch")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture

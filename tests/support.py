@@ -6,7 +6,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
+
+#: Matrix results for the closing summary (tests/conftest.py): bucket name -> (exit code, its pytest summary line).
+MATRIX_RESULTS = pytest.StashKey[dict]()
+#: How many buckets were selected (KVPATCH_MATRIX), for the same summary.
+MATRIX_SELECTED = pytest.StashKey[int]()
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""kvpatch.envs: cache location, layer naming, bucket environments, locking. No network."""
+"""kvpatch.maint.envs: cache location, layer naming, bucket environments, locking. No network."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpatch import envs
-from kvpatch.envs import Bucket, EnvBuildError, bucket_environ, build, build_all, cache_dir, layer, layer_key
+from kvpatch.maint import envs
+from kvpatch.maint.envs import Bucket, EnvBuildError, bucket_environ, build, build_all, cache_dir, layer, layer_key
 
 PY = f"py{sys.version_info[0]}{sys.version_info[1]}"
 

@@ -8,17 +8,20 @@ comma-separated list of bucket names (``lm-0.23.2,vlm-0.5.0``).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
 import sys
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from matrix import BUCKETS
-from support import REPO, child_env
+from support import MATRIX_RESULTS, MATRIX_SELECTED, REPO, child_env
 
-from kvpatch.envs import Bucket, bucket_environ, build
+from kvpatch.maint.envs import Bucket, bucket_environ, build, cache_dir, is_cached
 
 SELECT = os.environ.get("KVPATCH_MATRIX", "all").strip()
 if SELECT in ("", "all"):
@@ -35,11 +38,12 @@ else:
 JOBS = int(os.environ.get("KVPATCH_MATRIX_JOBS", "2"))
 
 
-def _run_bucket(bucket: Bucket, workdir: Path) -> tuple[int, str]:
+def _run_bucket(bucket: Bucket, workdir: Path) -> tuple[int, str, float]:
+    started = time.monotonic()
     try:
         build(bucket)
     except Exception as exc:
-        return 99, f"building {bucket.name} failed: {exc}"
+        return 99, f"building {bucket.name} failed: {exc}", time.monotonic() - started
     # KVPATCH / KVPATCH_DISABLE pass through, so `KVPATCH_DISABLE=<id>` shows a regression test failing.
     passed = {k: os.environ[k] for k in ("KVPATCH", "KVPATCH_DISABLE") if k in os.environ}
     env = bucket_environ(bucket, base=child_env(passed))
@@ -52,11 +56,44 @@ def _run_bucket(bucket: Bucket, workdir: Path) -> tuple[int, str]:
         text=True,
         timeout=1800,
     )
-    return proc.returncode, proc.stdout + proc.stderr
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
+
+
+def _say(config: pytest.Config, text: str) -> None:
+    """A progress line on the terminal now, whatever pytest captures (-q or not, -s or not)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        reporter.write_line(text)
+
+
+_SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+(?: \w+)?,? ?)+) in [\d.]+s")
+
+
+def summary_line(output: str) -> str:
+    """pytest's closing line in a bucket's output ("230 passed, 12 skipped"), or ""."""
+    for line in reversed(output.strip().splitlines()):
+        match = _SUMMARY.match(line.strip())
+        if match:
+            return match.group(1).strip().rstrip(",")
+    return ""
 
 
 @pytest.fixture(scope="session")
-def bucket_runs(tmp_path_factory) -> dict[str, Future]:
+def bucket_runs(request, tmp_path_factory) -> dict[str, Future]:
+    config = request.config
+    config.stash[MATRIX_SELECTED] = len(SELECTED)
+    config.stash[MATRIX_RESULTS] = {}
+    layers = {req for b in SELECTED for req in b.requirements}
+    missing = sorted(req for req in layers if not is_cached(req))
+    _say(
+        config,
+        f"[matrix] {len(SELECTED)} of {len(BUCKETS)} buckets, {JOBS} at a time; layers: {len(layers) - len(missing)} "
+        f"cached in {cache_dir()}, {len(missing)} to download and build"
+        + (f" ({', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''})" if missing else ""),
+    )
     pool = ThreadPoolExecutor(max_workers=JOBS)
     base = tmp_path_factory.mktemp("buckets")
     runs = {b.name: pool.submit(_run_bucket, b, base / b.name) for b in SELECTED}
@@ -65,8 +102,16 @@ def bucket_runs(tmp_path_factory) -> dict[str, Future]:
 
 
 @pytest.mark.parametrize("bucket", SELECTED, ids=[b.name for b in SELECTED])
-def test_bucket(bucket, bucket_runs):
-    code, output = bucket_runs[bucket.name].result()
+def test_bucket(bucket, bucket_runs, request):
+    code, output, seconds = bucket_runs[bucket.name].result()
+    results = request.config.stash[MATRIX_RESULTS]
+    results[bucket.name] = (code, summary_line(output))
+    verdict = "ok" if code == 0 else f"FAILED (exit {code})"
+    _say(
+        request.config,
+        f"[matrix {len(results)}/{len(SELECTED)}] {bucket.name}: {verdict}: {summary_line(output) or 'no summary'} "
+        f"({seconds:.0f} s)",
+    )
     tail = "\n".join(output.strip().splitlines()[-60:])
     print(f"--- {bucket.name}: {', '.join(bucket.requirements)}\n{tail}")
     assert code == 0, f"bucket {bucket.name} failed (exit {code}):\n{tail}"

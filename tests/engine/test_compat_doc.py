@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from support import REPO
 
-from kvpatch.compat import render
+from kvpatch.maint.compat import render
 
 
 def test_compat_md_is_current():
@@ -12,28 +12,30 @@ def test_compat_md_is_current():
     assert current == render(), "COMPAT.md is stale: run `python -m kvpatch compat --write`"
 
 
-def test_tested_releases_match_the_matrix():
-    from matrix import BUCKETS
+def test_one_source_for_the_release_matrix():
+    """COMPAT.md's release tables, the expiry floor and the tests' buckets all come from kvpatch.maint.matrix."""
+    import matrix
 
-    from kvpatch.compat import TESTED
+    from kvpatch.maint import compat, expiry
+    from kvpatch.maint import matrix as source
 
-    for dist, releases in TESTED.items():
-        in_matrix = {
-            b.name.split("-", 1)[1] for b in BUCKETS if b.name.startswith("lm-" if dist == "mlx-lm" else "vlm-")
-        }
-        assert set(releases) == in_matrix, dist
+    assert matrix.BUCKETS is source.BUCKETS
+    assert compat.TESTED is source.TESTED and expiry.SUPPORTED_FLOOR is source.SUPPORTED_FLOOR
+    for dist, releases in source.TESTED.items():
+        prefix = "lm-" if dist == "mlx-lm" else "vlm-"
+        assert list(releases) == [b.name.removeprefix(prefix) for b in source.BUCKETS if b.name.startswith(prefix)]
 
 
-def test_readme_status_example_lists_every_patch():
+def test_readme_status_example_matches_the_registry():
     """The README's `status` example must show the registry as it is (regenerate it when patches change)."""
     import re
 
     from kvpatch.registry import load
 
+    ids = {p.id for p in load().patches}
     text = (REPO / "README.md").read_text()
-    start = text.index("`python -m kvpatch status --verify` printed:")
+    start = text.index("`kvpatch status --verify` printed:")
     block = text[start : text.index("\n```\n", text.index("```text", start))]
-    shown = set(
-        re.findall(r"^([a-z0-9-]+)\s+(?:applied|not needed|pending|out of range|disabled|drifted|failed)", block, re.M)
-    )
-    assert shown == {p.id for p in load().patches}
+    assert re.search(rf"^{len(ids)} patches: ", block, re.M), "the summary line counts every patch"
+    shown = set(re.findall(r"^  ([a-z0-9-]+)  ", block, re.M))
+    assert shown and shown <= ids, shown - ids

@@ -62,7 +62,81 @@ def test_detect_one_corrupt_direct_url(tmp_path, monkeypatch):
 
 
 def test_detect_missing():
-    assert detect_one("kvpatch-no-such-distribution").installed is False
+    up = detect_one("kvpatch-no-such-distribution")
+    assert up.installed is False and up.version is None and up.version_unknown is None
+    assert up.source.kind == "none", "an absent distribution has no install source (never 'index')"
+    assert up.describe() == "not installed"
+
+
+# (METADATA bytes or None for no file, what version_unknown must say)
+BROKEN_METADATA = [
+    (None, "METADATA missing"),
+    (b"", "METADATA empty"),
+    (b"  \n", "METADATA empty"),
+    (b"Metadata-Version: 2.1\nName: kvpatch-probe-broken\nSummary: caf\xe9\nVersion: 1.0\n", "METADATA unreadable"),
+    (b"Metadata-Version: 2.1\nName: kvpatch-probe-broken\n", "METADATA has no Version"),
+]
+
+
+def _broken_dist(root, metadata: bytes | None, *, package: bool = True, dist_info: bool = True):
+    if package:
+        (root / "kvpatch_probe_broken").mkdir()
+        (root / "kvpatch_probe_broken" / "__init__.py").write_text(
+            "raise RuntimeError('detection must not import me')\n"
+        )
+    if dist_info:
+        info = root / "kvpatch_probe_broken-1.0.dist-info"
+        info.mkdir()
+        if metadata is not None:
+            (info / "METADATA").write_bytes(metadata)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("metadata", "why"), BROKEN_METADATA, ids=["missing", "empty", "blank", "non-utf8", "no-version"]
+)
+def test_importable_without_readable_version_is_installed_version_unknown(tmp_path, monkeypatch, metadata, why):
+    monkeypatch.syspath_prepend(str(_broken_dist(tmp_path, metadata)))
+    up = detect_one("kvpatch-probe-broken")
+    assert up.installed and up.version is None
+    assert up.version_unknown.startswith(why), up.version_unknown
+    assert "version unknown" in up.describe()
+    assert "kvpatch_probe_broken" not in sys.modules, "detection imported the package"
+
+
+def test_importable_without_any_dist_info_is_installed_version_unknown(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(_broken_dist(tmp_path, None, dist_info=False)))
+    up = detect_one("kvpatch-probe-broken")
+    assert up.installed and up.version is None and "no .dist-info" in up.version_unknown
+    assert up.source.kind == "unknown"
+
+
+def test_leftover_dist_info_without_package_is_not_installed(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(_broken_dist(tmp_path, b"", package=False)))
+    up = detect_one("kvpatch-probe-broken")
+    assert not up.installed and up.source.kind == "none"
+
+
+def test_a_bare_namespace_directory_is_not_a_package(tmp_path, monkeypatch):
+    (tmp_path / "kvpatch_probe_broken").mkdir()  # no __init__.py: a namespace portion, not a package
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not detect_one("kvpatch-probe-broken").installed
+
+
+def test_presence_check_does_not_consult_meta_path(tmp_path, monkeypatch):
+    """kvpatch's bootstrap finder (or any finder on sys.meta_path) is never asked during detection."""
+    asked = []
+
+    class Spy:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            asked.append(name)
+            return None
+
+    monkeypatch.syspath_prepend(str(_broken_dist(tmp_path, None)))
+    monkeypatch.setattr(sys, "meta_path", [Spy, *sys.meta_path])
+    assert detect_one("kvpatch-probe-broken").installed
+    assert asked == []
 
 
 CONFIGS = [
@@ -74,6 +148,7 @@ CONFIGS = [
     ({"KVPATCH_DISABLE": "a, b ,,"}, True, {"a", "b"}, False, False, 0),
     ({"KVPATCH_DISABLE": "*"}, True, set(), True, False, 0),
     ({"KVPATCH_DISABLE": "nope"}, True, set(), False, False, 1),
+    ({"KVPATCH_DISABLE": "x1,x2,x3,x4,x5,a"}, True, {"a"}, False, False, 1),  # one message for all of them
     ({"KVPATCH_ENFORCE": "1"}, True, set(), False, True, 0),
     ({"KVPATCH_ENFORCE": "0"}, True, set(), False, False, 0),
     ({"KVPATCH_ENFORCE": "???"}, True, set(), False, False, 1),
@@ -88,6 +163,35 @@ def test_read_config(env, enabled, ids, all_, enforce, n_problems):
     assert cfg.disable_all is all_
     assert cfg.enforce is enforce
     assert len(cfg.problems) == n_problems
+
+
+KNOWN = frozenset({"mask-fill", "offset-detach", "offset-detach-vlm", "max-kv-size-ignored"})
+
+
+@pytest.mark.parametrize("variable", ["KVPATCH_DISABLE", "KVPATCH_ENABLE"])
+def test_unknown_id_suggests_the_close_match(variable):
+    [problem] = read_config({variable: "mask-fil"}, known_ids=KNOWN).problems
+    assert "'mask-fil'" in problem and "did you mean 'mask-fill'?" in problem
+    assert "offset-detach" not in problem, "the known ids are not listed"
+
+
+def test_unknown_id_without_a_close_match_gets_no_suggestion():
+    [problem] = read_config({"KVPATCH_DISABLE": "zzz"}, known_ids=KNOWN).problems
+    assert "'zzz'" in problem and "did you mean" not in problem
+
+
+def test_many_unknown_ids_make_one_short_message():
+    value = ",".join(f"nope-{i}" for i in range(1000))
+    [problem] = read_config({"KVPATCH_DISABLE": value}, known_ids=KNOWN).problems
+    assert "and 997 more" in problem and len(problem) < 300
+
+
+@pytest.mark.parametrize("variable", ["KVPATCH", "KVPATCH_ENFORCE", "KVPATCH_DISABLE", "KVPATCH_ENABLE"])
+def test_long_values_are_never_echoed_in_full(variable):
+    value = "x" * 100_000
+    [problem] = read_config({variable: value}, known_ids=KNOWN).problems
+    assert len(problem) < 400, len(problem)
+    assert "100000 characters" in problem
 
 
 def test_status_does_not_import_mlx(run_py):

@@ -19,10 +19,9 @@ from packaging.version import Version
 from kvpatch import registry
 from kvpatch.config import read_config
 from kvpatch.engine import KvpatchWarning
-from kvpatch.expiry import SUPPORTED_FLOOR, Reason, evaluate, expired, expiry_reasons, failing, patch_file
-from kvpatch.record import Expiry, Patch
-from kvpatch.retired import Retired, render_retired
-from kvpatch.upstream_check import (
+from kvpatch.maint.expiry import SUPPORTED_FLOOR, Reason, evaluate, expired, expiry_reasons, failing, patch_file
+from kvpatch.maint.retired import Retired, render_retired
+from kvpatch.maint.upstream_check import (
     Expect,
     Measured,
     Release,
@@ -32,6 +31,7 @@ from kvpatch.upstream_check import (
     relevant,
     requirement_on,
 )
+from kvpatch.record import Expiry, Patch
 
 PATCHES = registry.load().patches
 TODAY = dt.date(2026, 11, 21)
@@ -140,7 +140,7 @@ def test_evaluate(patch, today, floor, expect):
 def test_messages_name_the_file_field_and_value():
     dead = _patch(fixed_in="0.24.0", module="kvpatch.patches.mask_fill")
     [e] = evaluate(dead, TODAY, {"mlx-lm": "0.24.0"})
-    assert "delete patches/mask_fill.py" in e.message and "RETIRED in kvpatch/retired.py" in e.message
+    assert "delete patches/mask_fill.py" in e.message and "RETIRED in kvpatch/maint/retired.py" in e.message
     late = _patch(
         fixed_in=None,
         affected=">=0.28.0,<=0.32.2",
@@ -300,7 +300,7 @@ def test_render_retired_empty_and_filled():
 
 
 def test_retired_ids_are_not_in_the_registry():
-    from kvpatch.retired import RETIRED
+    from kvpatch.maint.retired import RETIRED
 
     assert not {r.id for r in RETIRED} & {p.id for p in PATCHES}
 

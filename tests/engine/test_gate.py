@@ -120,6 +120,23 @@ def test_not_installed_and_switches():
     assert decide(FIXED, up, read_config({"KVPATCH_DISABLE": "other"})).action is Action.APPLY
 
 
+@pytest.mark.parametrize("why", ["METADATA missing", "METADATA empty", "METADATA unreadable: UnicodeDecodeError: ..."])
+@pytest.mark.parametrize("patch", [FIXED, UNFIXED, LM_FIXED], ids=lambda p: p.id)
+def test_installed_version_unknown_is_verify(patch, why):
+    """Importable but no readable version: never "not installed"; the reproduction decides."""
+    up = Upstream(patch.distribution, None, Source(), version_unknown=why)
+    assert up.installed
+    d = decide(patch, up, Config())
+    assert d.action is Action.VERIFY
+    assert "installed, version unknown" in d.reason and why in d.reason and "reproduction decides" in d.reason
+
+
+def test_version_unknown_git_pin_is_still_placed():
+    """A git pin whose METADATA is unreadable is still placed by its commit."""
+    up = Upstream("mlx-vlm", None, vcs(FEA), version_unknown="METADATA missing")
+    assert decide(FIXED, up, Config()).action is Action.NOT_NEEDED
+
+
 def test_reasons_name_the_facts():
     d = decide(FIXED, Upstream("mlx-vlm", "0.5.0", vcs(FEA)), Config())
     assert "fea81522" in d.reason

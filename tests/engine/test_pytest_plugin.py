@@ -59,7 +59,7 @@ def clean_env(monkeypatch):
 @pytest.fixture
 def upstream_env(clean_env):
     """PYTHONPATH with the lm-0.23.2 bucket's layers first (built once, cached)."""
-    from kvpatch.envs import EnvBuildError, build
+    from kvpatch.maint.envs import EnvBuildError, build
 
     try:
         layers = build(BUCKET)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from importlib import resources
 
 import pytest
+from schema_lite import validate
 
 # Code run first in every child: take away the installed .pth bootstrap so the test decides when
 # kvpatch activates, and list the upstream modules the registry targets.
@@ -165,6 +167,7 @@ def test_status_cli_and_verify(run_py):
     start = out.index("{")
     data = json.JSONDecoder().raw_decode(out[start:])[0]
     assert data["schema"] == "kvpatch.status/1"
+    assert validate(data, json.loads(resources.files("kvpatch").joinpath("data/status.schema.json").read_text())) == []
     bad = [
         (p["id"], p["verify"]["outcome"])
         for p in data["patches"]

@@ -4,8 +4,8 @@ A patch expires when
 
 (a) every supported upstream release carries upstream's fix: its ``fixed_in`` is at or below
     :data:`SUPPORTED_FLOOR` for its distribution (the oldest release the test matrix runs,
-    ``tests/matrix.py``; a test keeps the two equal). The patch can no longer apply to any release
-    kvpatch supports: delete its module and list it in :mod:`kvpatch.retired`;
+    defined by :mod:`kvpatch.maint.matrix`). The patch can no longer apply to any release
+    kvpatch supports: delete its module and list it in :mod:`kvpatch.maint.retired`;
 (b) its ``Expiry.review_by`` date has passed: someone must look at it again (re-run
     ``python -m kvpatch upstream-check``, then retire it or move the date);
 (c) its reproduction no longer reproduces on the newest upstream release: that is measured, not read
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
-from .record import Patch
+from ..record import Patch
+from .matrix import SUPPORTED_FLOOR
 
 __all__ = [
     "SUPPORTED_FLOOR",
@@ -40,10 +41,6 @@ __all__ = [
     "patch_file",
     "warn",
 ]
-
-#: The oldest supported release of each distribution: the oldest bucket of the test matrix
-#: (tests/matrix.py). Raising it retires every patch fixed at or below the new floor.
-SUPPORTED_FLOOR: dict[str, str] = {"mlx-lm": "0.22.0", "mlx-vlm": "0.4.3"}
 
 
 class Reason(enum.Enum):
@@ -84,8 +81,8 @@ def evaluate(patch: Patch, today: _dt.date | None = None, floor: Mapping[str, st
                 where,
                 Reason.FIXED_EVERYWHERE,
                 f"{patch.id}: expired: every supported {patch.distribution} release (>= {oldest}, the oldest in "
-                f"tests/matrix.py) has upstream's fix (fixed_in {patch.fixed_in}): delete {where}, add it to "
-                "RETIRED in kvpatch/retired.py, and run `python -m kvpatch compat --write`",
+                f"kvpatch/maint/matrix.py) has upstream's fix (fixed_in {patch.fixed_in}): delete {where}, add it to "
+                "RETIRED in kvpatch/maint/retired.py, and run `python -m kvpatch compat --write`",
             )
         )
     review_by = patch.expiry.review_by
@@ -121,7 +118,7 @@ def failing(patches: Iterable[Patch], *, enforce: bool, today: _dt.date | None =
 
 def warn(patches: Iterable[Patch], today: _dt.date | None = None) -> list[Expired]:
     """Warn (:class:`kvpatch.KvpatchWarning`) once per expiry; never raises. Returns them."""
-    from ._warn import KvpatchWarning
+    from .._warn import KvpatchWarning
 
     found = expired(patches, today)
     for e in found:

@@ -1,10 +1,10 @@
 """``python -m kvpatch upstream-check``: is every patch still needed on the newest upstream releases?
 
 The check installs the upstream releases it is given (default: the newest mlx-lm and mlx-vlm on the
-package index, ignoring releases younger than 48 hours) as cached *layers* (:mod:`kvpatch.envs`)
+package index, ignoring releases younger than 48 hours) as cached *layers* (:mod:`kvpatch.maint.envs`)
 over the *current* interpreter, pairs them with the newest mlx their ``Requires-Dist`` accepts, and
 runs every relevant patch's reproduction in a child process with ``KVPATCH=off``. The user's own
-environment is never modified: layers live under :func:`kvpatch.envs.cache_dir` and are put first on
+environment is never modified: layers live under :func:`kvpatch.maint.envs.cache_dir` and are put first on
 the child's ``PYTHONPATH`` only.
 
 Per patch it reports what was measured:
@@ -56,9 +56,9 @@ from packaging.utils import (
 )
 from packaging.version import InvalidVersion, Version
 
+from ..record import DISTRIBUTIONS, Kind, Patch
 from . import envs
 from .expiry import patch_file
-from .record import DISTRIBUTIONS, Kind, Patch
 
 __all__ = [
     "FRESH_HOURS",
@@ -254,7 +254,7 @@ def judge(
         advice.append(f"{where}: set checked_through=None (was {patch.checked_through!r})")
     advice.append(
         f"{where}: set expiry condition to 'retire when kvpatch stops supporting {dist} < {fixed}' "
-        "(kvpatch.expiry then reports the patch for deletion once SUPPORTED_FLOOR reaches it)"
+        "(kvpatch.maint.expiry then reports the patch for deletion once SUPPORTED_FLOOR reaches it)"
     )
     if expect is Expect.NEEDED:
         advice.insert(0, f"{where}: the record says {dist} {release} is affected, but the bug is absent there")
@@ -526,7 +526,7 @@ def child_main(argv: Sequence[str]) -> int:
         except metadata.PackageNotFoundError:
             versions[dist] = None
     _emit({"kind": "env", "versions": versions, "executable": sys.executable})
-    from . import registry
+    from .. import registry
 
     reg = registry.load()
     engine = None
@@ -548,7 +548,7 @@ def child_main(argv: Sequence[str]) -> int:
                     import_targets(patch)
                 st = engine.status[pid]
                 out["state"], out["reason"] = st.state.value, st.reason
-            from .engine import run_reproduction
+            from ..engine import run_reproduction
 
             finding = run_reproduction(patch)
             out["finding"] = {"present": finding.present, "detail": finding.detail, "skipped": finding.skipped}
@@ -560,7 +560,7 @@ def child_main(argv: Sequence[str]) -> int:
     return 0
 
 
-_CHILD_CODE = "import sys; from kvpatch.upstream_check import child_main; sys.exit(child_main(sys.argv[1:]))"
+_CHILD_CODE = "import sys; from kvpatch.maint.upstream_check import child_main; sys.exit(child_main(sys.argv[1:]))"
 
 
 @dataclass
@@ -1094,7 +1094,7 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .registry import load
+    from ..registry import load
 
     options = Options(
         mlx_lm=args.mlx_lm,

@@ -5,14 +5,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .config import Config
-from .detect import Source, Upstream
-from .gate import Action, decide
-from .record import Kind, Patch
-from .registry import load
+from ..config import Config
+from ..detect import Source, Upstream
+from ..gate import Action, decide
+from ..record import Kind, Patch
+from ..registry import load
+from .matrix import TESTED
 from .retired import render_retired
 
-__all__ = ["KNOWN_PINS", "render", "target_fingerprints"]
+__all__ = ["KNOWN_PINS", "TESTED", "render", "target_fingerprints"]
 
 #: Git pins seen in the wild (downstream servers pin exact upstream commits).
 KNOWN_PINS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -23,49 +24,14 @@ KNOWN_PINS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 
-#: The releases the test matrix runs (tests/matrix.py; a test keeps the two in step).
-TESTED: dict[str, tuple[str, ...]] = {
-    "mlx-lm": (
-        "0.22.0",
-        "0.23.2",
-        "0.24.0",
-        "0.28.0",
-        "0.28.1",
-        "0.28.4",
-        "0.30.2",
-        "0.30.4",
-        "0.30.7",
-        "0.31.1",
-        "0.31.2",
-        "0.31.3",
-        "0.32.0",
-        "0.32.2",
-    ),
-    "mlx-vlm": (
-        "0.4.3",
-        "0.4.4",
-        "0.5.0",
-        "0.6.0",
-        "0.6.3",
-        "0.6.4",
-        "0.6.5",
-        "0.6.13",
-        "0.6.14",
-        "0.6.15",
-        "0.6.16",
-        "0.7.0",
-        "0.7.6",
-        "0.7.8",
-        "0.7.10",
-    ),
-}
-
 _CELL = {
     Action.APPLY: "applies",
     Action.VERIFY: "verify",
     Action.NOT_NEEDED: "fixed",
     Action.OUT_OF_RANGE: "·",
 }
+
+_ALL = Config(enable_all=True)
 
 _ACTION_TEXT = {
     Action.APPLY: "applies",
@@ -77,7 +43,7 @@ _ACTION_TEXT = {
 
 def _pin_decision(patch: Patch, commit: str, version: str) -> str:
     upstream = Upstream(patch.distribution, version, Source(kind="vcs", url="git", vcs="git", commit=commit))
-    decision = decide(patch, upstream, Config())
+    decision = decide(patch, upstream, _ALL)
     return _ACTION_TEXT.get(decision.action, decision.action.value)
 
 
@@ -119,8 +85,9 @@ def render() -> str:
             "|---|" + "---|" * len(releases),
         ]
         for p in mine:
-            cells = [_CELL[decide(p, Upstream(dist, r), Config()).action] for r in releases]
-            out.append(f"| `{p.id}` | " + " | ".join(cells) + " |")
+            # opt-in patches are shown where they apply once enabled (KVPATCH_ENABLE), and marked so
+            cells = [_CELL[decide(p, Upstream(dist, r), _ALL).action] for r in releases]
+            out.append(f"| `{p.id}`{' (opt-in)' if p.opt_in else ''} | " + " | ".join(cells) + " |")
     out += ["", "## Targets", ""]
     for p in patches:
         targets = ", ".join(
@@ -145,8 +112,8 @@ def render() -> str:
 
 def target_fingerprints() -> dict[str, dict[str, Any]]:
     """Fingerprint every REPLACE target of every patch in the installed upstream (imports it)."""
-    from . import get_engine
-    from .engine import _MISSING, fingerprint
+    from .. import get_engine
+    from ..engine import _MISSING, fingerprint
 
     engine = get_engine()
     result: dict[str, dict[str, Any]] = {}

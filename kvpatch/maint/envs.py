@@ -53,6 +53,7 @@ __all__ = [
     "build_all",
     "cache_dir",
     "check_base",
+    "is_cached",
     "layer",
     "layer_key",
 ]
@@ -240,6 +241,14 @@ def _full_digest(path: Path) -> str:
 def layer_key(requirement: str, python: str | None = None) -> str:
     """The directory name (under ``cache_dir()/"layers"``) that :func:`layer` uses."""
     return _spec(requirement, _interpreter(python)).key
+
+
+def is_cached(requirement: str, python: str | None = None) -> bool:
+    """True when :func:`layer` would find ``requirement``'s layer built (nothing to download)."""
+    try:
+        return _is_built(cache_dir() / "layers" / layer_key(requirement, python))
+    except Exception:  # an unusual requirement: layer() will say what is wrong with it
+        return False
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,33 @@
+"""The ``kvpatch`` console script's entry point (installed as a top-level module beside ``kvpatch``).
+
+It exists so that even a kvpatch that cannot be imported (a broken install, a missing dependency)
+exits with kvpatch's internal-error status 70, never with Python's 1, which ``kvpatch status --check``
+uses for "attention needed". Everything else is :func:`kvpatch.cli.main`.
+"""
+
+import sys
+
+EXIT_INTERNAL = 70  # = kvpatch.cli.EXIT_INTERNAL (a test keeps them equal)
+EXIT_INTERRUPTED = 130
+
+
+def main():
+    try:
+        from kvpatch.cli import main as cli_main
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        print(
+            f"kvpatch: internal error (exit {EXIT_INTERNAL}): kvpatch cannot be imported "
+            f"({type(exc).__name__}: {exc}); reinstall it",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+    return cli_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

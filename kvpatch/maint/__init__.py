@@ -1,0 +1,13 @@
+"""Maintainer tooling: never imported by the runtime.
+
+``import kvpatch``, the ``.pth`` bootstrap and ``kvpatch status`` (without ``--verify``) load nothing
+from here (``tests/engine/test_cli.py`` checks it). The CLI imports these modules lazily, for the
+maintainer commands only:
+
+- :mod:`.matrix`: the release matrix (the buckets of real releases the tests run, the releases
+  COMPAT.md lists, and the supported floor that expiry reads). The one source of all three.
+- :mod:`.envs`: cached release layers (``pip install --target``) and bucket environments.
+- :mod:`.compat`: COMPAT.md and target fingerprints (``kvpatch compat``, ``kvpatch fingerprints``).
+- :mod:`.expiry` and :mod:`.retired`: when a patch must go, and the list of those gone.
+- :mod:`.upstream_check`: reproductions on the newest upstream (``kvpatch upstream-check``).
+"""
