@@ -17,14 +17,12 @@ the front as left padding. Until then the pads sit at the tail of the row's writ
   by mlx-vlm's speculative rollback right before ``finalize``) it falls back to ``finalize``'s own
   assumption: all declared pads are written.
 
-The extract delta calls the original on a shallow copy of the cache whose ``_idx`` (the end of the written
-region the original slices to) and ``offset`` are lowered by the row's pending pads: the original then
-slices, copies and counts exactly the row's real tokens. The live batch cache is not touched.
+The extract delta runs the original and cuts the row's written pads from the tail of the single-row cache it
+returns (keys, values, ``offset``; ``_idx`` for a rotating cache). The live batch cache is not touched.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 #: Instance attribute holding ``offset + lengths`` from the last patched ``prepare`` (None: not known).
@@ -69,11 +67,37 @@ def rotating_pending(cache: Any) -> Any:
     return mx.maximum(cache.offset - lengths, 0)
 
 
-def extract_without_pending(pending: Any) -> Any:
-    """A builder for ``extract``: the original, run on a copy of the cache that ends before the row's pending pads.
+def drop_tail(cache: Any, n: int) -> None:
+    """Remove the last ``n`` stored positions of a single-row cache ``extract`` returned (not rotated): keys and
+    values (dense, or quantized tuples), ``offset``, and ``_idx`` where the class has one (RotatingKVCache)."""
+    import mlx.core as mx
 
-    ``extract`` is called per finished / saved row, not per token; like the original (which reads the row's
-    padding with ``.item()`` / ``.tolist()``) it reads the row's pending count on the host.
+    if cache.keys is None:
+        return
+    quantized = isinstance(cache.keys, tuple)
+    length = (cache.keys[0] if quantized else cache.keys).shape[2]
+    keep = max(length - n, 0)
+
+    def cut(stored: Any) -> Any:
+        if isinstance(stored, tuple):
+            return tuple(mx.contiguous(part[..., :keep, :]) for part in stored)
+        return mx.contiguous(stored[..., :keep, :])
+
+    cache.keys, cache.values = cut(cache.keys), cut(cache.values)
+    cache.offset = cache.offset - (length - keep)
+    if hasattr(cache, "_idx"):
+        cache._idx = keep
+
+
+def extract_without_pending(pending: Any) -> Any:
+    """A builder for ``extract``: the original, then the row's written pads cut from the tail of what it returned.
+
+    Whatever the release's ``extract`` slices (from the row's left padding to the write index; 0.28.4-0.30.x's
+    rotating class keeps the whole buffer when the row has no left padding), the pads written so far are the
+    last positions it returns, in temporal order: a cache with right padding pending is never rotated (updates
+    then go through the concatenating path, which puts it in temporal order first). ``extract`` runs per
+    finished or saved row, not per token; like the original (which reads the row's padding with ``.item()`` /
+    ``.tolist()``) it reads the row's pending count on the host.
     """
 
     def build(original: Any) -> Any:
@@ -82,12 +106,10 @@ def extract_without_pending(pending: Any) -> Any:
             if tail is None or getattr(self, "rotated", False):
                 return original(self, idx)
             n = tail.tolist()[idx]
-            if n <= 0:
-                return original(self, idx)
-            shadow = copy.copy(self)
-            shadow._idx = self._idx - n
-            shadow.offset = self.offset - n
-            return original(shadow, idx)
+            cache = original(self, idx)
+            if n > 0:
+                drop_tail(cache, n)
+            return cache
 
         return extract
 

@@ -21,9 +21,11 @@ padding. It is met by code that drives the cache API itself and saves a row's ca
 ``finalize`` (a segment-boundary prompt-cache store, a row handed to another scheduler): the saved entry is
 silently corrupt, and reusing it gives mask/key length mismatches or wrong tokens.
 
-Fix (``patches/_right_padding.py``): ``extract`` is a delta that runs the original on a shallow copy of the
-cache whose write index and offset are lowered by the row's pads written so far, so the original slices,
-copies and counts exactly the row's real tokens; the live cache is not changed. The rotating class keeps
+Fix (``patches/_right_padding.py``): ``extract`` is a delta after the original: the row's pads written so far are
+the last positions of the single-row cache it returns, and are cut off (keys, values, ``offset``, and
+``_idx`` of the ``RotatingKVCache``); the live batch cache is not changed. (Lowering the write index before the
+original would not do: 0.28.4-0.30.x's rotating ``extract`` returns the whole buffer when the row has no left
+padding, measured: the next decode step then differs by 3.46.) The rotating class keeps
 ``_lengths`` (``offset + lengths``) itself: written pads are ``max(0, offset - _lengths)``, what its
 ``finalize`` rolls. ``BatchKVCache`` drops ``lengths``, so ``prepare`` gets a delta that keeps
 ``offset + lengths`` in a private attribute, and ``filter`` one that filters it with the rows (as

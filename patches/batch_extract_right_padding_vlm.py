@@ -17,8 +17,8 @@ written: upstream is right there, and this patch keeps it right (a fix that assu
 written would cut those checkpoints short). Code that extracts a row later in the prefill (a row handed to
 another scheduler, a prompt-cache store after the last chunk but before ``finalize``) gets the pads.
 
-Fix: the same deltas as the mlx-lm patch (``patches/_right_padding.py``): ``extract`` runs the original on a
-shallow copy whose write index and offset end before the row's written pads; ``BatchKVCache`` and
+Fix: the same deltas as the mlx-lm patch (``patches/_right_padding.py``): after the original ``extract``, the
+row's pads written so far are cut from the tail of the single-row cache it returns; ``BatchKVCache`` and
 ``BatchQuantizedKVCache`` get a ``prepare`` delta that keeps ``offset + lengths`` (they drop ``lengths``) and a
 ``filter`` delta that filters it with the rows. The rotating class counts from its own ``_lengths``. None of
 these runs per token. ``BatchQuantizedKVCache`` targets are skipped where the class has no ``extract``.
