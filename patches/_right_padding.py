@@ -138,7 +138,9 @@ def _valid_keys(cache: Any) -> Any:
     return _floats(cache, keys)
 
 
-def extract_problems(make_batch: Any, make_alone: Any, chunks: tuple[int, ...], lengths: tuple[int, ...] = (3, 5)) -> list[str]:
+def extract_problems(
+    make_batch: Any, make_alone: Any, chunks: tuple[int, ...], lengths: tuple[int, ...] = (3, 5)
+) -> list[str]:
     """What differs between rows extracted during a right-padded prefill and the rows prefilled alone.
 
     ``make_batch(rows)`` builds an empty batch cache, ``make_alone()`` the single-row cache ``extract`` returns.
@@ -149,7 +151,8 @@ def extract_problems(make_batch: Any, make_alone: Any, chunks: tuple[int, ...], 
 
     width = max(lengths)
     rows = len(lengths)
-    k1, k2 = mx.random.split(mx.random.key(0), 2)
+    split = mx.random.split(mx.random.key(0), 2)
+    k1, k2 = split[0], split[1]
     keys = mx.random.normal((rows, 2, width, 64), key=k1)
     step = mx.random.normal((1, 2, 1, 64), key=k2)
     batch = make_batch(rows)

@@ -37,7 +37,6 @@ count on the host, as the original reads its padding.
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Any
 
 from kvpatch.patches import _pending, _right_padding
 
@@ -85,9 +84,9 @@ def reproduce() -> Finding:
     problems = []
     for name, (make_batch, make_alone) in classes.items():
         for chunks in ((5,), (3, 2)):
-            problems += [f"{name}, chunks {chunks}: {p}" for p in _right_padding.extract_problems(make_batch, make_alone, chunks)]
+            problems += [
+                f"{name}, chunks {chunks}: {p}" for p in _right_padding.extract_problems(make_batch, make_alone, chunks)
+            ]
     if problems:
         return Finding(True, "; ".join(problems))
-    return Finding(
-        False, f"{', '.join(classes)}: a row extracted before finalize() equals the row prefilled alone"
-    )
+    return Finding(False, f"{', '.join(classes)}: a row extracted before finalize() equals the row prefilled alone")

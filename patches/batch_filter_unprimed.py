@@ -35,7 +35,6 @@ changes, not per token.
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Any
 
 from kvpatch.patches import _unprimed
 
@@ -67,8 +66,8 @@ def reproduce() -> Finding:
     from mlx_lm.models.cache import BatchKVCache
 
     H, D = 2, 32
-    key = mx.random.key(0)
-    k1, k2 = mx.random.split(key, 2)
+    split = mx.random.split(mx.random.key(0), 2)
+    k1, k2 = split[0], split[1]
     keys = [mx.random.normal((2, H, 5, D), key=k1), mx.random.normal((2, H, 1, D), key=k2)]
     problem = _unprimed.filtered_then_fresh(BatchKVCache, BatchKVCache, keys)
     if problem:

@@ -77,7 +77,8 @@ def reproduce() -> Finding:
     from mlx_vlm.models.cache import BatchQuantizedKVCache
 
     H, D = 2, 64
-    k1, k2 = mx.random.split(mx.random.key(0), 2)
+    split = mx.random.split(mx.random.key(0), 2)
+    k1, k2 = split[0], split[1]
     steps = [mx.random.normal((2, H, 5, D), key=k1), mx.random.normal((2, H, 1, D), key=k2)]
     classes: list[tuple[Any, Any]] = [
         (BatchQuantizedKVCache, lambda padding: BatchQuantizedKVCache(padding, group_size=32, bits=8))

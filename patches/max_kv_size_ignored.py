@@ -13,7 +13,9 @@ max_kv_size)`` (0.30.x up to 0.31.1: ``BatchKVCache`` instead of ``BatchRotating
 models); 0.31.2–0.31.3 bound it in ``BatchGenerator._make_new_cache``, and 0.32.x call
 ``make_prompt_cache(model, max_kv_size)`` again. The catalogue gives 0.28.1–0.32.2 (llama); measured here
 0.20.5–0.32.2 with cohere2 (0.20.4 and older have no model whose ``make_cache`` returns a ``KVCache``).
-Not fixed upstream; not reported upstream (upstream's docstring describes the behaviour).
+Not fixed upstream (upstream's docstring describes the behaviour). Proposed upstream by ml-explore/mlx-lm#1343
+(replace the plain ``KVCache`` entries of ``make_cache()`` with a bounded cache) and #1526 (forward
+``max_kv_size`` to a ``make_cache`` that accepts it), both closed unmerged.
 
 Fix: deltas after the originals. When ``max_kv_size`` is given and the model defines ``make_cache``, each
 entry of the model's own layout whose type is exactly ``KVCache`` (``BatchKVCache`` in ``_make_cache``)
@@ -39,7 +41,7 @@ PATCH = Patch(
     distribution="mlx-lm",
     affected=">=0.20.5,<=0.32.2",
     checked_through="0.32.2",
-    reference="not reported upstream",
+    reference="ml-explore/mlx-lm#1343, ml-explore/mlx-lm#1526 (both closed unmerged)",
     catalogue="H5",
     expiry=Expiry(
         "retire when upstream's make_prompt_cache bounds full-attention layers of make_cache models",

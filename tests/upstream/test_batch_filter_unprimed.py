@@ -25,7 +25,7 @@ def _steps(rows, *lengths):
     import mlx.core as mx
 
     keys = mx.random.split(mx.random.key(7), len(lengths))
-    return [mx.random.normal((rows, 2, n, 32), key=k) for n, k in zip(lengths, keys, strict=True)]
+    return [mx.random.normal((rows, 2, n, 32), key=keys[i]) for i, n in enumerate(lengths)]
 
 
 @pytest.mark.parametrize(

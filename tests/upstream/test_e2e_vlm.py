@@ -305,9 +305,7 @@ def test_server_cancels_a_request_before_its_first_prefill(dtype, model, family)
     first = mx.argmax(logits, axis=-1).tolist()
     tokens, steps = _decode_rows(model, caches, first, 6)
     for row, i in enumerate(keep):
-        _assert_like_alone(
-            model, make, dtype, family, names[i], FIRST[names[i]], tokens[row], logits[row], steps[row]
-        )
+        _assert_like_alone(model, make, dtype, family, names[i], FIRST[names[i]], tokens[row], logits[row], steps[row])
 
 
 @pytest.mark.parametrize("family", ["plain", "quantized"])
@@ -348,6 +346,4 @@ def test_server_extracts_a_row_mid_prefill_and_continues_it_alone(dtype, model, 
         c.filter(mx.array(keep, mx.int32))
     tokens, steps = _decode_rows(model, caches, [mx.argmax(last[i]).item() for i in keep], 6)
     for row, i in enumerate(keep):
-        _assert_like_alone(
-            model, make, dtype, family, names[i], prompts[names[i]], tokens[row], last[i], steps[row]
-        )
+        _assert_like_alone(model, make, dtype, family, names[i], prompts[names[i]], tokens[row], last[i], steps[row])
