@@ -20,7 +20,9 @@ Measured (tiny random LFM2, 3 conv layers, 200 decode tokens, outputs evaluated 
 
 0.30.2 and older have no ``advance`` (out of range).
 
-Upstream: partly fixed by 11a6ce75 (#1632), see above; not fixed as of 0.32.2.
+Upstream: partly fixed by 11a6ce75 (#1632), see above; not fixed as of 0.32.2. ml-explore/mlx-lm#1731
+(closed unmerged) guarded ``ArraysCache.filter``/``extend`` metadata but not ``advance``; ml-explore/mlx-lm#1845
+(open) reports this ``advance`` leak through ``BatchGenerator`` after #1632.
 
 Fix: a delta after the original: once ``advance`` has decremented the metadata, the first stored
 state entry is made to depend on it (``mx.depends``), so the layer's next step, which reads that
@@ -47,7 +49,8 @@ PATCH = Patch(
     distribution="mlx-lm",
     affected=">=0.30.4,<=0.32.2",
     checked_through="0.32.2",
-    reference="ml-explore/mlx-lm#1632 (partial: bounded only where callers evaluate cache.state)",
+    reference="ml-explore/mlx-lm#1632 (partial: bounded only where callers evaluate cache.state); "
+    "ml-explore/mlx-lm#1731 (closed unmerged), ml-explore/mlx-lm#1845 (open)",
     catalogue="B3",
     hot_path=True,
     expiry=Expiry(

@@ -8,7 +8,8 @@ which its own mask (``left_padding <= index``) hides, and it gets RoPE position 
 wrong (max diff 1.22 in the catalogue; 3.69 measured with the tests' tiny llama, seed 0). Measured on
 every release with the class, 0.28.0–0.32.2 (0.24.0 has no BatchKVCache).
 
-Upstream: not reported; not fixed as of 0.32.2.
+Upstream: not fixed as of 0.32.2. ml-explore/mlx-lm#873 (per-sequence ``BatchKVCache`` trim for batched
+speculative decoding, closed unmerged) describes the shared-``_idx`` limitation behind it.
 
 Fix: a delta after the original. Once the original has trimmed ``n > 0`` positions, a row whose
 ``left_padding`` now exceeds ``_idx`` has lost all of its tokens: it becomes an empty row, i.e. its
@@ -35,7 +36,7 @@ PATCH = Patch(
     distribution="mlx-lm",
     affected=">=0.28.0,<=0.32.2",
     checked_through="0.32.2",
-    reference="not reported upstream",
+    reference="ml-explore/mlx-lm#873 (closed unmerged)",
     catalogue="C4",
     hot_path=True,
     expiry=Expiry(

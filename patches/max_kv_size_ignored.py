@@ -13,8 +13,10 @@ max_kv_size)`` (0.30.x up to 0.31.1: ``BatchKVCache`` instead of ``BatchRotating
 models); 0.31.2–0.31.3 bound it in ``BatchGenerator._make_new_cache``, and 0.32.x call
 ``make_prompt_cache(model, max_kv_size)`` again. The catalogue gives 0.28.1–0.32.2 (llama); measured here
 0.20.5–0.32.2 with cohere2 (0.20.4 and older have no model whose ``make_cache`` returns a ``KVCache``).
-Not fixed upstream; upstream threads: ml-explore/mlx-lm#1343, #1526 (upstream's docstring describes the
-behaviour, so this patch is opt-in: ``KVPATCH_ENABLE=max-kv-size-ignored``).
+Not fixed upstream (upstream's docstring describes the behaviour, so this patch is opt-in:
+``KVPATCH_ENABLE=max-kv-size-ignored``). Proposed upstream by ml-explore/mlx-lm#1343 (replace the plain
+``KVCache`` entries of ``make_cache()`` with a bounded cache) and #1526 (forward ``max_kv_size`` to a
+``make_cache`` that accepts it), both closed unmerged.
 
 Fix: deltas after the originals. When ``max_kv_size`` is given and the model defines ``make_cache``, each
 entry of the model's own layout whose type is exactly ``KVCache`` (``BatchKVCache`` in ``_make_cache``)
@@ -40,7 +42,7 @@ PATCH = Patch(
     distribution="mlx-lm",
     affected=">=0.20.5,<=0.32.2",
     checked_through="0.32.2",
-    reference="not reported upstream",
+    reference="ml-explore/mlx-lm#1343, ml-explore/mlx-lm#1526 (both closed unmerged)",
     catalogue="H5",
     # Upstream documents the behaviour ("the model's own make_cache wins"), and servers probe it: bounding
     # the cache is a policy change, not a bug fix, so it is off unless KVPATCH_ENABLE names it.

@@ -12,6 +12,8 @@ of the offset took 150 ms (0 with the fix). mlx-lm 0.27.1 has no BatchKVCache (o
 
 Upstream: not fixed (checked through 0.32.2). The twin in BatchRotatingKVCache was fixed by tying the
 metadata into the cached keys with ``mx.depends`` (ml-explore/mlx-lm#960, 89c430a9, 0.31.1).
+ml-explore/mlx-lm#1731 (closed unmerged) proposed the same guard for ``BatchKVCache.update_and_fetch`` (and
+for ``ArraysCache.filter``/``extend``).
 
 Fix: a delta in front of the original. The incoming keys are made to depend on the current ``offset``
 (``mx.depends``) before the original writes them into the cache, so evaluating anything that reads this
@@ -40,7 +42,7 @@ PATCH = Patch(
     distribution="mlx-lm",
     affected=">=0.28.0,<=0.32.2",
     checked_through="0.32.2",
-    reference="not reported upstream (twin fixed in BatchRotatingKVCache by ml-explore/mlx-lm#960)",
+    reference="ml-explore/mlx-lm#1731 (closed unmerged; twin fixed in BatchRotatingKVCache by ml-explore/mlx-lm#960)",
     catalogue="B1",
     hot_path=True,
     expiry=Expiry(

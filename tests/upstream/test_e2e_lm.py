@@ -12,6 +12,13 @@ token at a time after its first prefill chunk (so no attention mask ever meets a
    alone (also with a ``max_kv_size`` window).
 3. A prompt cache saved with ``save_prompt_cache``, loaded with ``load_prompt_cache`` and continued (plain and
    ``kv_bits`` quantized caches).
+4. A server driving ``BatchKVCache`` itself: a left-padded batch whose longest request is cancelled (``filter``)
+   before its first prefill chunk, and a right-padded batch whose shortest row is extracted after the last
+   prefill chunk but before ``finalize`` and continued alone (the others continue batched): every row equals
+   its prompt generated alone (from 0.28.4, where ``prepare``/``extract`` exist; measured without patches on
+   0.32.2: the cancel raises ``[broadcast_shapes]`` at the first prefill chunk (``batch-filter-unprimed``), the
+   extracted row holds 10 positions for 5 tokens and its tokens differ from the second on
+   (``batch-extract-right-padding``)).
 
 They run only on mlx-lm 0.22.0 and 0.32.2 released code (CI time: this file runs in every bucket).
 """
@@ -351,3 +358,82 @@ def test_saved_prompt_cache_continues_like_uninterrupted(lm, kv, tmp_path):
     stepwise = lm.stepwise(history, 8, **kv)
     assert follow == uninterrupted, f"continued from the file {follow} != uninterrupted {uninterrupted}"
     assert follow == stepwise, f"continued from the file {follow} != stepwise {stepwise}"
+
+
+# --- 4. a server driving the batch cache API: a cancel before the first prefill, an extract mid-prefill ---------
+
+
+def _batch_cache_api():
+    from mlx_lm.models import cache as cache_module
+
+    cls = getattr(cache_module, "BatchKVCache", None)
+    if cls is None or not hasattr(cls, "extract"):
+        pytest.skip(f"mlx-lm {_VERSION} has no BatchKVCache with prepare()/extract() (from 0.28.4)")
+    return cls
+
+
+def _decode(model, caches, first, n):
+    """Greedy decoding of every row of ``caches``: ``first`` (one token per row) goes in first; ``n`` tokens per
+    row, ``first`` included."""
+    out = [[t] for t in first]
+    for _ in range(n - 1):
+        logits = model(mx.array([row[-1:] for row in out]), cache=caches)
+        for row, token in zip(out, mx.argmax(logits[:, -1, :], axis=-1).tolist(), strict=True):
+            row.append(token)
+    return out
+
+
+def test_server_cancels_a_request_before_its_first_prefill(lm):
+    """Left-padded prompt batch (one BatchKVCache per layer, padding from construction, as mlx-vlm's server builds
+    them); the longest request is cancelled (``filter``) before the first prefill chunk; the other rows are
+    prefilled in chunks of 4 and decoded: each equals its prompt generated alone (batch-filter-unprimed)."""
+    batch_kv_cache = _batch_cache_api()
+    prompts = _tokens(11, 9, 4, 6)
+    width = max(map(len, prompts))
+    padding = [width - len(p) for p in prompts]
+    caches = [batch_kv_cache(padding) for _ in lm.main.layers]
+    keep = [1, 2]  # request 0, the only row without padding, is cancelled
+    for c in caches:
+        c.filter(mx.array(keep))
+    tokens = mx.array([[0] * padding[i] + prompts[i] for i in keep])
+    for start in range(0, width, 4):
+        logits = lm.main(tokens[:, start : start + 4], cache=caches)
+    got = _decode(lm.main, caches, mx.argmax(logits[:, -1, :], axis=-1).tolist(), 8)
+    for row, i in enumerate(keep):
+        alone = lm.alone(prompts[i], 8)
+        assert got[row] == alone, f"request {i}: batched {got[row]} != alone {alone}"
+
+
+def test_server_extracts_a_row_mid_prefill_and_continues_it_alone(lm):
+    """Right-padded prompt batch prefilled in chunks of 4 (``prepare(lengths, right_padding)`` as
+    ``PromptProcessingBatch`` declares it); after the last chunk, before ``finalize``, the shortest row's cache is
+    extracted and continued alone, one token at a time: its tokens equal the prompt generated alone
+    (batch-extract-right-padding). The batch then finalizes, drops that row and decodes the others, which also
+    equal their prompts alone (the extract left the live cache as it was)."""
+    batch_kv_cache = _batch_cache_api()
+    prompts = _tokens(13, 5, 10, 8)
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    caches = [batch_kv_cache([0] * len(prompts)) for _ in lm.main.layers]
+    for c in caches:
+        c.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
+    tokens = mx.array([p + [0] * (width - len(p)) for p in prompts])
+    last = {}
+    for start in range(0, width, 4):
+        logits = lm.main(tokens[:, start : start + 4], cache=caches)
+        for row, n in enumerate(lengths):
+            if start <= n - 1 < start + 4:
+                last[row] = mx.argmax(logits[row, n - 1 - start]).item()
+
+    saved = [c.extract(0) for c in caches]  # padding still pending: row 0 holds 5 tokens and 5 pads
+    (alone_row,) = _decode(lm.main, saved, [last[0]], 8)
+    assert alone_row == lm.alone(prompts[0], 8), f"extracted row {alone_row} != alone {lm.alone(prompts[0], 8)}"
+    assert [c.offset for c in saved] == [lengths[0] + 7] * len(saved)
+
+    for c in caches:
+        c.finalize()
+        c.filter(mx.array([1, 2]))
+    got = _decode(lm.main, caches, [last[1], last[2]], 8)
+    for row, i in enumerate([1, 2]):
+        alone = lm.alone(prompts[i], 8)
+        assert got[row] == alone, f"request {i}: batched {got[row]} != alone {alone}"

@@ -20,6 +20,16 @@ alone (one-row cache of the same family, from the same factory), and every step'
 uniform quantized caches must also keep storing bfloat16 through every join (a float32 cache doubles
 the memory and changes the numbers); TurboQuant's packed state records no dtype.
 
+A second pair of scenarios drives the caches the way a server does around cancellations and prompt-cache
+stores: a left-padded batch whose one unpadded request is cancelled (``filter``) before the first prefill chunk
+(every family), and a right-padded batch (``prepare(right_padding, lengths)``) whose shortest row is extracted
+after the last prefill chunk but before ``finalize`` and decoded alone, while the others go on batched (dense
+and uniform quantized; TurboQuant has no ``prepare``/``extract``, nor has the quantized class before 0.6.5).
+Measured without patches: on 0.5.0 the cancel raises ``[broadcast_shapes]`` at the first prefill chunk in every
+family (``batch-filter-unprimed`` on mlx-lm 0.31.3's class, ``batch-filter-unprimed-vlm``, ``tq-filter-unprimed``)
+and the extracted dense row's tokens differ from the second on (``batch-extract-right-padding``); on 0.7.10 the
+cancel is fixed upstream and the extracted row differs in both families (``batch-extract-right-padding-vlm``).
+
 Runs on mlx-vlm 0.5.0 and 0.7.10 (the two ends of the patched range) with the installed patches; it is
 skipped on every other release. Measured without patches (``KVPATCH_DISABLE``): on 0.5.0 the uniform and
 TurboQuant scenarios fail in both dtypes (``left-padding-mask``: first tokens wrong; ``batch-quantized-extend``
@@ -243,3 +253,97 @@ def test_continuous_batching_rows_match_rows_alone(dtype, model, family):
         assert err < TOL[dtype], f"{family}, {dtype}: row {name!r} logits differ from the row alone by {err:.3g}"
     for when, stored in server.stored:
         assert stored <= {getattr(mx, dtype)}, f"{family}: {when} the caches store {stored} for a {dtype} model"
+
+
+# --- a server driving the caches itself: a cancel before the first prefill, an extract mid-prefill ---------------
+
+CHUNK = 4  # prefill step
+
+
+def _decode_rows(model, caches, first, n):
+    """Greedy decoding of every row of ``caches``; ``first`` (one token per row) goes in first. Returns the tokens
+    (``first`` included, ``n`` per row) and each step's float32 logits per row."""
+    import mlx.core as mx
+
+    tokens = [[t] for t in first]
+    steps = [[] for _ in first]
+    for _ in range(n - 1):
+        logits = _logits(model, [row[-1:] for row in tokens], caches)
+        for i, token in enumerate(mx.argmax(logits, axis=-1).tolist()):
+            tokens[i].append(token)
+            steps[i].append(logits[i])
+    return tokens, steps
+
+
+def _assert_like_alone(model, make, dtype, family, name, prompt, tokens, first_logits, steps):
+    import mlx.core as mx
+
+    alone, alone_steps = _alone(model, make, prompt, len(tokens))
+    assert tokens == alone, f"{family}: row {name!r} generated {tokens}, {alone} alone"
+    err = max(mx.abs(b - s).max().item() for b, s in zip([first_logits, *steps], alone_steps, strict=True))
+    assert err < TOL[dtype], f"{family}, {dtype}: row {name!r} logits differ from the row alone by {err:.3g}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_server_cancels_a_request_before_its_first_prefill(dtype, model, family):
+    """A left-padded prompt batch (the server's own caches for the family); the one request without padding is
+    cancelled (``filter``) before the first prefill chunk; the others are prefilled in chunks and decoded: each
+    equals its prompt decoded alone (batch-filter-unprimed, batch-filter-unprimed-vlm, tq-filter-unprimed)."""
+    import mlx.core as mx
+
+    make = _factory(model, family)
+    names = list(FIRST)
+    padding, padded = _left_pad(list(FIRST.values()))
+    caches = make(padding)
+    keep = [i for i, p in enumerate(padding) if p > 0]  # "c", the longest, is cancelled
+    assert len(keep) == len(names) - 1
+    for c in caches:
+        c.filter(mx.array(keep, mx.int32))
+    rows = [padded[i] for i in keep]
+    for start in range(0, len(rows[0]), CHUNK):
+        logits = _logits(model, [r[start : start + CHUNK] for r in rows], caches)
+    first = mx.argmax(logits, axis=-1).tolist()
+    tokens, steps = _decode_rows(model, caches, first, 6)
+    for row, i in enumerate(keep):
+        _assert_like_alone(model, make, dtype, family, names[i], FIRST[names[i]], tokens[row], logits[row], steps[row])
+
+
+@pytest.mark.parametrize("family", ["plain", "quantized"])
+def test_server_extracts_a_row_mid_prefill_and_continues_it_alone(dtype, model, family):
+    """A right-padded prompt batch (``prepare(right_padding, lengths)``, as mlx-vlm's mixed warm/cold prefill
+    declares it) prefilled in chunks; after the last chunk, before ``finalize``, the shortest row's cache is
+    extracted and decoded alone: it equals that prompt decoded alone (batch-extract-right-padding(-vlm)). The
+    batch then finalizes, drops that row and decodes the others, which equal their prompts alone too."""
+    import mlx.core as mx
+
+    make = _factory(model, family)
+    prompts = {**SECOND, "a": FIRST["a"]}  # 12, 3 and 5 tokens
+    names, lengths = list(prompts), [len(p) for p in prompts.values()]
+    caches = make([0] * len(names))
+    if not all(hasattr(c, "prepare") and hasattr(c, "extract") for c in caches):
+        pytest.skip(f"{family}: this release's batch cache has no prepare()/extract()")
+    width = max(lengths)
+    for c in caches:
+        c.prepare(right_padding=[width - n for n in lengths], lengths=lengths)
+    padded = [p + [0] * (width - len(p)) for p in prompts.values()]
+    last = {}
+    for start in range(0, width, CHUNK):
+        out = model(mx.array([r[start : start + CHUNK] for r in padded]), cache=caches)
+        logits = (out.logits if hasattr(out, "logits") else out).astype(mx.float32)
+        for row, n in enumerate(lengths):
+            if start <= n - 1 < start + CHUNK:
+                last[row] = logits[row, n - 1 - start]
+    mx.eval(list(last.values()))
+
+    short = names.index("e")
+    saved = [c.extract(short) for c in caches]  # its 9 pads are written and still pending
+    (tokens,), (steps,) = _decode_rows(model, saved, [mx.argmax(last[short]).item()], 6)
+    _assert_like_alone(model, make, dtype, family, "e", prompts["e"], tokens, last[short], steps)
+
+    keep = [i for i in range(len(names)) if i != short]
+    for c in caches:
+        c.finalize()
+        c.filter(mx.array(keep, mx.int32))
+    tokens, steps = _decode_rows(model, caches, [mx.argmax(last[i]).item() for i in keep], 6)
+    for row, i in enumerate(keep):
+        _assert_like_alone(model, make, dtype, family, names[i], prompts[names[i]], tokens[row], last[i], steps[row])
