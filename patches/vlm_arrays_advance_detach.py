@@ -1,14 +1,15 @@
 """vlm-arrays-advance-detach: mlx-vlm's own ArraysCache.advance grows lazy left_padding/lengths graphs.
 
-Broken: from 0.6.4 mlx-vlm carries its own ``mlx_vlm.models.cache.ArraysCache`` (before, it re-exported
-mlx-lm's, which ``arrays-advance-detach`` covers). Its ``advance(N)`` (called by every conv / SSM /
-linear-attention layer of hybrid models after it stores its new state: LFM2, Qwen3.5, Qwen3-Next,
-Nemotron-H, ...) decrements ``left_padding`` and ``lengths`` with ``-= N`` and nothing evaluates them:
-only the one cache a model builds its SSM mask from reads ``left_padding``, and mlx-vlm's generators
-evaluate ``cache.state``, which for this class is the state list alone. mlx-vlm's BatchGenerator sets
-``left_padding`` on every ArraysCache (``_make_cache``), so in every other such layer the chain grows by
-5 graph edges per decoded token without bound (on Metal one buffer per token per layer: upstream
-measured ``[metal::malloc] Resource limit (499000) exceeded`` at ~10.3k tokens on a 64-layer Qwen3.5).
+Broken: from 0.6.4 (git a492e47d, #1494) mlx-vlm carries its own ``mlx_vlm.models.cache.ArraysCache``
+(before, it re-exported mlx-lm's, which ``arrays-advance-detach`` covers). Its ``advance(N)`` (called by
+every conv / SSM / linear-attention layer of hybrid models after it stores its new state: LFM2, Qwen3.5,
+Qwen3-Next, Nemotron-H, ...) decrements ``left_padding`` and ``lengths`` with ``-= N`` and nothing
+evaluates them: only the one cache a model builds its SSM mask from reads ``left_padding``, and
+mlx-vlm's generators evaluate ``cache.state``, which for this class is the state list alone. mlx-vlm's
+BatchGenerator sets ``left_padding`` on every ArraysCache (``_make_cache``), so in every other such
+layer the chain grows by 5 graph edges per decoded token without bound (on Metal one buffer per token
+per layer: upstream measured ``[metal::malloc] Resource limit (499000) exceeded`` at ~10.3k tokens on a
+64-layer Qwen3.5).
 
 Measured (Linux, mlx[cpu]; advance steps with only the states evaluated): left_padding/lengths graphs
 of 100 edges each after 20 steps and 1000 after 200 on 0.6.4, 0.6.5, 0.6.13, 0.6.14 and 0.6.15 (0 with
@@ -39,6 +40,7 @@ PATCH = Patch(
     affected=">=0.6.4,<0.6.16",
     fixed_in="0.6.16",
     fixed_commit="72f37ca4",
+    introduced_commit="a492e47d",
     reference="Blaizzy/mlx-vlm#1984 (issue Blaizzy/mlx-vlm#1972; mlx-lm twin: arrays-advance-detach)",
     hot_path=True,
     expiry=Expiry(

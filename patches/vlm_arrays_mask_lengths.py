@@ -1,12 +1,13 @@
 """vlm-arrays-mask-lengths: mlx-vlm's own ArraysCache.make_mask drops the lengths mask when left padding is set.
 
 Broken: the twin of ``arrays-mask-lengths`` in mlx-vlm's own ``mlx_vlm.models.cache.ArraysCache``
-(0.6.4+; before, mlx-vlm used mlx-lm's class): ``make_mask(N)`` returns ``arange(N) >= left_padding``
-whenever ``left_padding`` is set and applies ``lengths`` (set by ``prepare(lengths=...)`` for a
-right-padded prefill) only when it is not. mlx-vlm's own batch prefill sets both: ``_make_cache`` gives
-every ArraysCache ``left_padding`` (zeros when the batch is right-padded), then the automatic-prefix-cache
-mixed prefill calls ``prepare(right_padding=..., lengths=...)`` on every cache, and speculative rollback
-replays ragged rows the same way. Pad tokens then update the recurrent state of the shorter rows.
+(0.6.4+, from git a492e47d / #1494; before, mlx-vlm used mlx-lm's class): ``make_mask(N)`` returns
+``arange(N) >= left_padding`` whenever ``left_padding`` is set and applies ``lengths`` (set by
+``prepare(lengths=...)`` for a right-padded prefill) only when it is not. mlx-vlm's own batch prefill
+sets both: ``_make_cache`` gives every ArraysCache ``left_padding`` (zeros when the batch is
+right-padded), then the automatic-prefix-cache mixed prefill calls ``prepare(right_padding=...,
+lengths=...)`` on every cache, and speculative rollback replays ragged rows the same way. Pad tokens
+then update the recurrent state of the shorter rows.
 
 Measured (Linux, mlx[cpu]): ``make_mask(5)`` with ``left_padding=[1, 0]``, ``lengths=[5, 3]`` leaves
 row 1's pads valid on every release with the class: 0.6.4, 0.6.5, 0.6.13, 0.6.15, 0.6.16, 0.7.0, 0.7.6,
@@ -34,6 +35,7 @@ PATCH = Patch(
     summary="mlx-vlm's own ArraysCache.make_mask ignores lengths (right padding) when left_padding is set",
     distribution="mlx-vlm",
     affected=">=0.6.4,<=0.7.10",
+    introduced_commit="a492e47d",
     checked_through="0.7.10",
     reference="not reported upstream for mlx-vlm's copy (mlx-lm twin: ml-explore/mlx-lm#1736, fixed in 0.32.0)",
     hot_path=True,
