@@ -38,8 +38,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _lazy
-from kvpatch.patches._lazy import graph_edges
+from kvpatch.patches import _arrays
+from kvpatch.patches._lazy import graph_edges  # noqa: F401  (re-exported for the tests)
 
 from kvpatch.record import Expiry, Finding, Patch
 
@@ -62,52 +62,12 @@ PATCH = Patch(
 
 @PATCH.replace("mlx_lm.models.cache", "ArraysCache.advance")
 def _build(original: Any) -> Any:
-    import mlx.core as mx
-
-    tie = _lazy.tie(mx)
-
-    def advance(self: Any, N: Any) -> Any:
-        result = original(self, N)
-        left_padding, lengths = self.left_padding, self.lengths
-        if left_padding is None and lengths is None:
-            return result
-        deps = [a for a in (left_padding, lengths) if a is not None]
-        entries = self.cache
-        for i, entry in enumerate(entries):
-            if entry is not None:
-                entries[i] = tie(entry, deps)
-                break
-        return result
-
-    return advance
+    return _arrays.tie_advance(original)
 
 
 @PATCH.reproduce
 def reproduce() -> Finding:
-    """A recurrent layer's cache: each step reads the old state, stores a new one, advances; only the
-    states are evaluated (the layer's output depends on them, never on left_padding/lengths)."""
-    import mlx.core as mx
+    """A recurrent layer's cache advanced 200 steps with only its states evaluated (see ``_arrays``)."""
     from mlx_lm.models.cache import ArraysCache
 
-    mx.random.seed(0)
-    cache = ArraysCache(2, left_padding=[2, 0])
-    cache.prepare(lengths=[3, 5])
-    cache[0], cache[1] = mx.zeros((2, 3, 4)), mx.zeros((2, 4, 4))
-    xs = mx.random.normal((200, 2, 1, 4))
-    mx.eval(cache.cache, xs)
-    edges = {}
-    for i in range(200):
-        cache[0] = mx.concatenate([cache[0][:, 1:], xs[i]], axis=1)
-        cache[1] = cache[1] * 0.5 + cache[0].sum(axis=1, keepdims=True)
-        cache.advance(1)
-        mx.eval(cache[0], cache[1])
-        if i + 1 in (20, 200):
-            edges[i + 1] = (graph_edges(cache.left_padding), graph_edges(cache.lengths))
-    values = (cache.left_padding.tolist(), cache.lengths.tolist())
-    expected = ([2 - 200, 0 - 200], [3 - 200, 5 - 200])
-    detail = f"left_padding/lengths graph edges after 20 steps: {edges[20]}, after 200: {edges[200]}"
-    if values != expected:
-        return Finding(True, f"{detail}; values {values}, expected {expected}")
-    if edges[200][0] > edges[20][0] or edges[200][1] > edges[20][1]:
-        return Finding(True, f"{detail} (unbounded)")
-    return Finding(False, f"{detail} (bounded)")
+    return _arrays.advance_growth(ArraysCache)

@@ -1,0 +1,110 @@
+"""Shared by the ArraysCache patches of mlx-lm and mlx-vlm's own copy (mlx-vlm 0.6.4+): one bug, two classes.
+
+* ``tie_advance``: ``advance`` decrements ``left_padding`` / ``lengths`` lazily and nothing evaluates them
+  (arrays-advance-detach, vlm-arrays-advance-detach); ``advance_growth`` measures it.
+* ``combined_make_mask``: ``make_mask`` returns only the left-padding mask when both ``left_padding`` and
+  ``lengths`` are set (arrays-mask-lengths, vlm-arrays-mask-lengths); ``mask_drops_lengths`` measures it.
+
+Not a patch unit (the registry skips modules whose name starts with ``_``). Imports mlx lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpatch.patches import _lazy
+from kvpatch.patches._lazy import graph_edges
+
+from kvpatch.record import Finding
+
+
+def tie_advance(original: Any) -> Any:
+    """``ArraysCache.advance`` that ties the decremented metadata into the first stored state entry.
+
+    The layer's next step reads that entry, so evaluating it evaluates the metadata too: at most one
+    step's decrements are ever pending. ``mx.depends`` shares the entry's buffer (no copy, no host
+    synchronisation) and the stored values are unchanged. Nothing is tied when both are ``None``.
+    """
+    import mlx.core as mx
+
+    tie = _lazy.tie(mx)
+
+    def advance(self: Any, N: Any) -> Any:
+        result = original(self, N)
+        left_padding, lengths = self.left_padding, self.lengths
+        if left_padding is None and lengths is None:
+            return result
+        deps = [a for a in (left_padding, lengths) if a is not None]
+        entries = self.cache
+        for i, entry in enumerate(entries):
+            if entry is not None:
+                entries[i] = tie(entry, deps)
+                break
+        return result
+
+    return advance
+
+
+def advance_growth(arrays_cache: type) -> Finding:
+    """A recurrent layer's cache: each step reads the old state, stores a new one, advances; only the
+    states are evaluated (the layer's output depends on them, never on left_padding/lengths)."""
+    import mlx.core as mx
+
+    cache = arrays_cache(2, left_padding=[2, 0])
+    cache.prepare(lengths=[3, 5])
+    cache[0], cache[1] = mx.zeros((2, 3, 4)), mx.zeros((2, 4, 4))
+    xs = mx.random.normal((200, 2, 1, 4), key=mx.random.key(0))
+    mx.eval(cache.cache, xs)
+    edges = {}
+    for i in range(200):
+        cache[0] = mx.concatenate([cache[0][:, 1:], xs[i]], axis=1)
+        cache[1] = cache[1] * 0.5 + cache[0].sum(axis=1, keepdims=True)
+        cache.advance(1)
+        mx.eval(cache[0], cache[1])
+        if i + 1 in (20, 200):
+            edges[i + 1] = (graph_edges(cache.left_padding), graph_edges(cache.lengths))
+    values = (cache.left_padding.tolist(), cache.lengths.tolist())
+    expected = ([2 - 200, 0 - 200], [3 - 200, 5 - 200])
+    detail = f"left_padding/lengths graph edges after 20 steps: {edges[20]}, after 200: {edges[200]}"
+    if values != expected:
+        return Finding(True, f"{detail}; values {values}, expected {expected}")
+    if edges[200][0] > edges[20][0] or edges[200][1] > edges[20][1]:
+        return Finding(True, f"{detail} (unbounded)")
+    return Finding(False, f"{detail} (bounded)")
+
+
+def combined_make_mask(original: Any) -> Any:
+    """``ArraysCache.make_mask`` that also applies the ``lengths`` (right padding) mask when left padding is set.
+
+    The original returns ``arange(N) >= left_padding`` alone whenever ``left_padding`` is set; a row's
+    positions at or past its length are then valid and its pad tokens update the recurrent state. The
+    replacement ANDs ``arange(N) < lengths`` into that mask, as mlx-lm 0.32.0 does. With only one of the
+    two set (or neither) the original's result is returned as it is. Lazy, no host synchronisation.
+    """
+    import mlx.core as mx
+
+    def make_mask(self: Any, N: int, *args: Any, **kwargs: Any) -> Any:
+        mask = original(self, N, *args, **kwargs)
+        lengths = self.lengths
+        if lengths is None or mask is None or self.left_padding is None:
+            return mask
+        return mask & (mx.arange(N) < lengths[:, None])
+
+    return make_mask
+
+
+def mask_drops_lengths(arrays_cache: type) -> Finding:
+    """A left-padded, right-padded prefill chunk: rows ``[pad, a, b, c, d]`` (left padding 1, length 5) and
+    ``[e, f, g, pad, pad]`` (length 3). The mask must exclude both kinds of padding."""
+    cache = arrays_cache(1, left_padding=[1, 0])
+    cache.prepare(lengths=[5, 3])
+    mask = cache.make_mask(5)
+    got = None if mask is None else mask.tolist()
+    expected = [[False, True, True, True, True], [True, True, True, False, False]]
+    if got == expected:
+        return Finding(False, f"make_mask(5) with left_padding=[1, 0], lengths=[5, 3] masks both paddings: {got}")
+    return Finding(
+        True,
+        f"make_mask(5) with left_padding=[1, 0], lengths=[5, 3] gives {got}, expected {expected}: "
+        "right-padded positions stay valid, so pad tokens update the recurrent state",
+    )

@@ -1,0 +1,82 @@
+"""vlm-arrays-advance-detach: mlx-vlm's own ArraysCache.advance grows lazy left_padding/lengths graphs.
+
+Broken: from 0.6.4 (git a492e47d, #1494) mlx-vlm carries its own ``mlx_vlm.models.cache.ArraysCache``
+(before, it re-exported mlx-lm's, which ``arrays-advance-detach`` covers). Its ``advance(N)`` (called by
+every conv / SSM / linear-attention layer of hybrid models after it stores its new state: LFM2, Qwen3.5,
+Qwen3-Next, Nemotron-H, ...) decrements ``left_padding`` and ``lengths`` with ``-= N`` and nothing
+evaluates them: only the one cache a model builds its SSM mask from reads ``left_padding``, and
+mlx-vlm's generators evaluate ``cache.state``, which for this class is the state list alone. mlx-vlm's
+BatchGenerator sets ``left_padding`` on every ArraysCache (``_make_cache``), so in every other such
+layer the chain grows by 5 graph edges per decoded token without bound (on Metal one buffer per token
+per layer: upstream measured ``[metal::malloc] Resource limit (499000) exceeded`` at ~10.3k tokens on a
+64-layer Qwen3.5).
+
+Measured (Linux, mlx[cpu]; advance steps with only the states evaluated): left_padding/lengths graphs
+of 100 edges each after 20 steps and 1000 after 200 on 0.6.4, 0.6.5, 0.6.13, 0.6.14 and 0.6.15 (0 with
+the patch); a constant 5 (the read's own subtraction) on 0.6.16, 0.7.0 and 0.7.10.
+
+Upstream: Blaizzy/mlx-vlm#1972, fixed by 72f37ca4 (#1984) in 0.6.16, which keeps the pending decrement
+as a Python int and subtracts it when the metadata is read.
+
+Fix: the same delta as ``arrays-advance-detach`` (shared in ``_arrays``): after the original decrements
+the metadata, the first stored state entry is made to depend on it (``mx.depends``), so the layer's next
+step, which reads that entry, evaluates the metadata too; at most one step's decrements stay pending. No
+copy, no arithmetic on the state, no host synchronisation; stored values are unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+from kvpatch.patches import _arrays
+
+from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+
+PATCH = Patch(
+    id="vlm-arrays-advance-detach",
+    summary="mlx-vlm's own ArraysCache.advance decrements left_padding/lengths lazily and nothing evaluates them",
+    distribution="mlx-vlm",
+    affected=">=0.6.4,<0.6.16",
+    fixed_in="0.6.16",
+    fixed_commit="72f37ca4",
+    introduced_commit="a492e47d",
+    reference="Blaizzy/mlx-vlm#1984 (issue Blaizzy/mlx-vlm#1972; mlx-lm twin: arrays-advance-detach)",
+    hot_path=True,
+    expiry=Expiry(
+        "retire when kvpatch stops supporting mlx-vlm < 0.6.16",
+        review_by=_dt.date(2027, 6, 1),
+    ),
+)
+
+
+def _own_arrays_cache() -> Any:
+    """mlx-vlm's own ArraysCache class (0.6.4+), or None where ``mlx_vlm.models.cache`` has mlx-lm's."""
+    import mlx_vlm.models.cache as vlm_cache
+
+    cls = getattr(vlm_cache, "ArraysCache", None)
+    if cls is None or not cls.__module__.startswith("mlx_vlm."):
+        return None
+    return cls
+
+
+@PATCH.replace("mlx_vlm.models.cache", "ArraysCache.advance")
+def _build(original: Any) -> Any:
+    if _own_arrays_cache() is None:
+        return original  # mlx-lm's class: arrays-advance-detach's business, left as it is
+    return _arrays.tie_advance(original)
+
+
+@PATCH.reproduce
+def reproduce() -> Finding:
+    """mlx-vlm's own ArraysCache advanced 200 steps with only its states evaluated (see ``_arrays``)."""
+    try:
+        import mlx_vlm.models.cache  # noqa: F401
+    except ImportError as exc:
+        if not upstream_missing(exc):
+            raise
+        return Finding(False, "this mlx-vlm has no mlx_vlm.models.cache: nothing to fix")
+    cls = _own_arrays_cache()
+    if cls is None:
+        return Finding(False, "this mlx-vlm has no ArraysCache of its own (mlx-lm's class: arrays-advance-detach)")
+    return _arrays.advance_growth(cls)
