@@ -40,6 +40,7 @@ PATCH = Patch(
     distribution="mlx-lm",
     affected=">=0.30.4,<0.32.0",
     fixed_in="0.32.0",
+    catalogue="N5 (issue 12 item 5)",
     reference="ml-explore/mlx-lm#1736",
     hot_path=True,
     expiry=Expiry(

@@ -49,6 +49,7 @@ PATCH = Patch(
     affected=">=0.28.4,<=0.32.2",
     introduced_commit="088e7ad7",
     checked_through="0.32.2",
+    catalogue="N2 (issue 12 item 2)",
     reference="ml-explore/mlx-lm#1746 (closed unmerged)",
     expiry=Expiry(
         "retire when mlx-lm's BatchKVCache/BatchRotatingKVCache.extract leave pending right padding out "

@@ -39,6 +39,7 @@ PATCH = Patch(
     distribution="mlx-vlm",
     affected=">=0.6.4,<=0.7.10",
     checked_through="0.7.10",
+    catalogue="N2 (mlx-vlm's copies)",
     reference="not reported upstream (mlx-lm twin: ml-explore/mlx-lm#1746, closed unmerged)",
     expiry=Expiry(
         "retire when mlx-vlm's batch caches' extract leave pending right padding out (set fixed_in then) and "

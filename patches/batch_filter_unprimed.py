@@ -47,6 +47,7 @@ PATCH = Patch(
     affected=">=0.31.2,<=0.32.2",
     introduced_commit="3f9d179f",
     checked_through="0.32.2",
+    catalogue="N1 (issue 12 item 1)",
     reference="ml-explore/mlx-lm#1736 (closed unmerged; its second part)",
     expiry=Expiry(
         "retire when mlx-lm's BatchKVCache.filter caps the padding shift at _idx (set fixed_in then) and "

@@ -40,6 +40,7 @@ PATCH = Patch(
     distribution="mlx-vlm",
     affected=">=0.5.0,<0.7.8",
     fixed_in="0.7.8",
+    catalogue="N1 (mlx-vlm's copies; twin of V13)",
     reference="not reported upstream (fixed without a public commit in mlx-vlm 0.7.8; mlx-lm twin: "
     "ml-explore/mlx-lm#1736)",
     expiry=Expiry(

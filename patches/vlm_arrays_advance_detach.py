@@ -41,6 +41,7 @@ PATCH = Patch(
     fixed_in="0.6.16",
     fixed_commit="72f37ca4",
     introduced_commit="a492e47d",
+    catalogue="N4 (mlx-vlm's copy of B3)",
     reference="Blaizzy/mlx-vlm#1984 (issue Blaizzy/mlx-vlm#1972; mlx-lm twin: arrays-advance-detach)",
     hot_path=True,
     expiry=Expiry(

@@ -43,6 +43,7 @@ PATCH = Patch(
     affected=">=0.6.4,<=0.7.10",
     introduced_commit="a492e47d",
     checked_through="0.7.10",
+    catalogue="N5 (mlx-vlm's copy)",
     reference="not reported upstream for mlx-vlm's copy (mlx-lm twin: ml-explore/mlx-lm#1736, fixed in 0.32.0)",
     hot_path=True,
     expiry=Expiry(
