@@ -23,6 +23,7 @@ __all__ = [
     "natural_decision",
     "reproduce",
     "reproduce_without",
+    "agreeing_steps",
     "same_greedy",
     "tolerance",
     "without",
@@ -126,27 +127,37 @@ def tolerance(dtype: object = None) -> float:
     return max(1e-4, 8 * _UNIT_ROUNDOFF[matmul_precision(dtype)])
 
 
-def same_greedy(got: list[int], expected: list[int], logprobs: list[object], dtype: object = None) -> str | None:
+def same_greedy(
+    got: list[int], expected: list[int], scores: list[object], dtype: object = None, tol: float | None = None
+) -> str | None:
     """None when greedy tokens ``got`` agree with ``expected``, allowing a split at a near tie; else why not.
 
-    ``logprobs[i]`` is the reference's log-probability vector at step ``i`` (what ``generate_step`` yields with
-    each token). Two correct computations of the same logits differ by up to :func:`tolerance`, so where the
+    ``scores[i]`` is the reference's logits or log-probability vector at step ``i`` (what ``generate_step``
+    yields with each token; only differences within one step are used). Two correct computations of the same logits differ by up to :func:`tolerance`, so where the
     reference's two best tokens are that close, either may be picked, and after that the sequences may part:
     the tokens must be equal up to the first difference, and there the token ``got`` picked must be within the
     tolerance of the reference's best. On the CPU (tolerance 1e-4) this is plain equality but for exact ties.
     """
-    tol = tolerance(dtype)
+    tol = tolerance(dtype) if tol is None else tol
     for i, (a, b) in enumerate(zip(got, expected)):
         if a == b:
             continue
-        row = logprobs[i]
+        row = scores[i]
         gap = float(row[b].item() - row[a].item())  # type: ignore[index]
         if gap <= tol:
             return None
-        return f"step {i}: {a} instead of {b}, whose log-probability is higher by {gap:.3g} (> tolerance {tol:.3g})"
+        return f"step {i}: {a} instead of {b}, whose score is higher by {gap:.3g} (> tolerance {tol:.3g})"
     if len(got) != len(expected):
         return f"{len(got)} tokens instead of {len(expected)}"
     return None
+
+
+def agreeing_steps(got: list[int], expected: list[int]) -> int:
+    """How many steps two greedy runs share a context: up to and including their first differing token."""
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if a != b:
+            return i + 1
+    return min(len(got), len(expected))
 
 
 def require_affected(patch: Patch) -> Decision:

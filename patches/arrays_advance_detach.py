@@ -22,9 +22,11 @@ Measured (tiny random LFM2, 3 conv layers, 200 decode tokens, outputs evaluated 
 
 Upstream: partly fixed by 11a6ce75 (#1632), see above; not fixed as of 0.32.2.
 
-Fix: a delta after the original: once ``advance`` has decremented the metadata, the first stored
-state entry is made to depend on it (``mx.depends``), so the layer's next step, which reads that
-state, evaluates the metadata too; at most one step's decrements are ever pending. ``mx.depends``
+Fix: a delta after the original: every 10th ``advance`` of a cache (``_lazy.EVERY``; the count lives on
+the cache object as ``_kvpatch_advances``), once it has decremented the metadata, the first stored state
+entry is made to depend on it (``mx.depends``), so the layer's next step, which reads that state,
+evaluates the metadata too; at most 10 steps' decrements are ever pending (<= 60 graph edges), and the
+tie's graph node is built once per 10 calls (the others cost a dictionary read and write). ``mx.depends``
 shares the entry's buffer (no copy, no arithmetic, no host synchronisation) and the stored values
 are unchanged. When both are ``None`` (single-sequence generation, mlx-lm <= 0.31.2 BatchGenerator
 after ``finalize``) nothing is tied. On mlx without ``mx.depends`` (0.29.0/0.29.1, below what
@@ -57,14 +59,25 @@ PATCH = Patch(
 )
 
 
+#: Per-cache count of ``advance`` calls since the last tie (an instance attribute: caches are plain objects).
+_CALLS = "_kvpatch_advances"
+
+
 @PATCH.replace("mlx_lm.models.cache", "ArraysCache.advance")
 def _build(original: Any) -> Any:
     import mlx.core as mx
 
     tie = _lazy.tie(mx)
+    every = _lazy.EVERY
 
     def advance(self: Any, N: Any) -> Any:
         result = original(self, N)
+        state = self.__dict__
+        calls = state.get(_CALLS, 0) + 1
+        if calls < every:
+            state[_CALLS] = calls
+            return result
+        state[_CALLS] = 0
         left_padding, lengths = self.left_padding, self.lengths
         if left_padding is None and lengths is None:
             return result
