@@ -18,12 +18,12 @@ from .gate import Decision, decide
 from .record import Finding, Patch
 
 __all__ = [
+    "agreeing_steps",
     "backend_gap",
     "import_targets",
     "natural_decision",
     "reproduce",
     "reproduce_without",
-    "agreeing_steps",
     "same_greedy",
     "tolerance",
     "without",
@@ -133,13 +133,14 @@ def same_greedy(
     """None when greedy tokens ``got`` agree with ``expected``, allowing a split at a near tie; else why not.
 
     ``scores[i]`` is the reference's logits or log-probability vector at step ``i`` (what ``generate_step``
-    yields with each token; only differences within one step are used). Two correct computations of the same logits differ by up to :func:`tolerance`, so where the
-    reference's two best tokens are that close, either may be picked, and after that the sequences may part:
-    the tokens must be equal up to the first difference, and there the token ``got`` picked must be within the
-    tolerance of the reference's best. On the CPU (tolerance 1e-4) this is plain equality but for exact ties.
+    yields with each token; only differences within one step are used). Two correct computations of the same
+    logits differ by up to :func:`tolerance`, so where the reference's two best tokens are that close, either
+    may be picked, and after that the sequences may part: the tokens must be equal up to the first difference,
+    and there the token ``got`` picked must be within the tolerance of the reference's best. On the CPU
+    (tolerance 1e-4) this is plain equality but for exact ties.
     """
     tol = tolerance(dtype) if tol is None else tol
-    for i, (a, b) in enumerate(zip(got, expected)):
+    for i, (a, b) in enumerate(zip(got, expected, strict=False)):
         if a == b:
             continue
         row = scores[i]
@@ -154,7 +155,7 @@ def same_greedy(
 
 def agreeing_steps(got: list[int], expected: list[int]) -> int:
     """How many steps two greedy runs share a context: up to and including their first differing token."""
-    for i, (a, b) in enumerate(zip(got, expected)):
+    for i, (a, b) in enumerate(zip(got, expected, strict=False)):
         if a != b:
             return i + 1
     return min(len(got), len(expected))

@@ -95,14 +95,18 @@ def routing(original: Any) -> Any:
     return quantized_scaled_dot_product_attention
 
 
-def sliced_quantized(mx: Any, shape: tuple[int, int, int, int], key: int, dtype: Any, group_size: int, bits: int) -> Any:
+def sliced_quantized(
+    mx: Any, shape: tuple[int, int, int, int], key: int, dtype: Any, group_size: int, bits: int
+) -> Any:
     """Quantized ``(B, H, S, D)`` data as the quantized caches hand it out: the first S rows of a 256-row buffer."""
     B, H, S, D = shape
     full = mx.random.normal((B, H, 256, D), key=mx.random.key(key)).astype(dtype)
     return tuple(a[..., :S, :] for a in mx.quantize(full, group_size=group_size, bits=bits))
 
 
-def reference(mx: Any, queries: Any, q_keys: Any, q_values: Any, scale: float, mask: Any, group_size: int, bits: int) -> Any:
+def reference(
+    mx: Any, queries: Any, q_keys: Any, q_values: Any, scale: float, mask: Any, group_size: int, bits: int
+) -> Any:
     """Float attention over the dequantized keys/values, each query head on its KV head (float32)."""
     keys = mx.dequantize(*q_keys, group_size=group_size, bits=bits).astype(mx.float32)
     values = mx.dequantize(*q_values, group_size=group_size, bits=bits).astype(mx.float32)
@@ -150,4 +154,6 @@ def check(function: Any, where: str) -> Finding:
         worst = max(worst, err)
     if problems:
         return Finding(True, f"{where} raises on CUDA: " + "; ".join(problems))
-    return Finding(False, f"{where}: all four cache-like geometries run and match the reference (max error {worst:.2g})")
+    return Finding(
+        False, f"{where}: all four cache-like geometries run and match the reference (max error {worst:.2g})"
+    )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 #: The offset-detach family ties lazy cache metadata into the graph once every EVERY steps, not every step: the
 #: pending chain then holds at most EVERY steps' updates (5 graph edges each), whatever the number of steps,
 #: and the per-call cost of the tie (one graph node, ~3 us of CPU time) is paid once per EVERY calls. 10 keeps

@@ -18,10 +18,11 @@ multiple of 10 (``_lazy.EVERY``: every 10th decode step, and every prefill chunk
 incoming keys are made to depend on the current ``offset`` (``mx.depends``) before the original writes them
 into the cache, so evaluating anything that reads this step's keys (the attention output) also evaluates the
 offset as it stood before the step. At most 10 ``+ S`` are ever pending (<= 60 graph edges), whatever the
-number of steps; the tie's node is built once per 10 calls (the other calls add one integer comparison). ``mx.depends`` shares the
-keys' buffer (measured: no extra memory), does no arithmetic, adds no host synchronisation and leaves
-keys, values and offset bit-identical; the cost is one extra graph node per layer every 10th step (about
-3 us of CPU time here; tying every step cost BatchKVCache.update_and_fetch alone ~10%). mlx 0.29.0/0.29.1 (allowed by mlx-lm 0.28.x) have no ``mx.depends``:
+number of steps; the tie's node is built once per 10 calls (the other calls add one integer comparison).
+``mx.depends`` shares the keys' buffer (measured: no extra memory), does no arithmetic, adds no host
+synchronisation and leaves keys, values and offset bit-identical; the cost is one extra graph node per layer
+every 10th step (about 3 us of CPU time here; tying every step cost BatchKVCache.update_and_fetch alone ~10%).
+mlx 0.29.0/0.29.1 (allowed by mlx-lm 0.28.x) have no ``mx.depends``:
 there the keys are multiplied by an exact 1 derived from the offset (``x * 1.0`` is bit-exact), decided
 once when the patch is built.
 """

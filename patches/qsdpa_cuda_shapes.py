@@ -49,7 +49,7 @@ from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     id="qsdpa-cuda-shapes",
-    summary="quantized SDPA hands CUDA's quantized_matmul strided cache views and a 5-axis GQA layout it has no kernel for",
+    summary="quantized SDPA hands CUDA's quantized_matmul strided cache views and a 5-axis GQA layout (no kernel)",
     distribution="mlx-lm",
     affected=">=0.19.3,<=0.32.2",
     checked_through="0.32.2",

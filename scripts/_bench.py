@@ -44,7 +44,7 @@ class Paired:
 
     def ratio(self) -> tuple[float, float, float]:
         """(geometric-mean ratio on/off, 95% CI low, 95% CI high)."""
-        logs = [math.log(a / b) for a, b in zip(self.on, self.off)]
+        logs = [math.log(a / b) for a, b in zip(self.on, self.off, strict=True)]
         mean = statistics.fmean(logs)
         if len(logs) < 2:
             return math.exp(mean), 0.0, math.inf
@@ -58,8 +58,8 @@ class Paired:
     def describe(self, unit: str) -> str:
         r, lo, hi = self.ratio()
         return (
-            f"patched {statistics.median(self.on):10.1f} unpatched {statistics.median(self.off):10.1f} {unit} (medians) "
-            f"ratio {r:.4f} [95% CI {lo:.4f}, {hi:.4f}] ({self.rounds} rounds)"
+            f"patched {statistics.median(self.on):10.1f} unpatched {statistics.median(self.off):10.1f} {unit} "
+            f"(medians) ratio {r:.4f} [95% CI {lo:.4f}, {hi:.4f}] ({self.rounds} rounds)"
         )
 
 

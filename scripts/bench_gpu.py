@@ -29,9 +29,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import run_until  # noqa: E402
+from _bench import run_until
 
-import kvpatch  # noqa: E402
+import kvpatch
 
 LLAMA_1B = dict(
     model_type="llama",
@@ -46,7 +46,12 @@ LLAMA_1B = dict(
     tie_word_embeddings=True,
 )
 
-_LFM2_LAYERS = ["conv", "conv", "full_attention"] * 2 + ["conv", "conv", "full_attention", "conv"] * 2 + ["conv", "full_attention"]  # fmt: skip
+# 10 conv and 6 attention layers, in LFM2-1.2B's order
+_LFM2_LAYERS = [
+    *(["conv", "conv", "full_attention"] * 2),
+    *(["conv", "conv", "full_attention", "conv"] * 2),
+    *["conv", "full_attention"],
+]
 
 LFM2_1B = dict(
     model_type="lfm2",

@@ -71,17 +71,58 @@ def _sdpa(mx: Any, fn: Any, geom: tuple[int, ...], dtype: Any, bits: int, gs: in
     return None
 
 
+def _e2e(mx: Any, engine: Any) -> int:
+    """generate_step with a quantized KV cache on random bf16 llamas, with kvpatch's patches and without."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models import llama
+
+    ids = [pid for pid, st in engine.status.items() if st.installed]
+    print(f"installed: {ids}", flush=True)
+    for head_dim, heads, kv_heads in ((128, 8, 2), (64, 8, 8), (64, 4, 1)):
+        args = llama.ModelArgs(
+            model_type="llama",
+            hidden_size=heads * head_dim,
+            num_hidden_layers=2,
+            intermediate_size=256,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            rms_norm_eps=1e-5,
+            vocab_size=128,
+            head_dim=head_dim,
+        )
+        mx.random.seed(0)
+        model = llama.Model(args)
+        model.set_dtype(mx.bfloat16)
+        mx.eval(model.parameters())
+        prompt = mx.array(list(range(1, 40)))
+        for kv_bits, kv_gs in ((8, 64), (4, 64), (8, 32), (4, 32)):
+            for label in ("patched", "unpatched"):
+                try:
+                    with engine.without(*(ids if label == "unpatched" else ())):
+                        gen = generate_step(
+                            prompt, model, max_tokens=8, kv_bits=kv_bits, kv_group_size=kv_gs, quantized_kv_start=0
+                        )
+                        res = f"ok {[int(t) for t, _ in gen]}"
+                except (RuntimeError, ValueError) as exc:
+                    res = f"raises {exc}"
+                print(f"generate_step D={head_dim} {heads}q/{kv_heads}kv kv_bits={kv_bits} gs={kv_gs} {label}: {res}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="bfloat16 and float32, 8 bits only")
+    parser.add_argument("--quick", action="store_true", help="bfloat16 and float32, group size 64 only")
+    parser.add_argument("--e2e", action="store_true", help="only generate_step with kv_bits, kvpatch on and off")
     args = parser.parse_args()
 
     import mlx.core as mx
-
-    import kvpatch
     from mlx_lm.models import base
 
+    import kvpatch
+
     print(f"mlx {mx.__version__}, device {mx.default_device()}", flush=True)
+    if args.e2e:
+        return _e2e(mx, kvpatch.get_engine())
     dtypes = [mx.bfloat16, mx.float32] + ([] if args.quick else [mx.float16])
     bits_gs = [(8, 64), (4, 64)] + ([] if args.quick else [(8, 32), (4, 32), (8, 128)])
     dims = [64, 128] + ([] if args.quick else [80])
@@ -123,7 +164,9 @@ def main() -> int:
             off = _sdpa(mx, base.quantized_scaled_dot_product_attention, geom, dtype, bits, gs, D)
         on = _sdpa(mx, base.quantized_scaled_dot_product_attention, geom, dtype, bits, gs, D)
         if off or on:
-            print(f"SDPA {dtype} bits={bits} gs={gs} D={D} geom={geom}: off: {off or 'ok'} | on: {on or 'ok'}", flush=True)
+            print(
+                f"SDPA {dtype} bits={bits} gs={gs} D={D} geom={geom}: off: {off or 'ok'} | on: {on or 'ok'}", flush=True
+            )
 
     # A candidate routing: contiguous keys/values (the caches hand out prefixes of a longer buffer).
     def contiguous(original: Any) -> Any:
@@ -151,8 +194,14 @@ def main() -> int:
 
     for head_dim, heads, kv_heads in ((128, 8, 2), (64, 8, 8)):
         args = llama.ModelArgs(
-            model_type="llama", hidden_size=heads * head_dim, num_hidden_layers=2, intermediate_size=256,
-            num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5, vocab_size=128,
+            model_type="llama",
+            hidden_size=heads * head_dim,
+            num_hidden_layers=2,
+            intermediate_size=256,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            rms_norm_eps=1e-5,
+            vocab_size=128,
             head_dim=head_dim,
         )
         mx.random.seed(0)
@@ -166,15 +215,21 @@ def main() -> int:
                 try:
                     with engine.without(*installed):
                         base.quantized_scaled_dot_product_attention = f
-                        toks = [int(t) for t, _ in generate_step(prompt, model, max_tokens=8, kv_bits=kv_bits,
-                                                                 kv_group_size=kv_gs, quantized_kv_start=0)]
+                        toks = [
+                            int(t)
+                            for t, _ in generate_step(
+                                prompt, model, max_tokens=8, kv_bits=kv_bits, kv_group_size=kv_gs, quantized_kv_start=0
+                            )
+                        ]
                     res = f"ok {toks}"
                 except (RuntimeError, ValueError) as exc:
                     res = f"raises {exc}"
                 finally:
                     base.quantized_scaled_dot_product_attention = fn
-                print(f"generate_step head_dim={head_dim} {heads}/{kv_heads} kv_bits={kv_bits} gs={kv_gs} {label}: {res}",
-                      flush=True)
+                print(
+                    f"generate_step head_dim={head_dim} {heads}/{kv_heads} kv_bits={kv_bits} gs={kv_gs} {label}: {res}",
+                    flush=True,
+                )
     return 0
 
 

@@ -12,7 +12,13 @@ import pytest
 from kvpatch.patches.batch_quantized_extend import PATCH
 
 from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision, skip_unless_in_place, tiny_pixtral_language_model, tolerance
+from kvpatch.testing import (
+    import_targets,
+    natural_decision,
+    skip_unless_in_place,
+    tiny_pixtral_language_model,
+    tolerance,
+)
 
 PROMPT = [7, 3, 22, 41, 8]
 SHORT_PROMPT = [9, 13]
@@ -69,7 +75,9 @@ def test_merged_decode_matches_rows_alone(order):
 
     err_full = mx.abs(batched[p_full] - _alone(model, PROMPT, p_full)).max().item()
     err_empty = mx.abs(batched[p_empty] - _alone(model, None, p_empty)).max().item()
-    assert err_full < tolerance() and err_empty < tolerance(), f"{order}: full row {err_full:.3g}, empty row {err_empty:.3g}"
+    assert err_full < tolerance() and err_empty < tolerance(), (
+        f"{order}: full row {err_full:.3g}, empty row {err_empty:.3g}"
+    )
 
 
 def test_merge_of_two_prefilled_caches_unchanged():

@@ -52,6 +52,7 @@ TOL: dict[str, float | None] = {"float32": None, "bfloat16": 0.08}  # None: tole
 def _tol(dtype: str) -> float:
     return TOL[dtype] or tolerance()
 
+
 FIRST = {"a": [5, 9, 13, 2, 17], "b": [7, 3], "c": [22, 41, 8, 19, 30, 11, 6]}
 SECOND = {"d": [14, 27, 33, 4, 9, 50, 21, 18, 44, 2, 36, 12], "e": [25, 31, 16]}
 EMPTY_JOIN = ("f", [38])
@@ -247,7 +248,7 @@ def test_continuous_batching_rows_match_rows_alone(dtype, model, family):
         split = same_greedy(batched, tokens, steps, tol=_tol(dtype))
         assert split is None, f"{family}: row {name!r} generated {batched} in the batch, {tokens} alone: {split}"
         shared = agreeing_steps(batched, tokens)
-        err = max(mx.abs(b - s).max().item() for b, s in zip(server.logits[name][:shared], steps[:shared]))
+        err = max(mx.abs(b - s).max().item() for b, s in zip(server.logits[name][:shared], steps[:shared], strict=True))
         assert err < _tol(dtype), f"{family}, {dtype}: row {name!r} logits differ from the row alone by {err:.3g}"
     for when, stored in server.stored:
         assert stored <= {getattr(mx, dtype)}, f"{family}: {when} the caches store {stored} for a {dtype} model"

@@ -10,7 +10,13 @@ import pytest
 from kvpatch.patches.empty_tq_rows import PATCH
 
 from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision, skip_unless_in_place, tiny_pixtral_language_model, tolerance
+from kvpatch.testing import (
+    import_targets,
+    natural_decision,
+    skip_unless_in_place,
+    tiny_pixtral_language_model,
+    tolerance,
+)
 
 PROMPT = [7, 3, 22, 41, 8]
 SHORT_PROMPT = [9, 13]

@@ -15,7 +15,13 @@ from kvpatch.patches.mask_fill import PATCH as MASK_FILL
 from kvpatch.patches.qsdpa_gqa_batch_mask import PATCH
 
 from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision, skip_unless_in_place, tiny_pixtral_language_model, tolerance
+from kvpatch.testing import (
+    import_targets,
+    natural_decision,
+    skip_unless_in_place,
+    tiny_pixtral_language_model,
+    tolerance,
+)
 
 PROMPTS = [[7, 3, 22, 41, 8], [9, 13]]
 STEPS = [[11, 12], [30, 31], [40, 41]]

@@ -19,7 +19,13 @@ import pytest
 from kvpatch.patches.tq_trim import PATCH
 
 from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision, skip_unless_in_place, tiny_pixtral_language_model, tolerance
+from kvpatch.testing import (
+    import_targets,
+    natural_decision,
+    skip_unless_in_place,
+    tiny_pixtral_language_model,
+    tolerance,
+)
 
 PROMPTS = [[7, 3, 22, 41, 8, 5], [9, 13, 17, 2]]
 BLOCK = [[11, 12, 13], [30, 31, 32]]  # verify block of a speculative round: last token + 2 drafts
