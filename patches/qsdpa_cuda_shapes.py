@@ -35,7 +35,16 @@ queries ``(B, n_q, L, D)`` become ``(B, n_kv, n_rep * L, D)`` (query head ``h`` 
 an array mask ``(..., 1 | n_q, L, S)`` is laid out the same way as the queries, the original runs its 4-axis
 path, and the output is reshaped back to ``(B, n_q, L, D)``. Same arithmetic, no host synchronisation.
 Composition: order 90, outermost: ``qsdpa-gqa-batch-mask`` (order 20) and ``mask-fill`` (order 10) then see
-plain multi-head attention with an explicit mask, which they leave alone or convert as usual.
+plain multi-head attention with an explicit mask, which they leave alone or convert as usual. (On CUDA the fold
+also sidesteps A3's mask misalignment, so there ``KVPATCH_DISABLE=qsdpa-gqa-batch-mask`` alone no longer shows
+A3 on mlx-lm < 0.32; without this patch too, the kernel error comes first.)
+
+Checked on the H100 (mlx 0.32.4, mlx-lm 0.32.2, mlx-vlm 0.7.10): ``status --verify`` "bug present, fixed by
+patch" for both twins; ``generate_step(kv_bits=8 or 4, kv_group_size=64)`` on a bf16 llama with head dim 128 and
+8/2 heads raises without the patch (``1x39x128x8``) and generates with it. Not covered by routing: where mlx
+picks its Hopper kernel (``qmm_sm90_*``, e.g. head dim == group size == 64 and batch x M >= 2) it compiles it at
+run time, and on that host the compile failed (``crt/mma.h`` missing from the CUDA headers: the package
+``nvidia-cuda-crt``, which mlx-cuda-13 does not require); that is the host's toolkit, not a layout.
 """
 
 from __future__ import annotations
