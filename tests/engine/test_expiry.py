@@ -113,18 +113,8 @@ def _patch(
             SUPPORTED_FLOOR,
             [Reason.REVIEW_BY],
         ),
-        (
-            _patch(fixed_in=None, affected=">=0.28.0,<=0.32.2", checked="0.32.2", review_by=TODAY),
-            TODAY,
-            SUPPORTED_FLOOR,
-            [],
-        ),  # due, not past
-        (
-            _patch(fixed_in=None, affected=">=0.28.0,<=0.32.2", checked="0.32.2", review_by=None),
-            TODAY,
-            SUPPORTED_FLOOR,
-            [],
-        ),
+        (_patch(fixed_in=None, affected=">=0.28.0,<=0.32.2", checked="0.32.2", review_by=TODAY), TODAY, SUPPORTED_FLOOR, []),  # due, not past
+        (_patch(fixed_in=None, affected=">=0.28.0,<=0.32.2", checked="0.32.2", review_by=None), TODAY, SUPPORTED_FLOOR, []),
         (
             _patch(fixed_in="0.24.0", review_by=dt.date(2020, 1, 1)),
             TODAY,
@@ -141,13 +131,7 @@ def test_messages_name_the_file_field_and_value():
     dead = _patch(fixed_in="0.24.0", module="kvpatch.patches.mask_fill")
     [e] = evaluate(dead, TODAY, {"mlx-lm": "0.24.0"})
     assert "delete patches/mask_fill.py" in e.message and "RETIRED in kvpatch/retired.py" in e.message
-    late = _patch(
-        fixed_in=None,
-        affected=">=0.28.0,<=0.32.2",
-        checked="0.32.2",
-        review_by=dt.date(2026, 1, 1),
-        module="kvpatch.patches.x_y",
-    )
+    late = _patch(fixed_in=None, affected=">=0.28.0,<=0.32.2", checked="0.32.2", review_by=dt.date(2026, 1, 1), module="kvpatch.patches.x_y")
     [e] = evaluate(late, TODAY)
     assert "2026-01-01" in e.message and "Expiry(review_by=...) in patches/x_y.py" in e.message
     assert expiry_reasons([late], TODAY) == [e.message]

@@ -169,8 +169,6 @@ def test_bad_records_are_rejected(kwargs):
 
 
 def test_target_outside_upstream_is_rejected():
-    p = Patch(
-        id="t", summary="s", distribution="mlx-lm", affected=">=0.1,<0.2", fixed_in="0.2", reference="r", expiry=EXPIRY
-    )
+    p = Patch(id="t", summary="s", distribution="mlx-lm", affected=">=0.1,<0.2", fixed_in="0.2", reference="r", expiry=EXPIRY)
     with pytest.raises(RecordError):
         p.replace("os.path", "join")
