@@ -71,8 +71,8 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
         action = _natural(engine, st)
         if action is Action.APPLY:
             applicable.append(st)
-            if st.state in (State.APPLIED,):
-                continue
+            if st.state in (State.APPLIED, State.NOT_NEEDED):
+                continue  # (not needed under an APPLY decision: its builders declined this backend)
             if st.state is State.PENDING and not any(m in loaded for m in patch.modules):
                 continue  # its modules were never imported: nothing to patch yet
             found.append(Problem(patch.id, st.state.value, st.error or st.reason))

@@ -323,6 +323,8 @@ class Engine:
         patch = st.patch
         why = "; ".join(st.drift) or st.decision.reason
         import_target_modules(patch)
+        if self._declined(st):
+            return  # nothing would change here: no reproduction to run
         before = run_reproduction(patch)
         if before.skipped:
             st.state, st.reason = State.DRIFTED, f"{why}; reproduction cannot run here ({before.skipped}): not applied"
@@ -366,6 +368,36 @@ class Engine:
                 st.state = State.APPLIED
                 if not st.verified:
                     st.reason = st.decision.reason
+        if not st.installed:
+            self._declined(st)
+
+    def _declined(self, st: PatchStatus) -> bool:
+        """True (and the patch settled as not needed) when every builder whose target is imported returns the
+        original: the patch has decided, from this process's backend or versions, that nothing needs changing
+        (e.g. a CUDA-only fix on the CPU). A patch with a target not imported yet stays pending."""
+        patch = st.patch
+        seen = 0
+        for target in patch.targets:
+            module = sys.modules.get(target.module)
+            if target.kind is not Kind.REPLACE:
+                return False
+            if module is None:
+                if target.optional:
+                    continue  # may never exist in this release; imported later, its own hook decides again
+                return False
+            original = self._upstream_original(target, module)
+            if original is _MISSING:
+                if target.optional:
+                    continue
+                return False
+            if patch.builders[target](original) is not original:
+                return False
+            seen += 1
+        if not seen:
+            return False
+        st.state = State.NOT_NEEDED
+        st.reason = f"{st.decision.reason}; nothing to change here: the patch declined this backend (see its record)"
+        return True
 
     def _locate(self, target: Target, module: types.ModuleType) -> Any:
         owner: Any = module

@@ -17,20 +17,32 @@ from kvpatch.patches._lazy import graph_edges
 
 from kvpatch.record import Finding
 
+#: The per-instance count of ``advance`` calls since the last tie (an attribute only kvpatch uses).
+CALLS = "_kvpatch_advances"
+
 
 def tie_advance(original: Any) -> Any:
     """``ArraysCache.advance`` that ties the decremented metadata into the first stored state entry.
 
-    The layer's next step reads that entry, so evaluating it evaluates the metadata too: at most one
-    step's decrements are ever pending. ``mx.depends`` shares the entry's buffer (no copy, no host
-    synchronisation) and the stored values are unchanged. Nothing is tied when both are ``None``.
+    The layer's next step reads that entry, so evaluating it evaluates the metadata too. The tie is made on
+    every ``_lazy.EVERY``-th ``advance`` of a cache (the count lives on the instance): at most that many
+    steps' decrements are ever pending (``_lazy.MAX_EDGES``), and the tie's cost (one graph node) is paid
+    once per ``EVERY`` calls. ``mx.depends`` shares the entry's buffer (no copy, no host synchronisation)
+    and the stored values are unchanged. Nothing is tied when both are ``None``.
     """
     import mlx.core as mx
 
     tie = _lazy.tie(mx)
+    every = _lazy.EVERY
 
     def advance(self: Any, N: Any) -> Any:
         result = original(self, N)
+        state = self.__dict__
+        calls = state.get(CALLS, 0) + 1
+        if calls < every:
+            state[CALLS] = calls
+            return result
+        state[CALLS] = 0
         left_padding, lengths = self.left_padding, self.lengths
         if left_padding is None and lengths is None:
             return result

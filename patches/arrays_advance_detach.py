@@ -24,9 +24,11 @@ Upstream: partly fixed by 11a6ce75 (#1632), see above; not fixed as of 0.32.2. m
 (closed unmerged) guarded ``ArraysCache.filter``/``extend`` metadata but not ``advance``; ml-explore/mlx-lm#1845
 (open) reports this ``advance`` leak through ``BatchGenerator`` after #1632.
 
-Fix: a delta after the original: once ``advance`` has decremented the metadata, the first stored
-state entry is made to depend on it (``mx.depends``), so the layer's next step, which reads that
-state, evaluates the metadata too; at most one step's decrements are ever pending. ``mx.depends``
+Fix: a delta after the original: every 10th ``advance`` of a cache (``_lazy.EVERY``; the count lives on
+the cache object as ``_kvpatch_advances``), once it has decremented the metadata, the first stored state
+entry is made to depend on it (``mx.depends``), so the layer's next step, which reads that state,
+evaluates the metadata too; at most 10 steps' decrements are ever pending (<= 60 graph edges), and the
+tie's graph node is built once per 10 calls (the others cost a dictionary read and write). ``mx.depends``
 shares the entry's buffer (no copy, no arithmetic, no host synchronisation) and the stored values
 are unchanged. When both are ``None`` (single-sequence generation, mlx-lm <= 0.31.2 BatchGenerator
 after ``finalize``) nothing is tied. On mlx without ``mx.depends`` (0.29.0/0.29.1, below what

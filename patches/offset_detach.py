@@ -15,13 +15,16 @@ metadata into the cached keys with ``mx.depends`` (ml-explore/mlx-lm#960, 89c430
 ml-explore/mlx-lm#1731 (closed unmerged) proposed the same guard for ``BatchKVCache.update_and_fetch`` (and
 for ``ArraysCache.filter``/``extend``).
 
-Fix: a delta in front of the original. The incoming keys are made to depend on the current ``offset``
-(``mx.depends``) before the original writes them into the cache, so evaluating anything that reads this
-step's keys (the attention output) also evaluates the offset as it stood before the step. After every
-evaluated step at most one ``+ S`` is pending, whatever the number of steps. ``mx.depends`` shares the
-keys' buffer (measured: no extra memory), does no arithmetic, adds no host synchronisation and leaves
-keys, values and offset bit-identical; the cost is one extra graph node per layer per step (about
-3 us of CPU time here). mlx 0.29.0/0.29.1 (allowed by mlx-lm 0.28.x) have no ``mx.depends``:
+Fix: a delta in front of the original. Whenever the write position (``_idx``, a Python int) crosses a
+multiple of 10 (``_lazy.EVERY``: every 10th decode step, and every prefill chunk of 10 or more tokens), the
+incoming keys are made to depend on the current ``offset`` (``mx.depends``) before the original writes them
+into the cache, so evaluating anything that reads this step's keys (the attention output) also evaluates the
+offset as it stood before the step. At most 10 ``+ S`` are ever pending (<= 60 graph edges), whatever the
+number of steps; the tie's node is built once per 10 calls (the other calls add one integer comparison).
+``mx.depends`` shares the keys' buffer (measured: no extra memory), does no arithmetic, adds no host
+synchronisation and leaves keys, values and offset bit-identical; the cost is one extra graph node per layer
+every 10th step (about 3 us of CPU time here; tying every step cost BatchKVCache.update_and_fetch alone ~10%).
+mlx 0.29.0/0.29.1 (allowed by mlx-lm 0.28.x) have no ``mx.depends``:
 there the keys are multiplied by an exact 1 derived from the offset (``x * 1.0`` is bit-exact), decided
 once when the patch is built.
 """
@@ -57,9 +60,13 @@ def _build(original: Any) -> Any:
     import mlx.core as mx
 
     tie = _lazy.tie(mx)
+    every = _lazy.EVERY
 
     def update_and_fetch(self: Any, keys: Any, values: Any) -> Any:
-        return original(self, tie(keys, self.offset), values)
+        prev = self._idx
+        if (prev + keys.shape[2]) // every != prev // every:  # the write crosses a multiple of EVERY
+            keys = tie(keys, self.offset)
+        return original(self, keys, values)
 
     return update_and_fetch
 

@@ -12,21 +12,28 @@ back), on a tiny random-weight llama (hidden 64, 2 layers, CPU or Metal, whateve
 3. ``mlx_lm.generate.BatchGenerator`` with 4 rows (BatchKVCache), with ``max_kv_size`` where the
    release supports it (BatchRotatingKVCache), and on a tiny hybrid LFM2 (ArraysCache.advance).
 
-``--rounds`` alternating rounds; ratio = patched / unpatched tokens per second of the best run of each
-side (the run least disturbed by other processes), with the median ratio and the best ratio per
-CPU-second of the process beside it. Usage::
+Patched and unpatched runs alternate (``scripts/_bench.py``); rounds are added until the 95% confidence
+interval of the ratio patched / unpatched is narrower than ``--width`` (default 2%), from ``--rounds`` up to
+``--max-rounds``. Two ratios per row, each the geometric mean over rounds with its interval: by the wall
+clock, and per CPU-second of this process (less disturbed by other processes on a shared machine). Usage::
 
-    python scripts/bench_hot_paths.py [--rounds 30] [--tokens 100] [--patch ID ...]
+    python scripts/bench_hot_paths.py [--rounds 10] [--max-rounds 60] [--tokens 100] [--patch ID ...] [--only NAME]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
-import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench import Paired, run_until
 
 import kvpatch
 
@@ -152,42 +159,54 @@ def _batch_generator(model: Any, tokens: int, max_kv_size: int | None = None) ->
     return run
 
 
-def _timed(run: Callable[[], int]) -> tuple[float, float]:
-    """(units per wall-clock second, units per CPU second of this process)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    n = run()
-    return n / (time.perf_counter() - wall), n / (time.process_time() - cpu)
-
-
-def compare(label: str, run: Callable[[], int], patch_ids: list[str], rounds: int, unit: str = "tok/s") -> None:
-    """Alternate patched and unpatched runs (which goes first alternates too) and print, per side, the
-    best run (the least disturbed by other processes: the primary number on a shared machine) and the
-    median, by the wall clock and per CPU-second of this process."""
+def compare(label: str, run: Callable[[], int], patch_ids: list[str], args: Any, unit: str = "tok/s") -> None:
+    """Alternate patched and unpatched runs until the ratio's 95% interval is narrower than ``args.width``;
+    print both sides' median throughput and the ratio with its interval, by the wall clock and per CPU-second."""
+    if args.only and not any(word in label for word in args.only):
+        return
     engine = kvpatch.get_engine()
+    cpu = Paired()
+    side = {"off": False}
+
+    @contextlib.contextmanager
+    def without() -> Iterator[None]:
+        with engine.without(*patch_ids):
+            side["off"] = True
+            try:
+                yield
+            finally:
+                side["off"] = False
+
+    def timed() -> float:
+        wall, proc = time.perf_counter(), time.process_time()
+        n = run()
+        wall, proc = time.perf_counter() - wall, time.process_time() - proc
+        (cpu.off if side["off"] else cpu.on).append(n / proc)
+        return n / wall
+
     run()
     with engine.without(*patch_ids):
         run()  # warm both sides
-    on: list[tuple[float, float]] = []
-    off: list[tuple[float, float]] = []
-    for i in range(rounds):
-        if i % 2:
-            on.append(_timed(run))
-        with engine.without(*patch_ids):
-            off.append(_timed(run))
-        if not i % 2:
-            on.append(_timed(run))
-    best_on, best_off = (max(x[0] for x in side) for side in (on, off))
-    med_on, med_off = (statistics.median(x[0] for x in side) for side in (on, off))
-    cpu_on, cpu_off = (max(x[1] for x in side) for side in (on, off))
-    print(
-        f"{label:<42} best: patched {best_on:9.1f} unpatched {best_off:9.1f} {unit} ratio {best_on / best_off:.3f}"
-        f" | median ratio {med_on / med_off:.3f} | best per CPU-s ratio {cpu_on / cpu_off:.3f} ({rounds} rounds)"
+    result = run_until(
+        timed,
+        without,
+        min_rounds=args.rounds,
+        max_rounds=args.max_rounds,
+        width=args.width,
+        budget_s=args.budget,
     )
+    r, lo, hi = cpu.ratio()
+    print(f"{label:<42} wall: {result.describe(unit)}", flush=True)
+    print(f"{'':<42} per CPU-s: ratio {r:.4f} [95% CI {lo:.4f}, {hi:.4f}]", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=10, help="rounds at least")
+    parser.add_argument("--max-rounds", type=int, default=60)
+    parser.add_argument("--width", type=float, default=0.02, help="stop once the ratio's 95%% CI is this narrow")
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds per row (after --rounds)")
+    parser.add_argument("--only", action="append", default=None, help="run only rows whose label has this word")
     parser.add_argument("--tokens", type=int, default=100, help="tokens generated per row per run")
     parser.add_argument(
         "--patch", action="append", default=None, help="patch id to toggle (default: every installed hot-path patch)"
@@ -213,18 +232,18 @@ def main() -> int:
     for module, name, ctor in _CACHE_CLASSES:
         if getattr(importlib.import_module(module), name, None) is not None:
             run = _update_loop(module, name, ctor, 300)
-            compare(f"{name}.update_and_fetch + eval", run, ids, args.rounds, "calls/s")
+            compare(f"{name}.update_and_fetch + eval", run, ids, args, "calls/s")
     model = _tiny_llama()
-    compare("generate_step (1 row, KVCache)", _generate_step(model, args.tokens), ids, args.rounds)
-    compare("BatchGenerator (4 rows, BatchKVCache)", _batch_generator(model, args.tokens), ids, args.rounds)
+    compare("generate_step (1 row, KVCache)", _generate_step(model, args.tokens), ids, args)
+    compare("BatchGenerator (4 rows, BatchKVCache)", _batch_generator(model, args.tokens), ids, args)
     from mlx_lm.generate import BatchGenerator
 
     if "max_kv_size" in inspect.signature(BatchGenerator).parameters:
         run = _batch_generator(model, args.tokens, max_kv_size=64)
-        compare("BatchGenerator (4 rows, max_kv_size=64)", run, ids, args.rounds)
+        compare("BatchGenerator (4 rows, max_kv_size=64)", run, ids, args)
     if importlib.util.find_spec("mlx_lm.models.lfm2") is not None:
         run = _batch_generator(_tiny_lfm2(), args.tokens)
-        compare("BatchGenerator (4 rows, LFM2 hybrid)", run, ids, args.rounds)
+        compare("BatchGenerator (4 rows, LFM2 hybrid)", run, ids, args)
     return 0
 
 

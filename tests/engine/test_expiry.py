@@ -335,6 +335,9 @@ def test_upstream_check_on_a_pinned_release(tmp_path):
     assert proc.returncode in (0, 1), proc.stderr
     data = json.loads(proc.stdout)
     assert data["schema"] == "kvpatch.upstream-check/1"
+    if "error" in data and data["error"].startswith("cannot list releases"):
+        # (an offline host, e.g. a GPU machine with no package index: the check has nothing to install from)
+        pytest.skip(f"upstream-check needs a package index and none is reachable here: {data['error'][:300]}")
     assert data["checked"][0]["version"] == "0.32.2"
     rows = [p for p in data["patches"] if p["measured"] != "not relevant"]
     assert rows, "no patch is relevant on mlx-lm 0.32.2"

@@ -1,0 +1,211 @@
+"""Decode throughput on a GPU with kvpatch's hot-path patches in and out (a benchmark a user can rerun).
+
+Two random-weight bfloat16 models of realistic size, no downloads:
+
+* ``llama``: a ~1.0B-parameter llama (hidden 2048, 16 layers, 32 query / 8 KV heads, MLP 8192, vocab
+  32000), the shape of Llama-3.2-1B;
+* ``hybrid``: a ~1.2B LFM2-style hybrid (hidden 2048, 16 layers: 10 short-convolution layers with
+  ``ArraysCache`` and 6 attention layers), the shape of LFM2-1.2B.
+
+Each is decoded with mlx-lm's ``BatchGenerator`` at batch 1, 8 and 32 (prompts of 32 tokens, then
+``--tokens`` tokens per row). Only decode is timed: the clock starts once every row is generating and
+stops after the last token (``mx.synchronize``). Patched and unpatched runs alternate in one process
+(``kvpatch.get_engine().without(...)`` takes every installed hot-path patch out and puts it back); rounds
+are added until the 95% confidence interval of the ratio patched / unpatched is narrower than ``--width``
+(default 1%), or ``--max-rounds``. Prints the device, the versions, absolute tokens/s of both sides and the
+ratio with its interval. Usage (any mlx backend; meant for CUDA)::
+
+    USE_TORCH=0 python scripts/bench_gpu.py [--models llama,hybrid] [--batches 1,8,32] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench import run_until
+
+import kvpatch
+
+LLAMA_1B = dict(
+    model_type="llama",
+    hidden_size=2048,
+    num_hidden_layers=16,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    rms_norm_eps=1e-5,
+    vocab_size=32000,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+
+# 10 conv and 6 attention layers, in LFM2-1.2B's order
+_LFM2_LAYERS = [
+    *(["conv", "conv", "full_attention"] * 2),
+    *(["conv", "conv", "full_attention", "conv"] * 2),
+    *["conv", "full_attention"],
+]
+
+LFM2_1B = dict(
+    model_type="lfm2",
+    vocab_size=32000,
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=4096,
+    norm_eps=1e-5,
+    conv_bias=False,
+    conv_L_cache=3,
+    block_dim=2048,
+    block_ff_dim=8192,
+    block_multiple_of=256,
+    block_ffn_dim_multiplier=1.0,
+    block_auto_adjust_ff_dim=False,
+    rope_theta=1000000.0,
+    layer_types=_LFM2_LAYERS,
+)
+
+
+def build(kind: str, small: bool = False) -> Any:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    shrink = dict(hidden_size=256, intermediate_size=512, block_dim=256, block_ff_dim=512) if small else {}
+    mx.random.seed(0)
+    if kind == "llama":
+        from mlx_lm.models import llama
+
+        model = llama.Model(llama.ModelArgs.from_dict({**LLAMA_1B, **shrink}))
+    elif kind == "hybrid":
+        from mlx_lm.models import lfm2
+
+        assert len(_LFM2_LAYERS) == LFM2_1B["num_hidden_layers"]
+        model = lfm2.Model(lfm2.ModelArgs.from_dict({**LFM2_1B, **shrink}))
+    else:
+        raise SystemExit(f"unknown model {kind!r}")
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    n = sum(v.size for _, v in tree_flatten(model.parameters()))
+    print(f"{kind}: {n / 1e9:.2f}B parameters, bfloat16", flush=True)
+    return model
+
+
+def decode_run(model: Any, batch: int, tokens: int, prompt_len: int = 32) -> Any:
+    """A closure: one BatchGenerator run; returns decode tokens per second (all rows generating)."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    mx.random.seed(1)
+    prompts = mx.random.randint(1, 30000, (batch, prompt_len)).tolist()
+
+    def run() -> float:
+        gen = BatchGenerator(model, max_tokens=tokens, completion_batch_size=batch, prefill_batch_size=batch)
+        gen.insert(prompts, max_tokens=[tokens] * batch)
+        step = getattr(gen, "next_generated", None) or gen.next
+        # prefill, until every row produced its first token
+        first = 0
+        while first < batch:
+            first += len(step())
+        mx.synchronize()
+        start = time.perf_counter()
+        n = 0
+        while True:
+            responses = step()
+            if not responses:
+                break
+            n += len(responses)
+        mx.synchronize()
+        elapsed = time.perf_counter() - start
+        close = getattr(gen, "close", None)
+        if close is not None:
+            close()
+        return n / elapsed
+
+    return run
+
+
+def device_name() -> str:
+    import mlx.core as mx
+
+    info: dict[str, Any] = {}
+    for getter in (getattr(mx, "device_info", None), getattr(getattr(mx, "metal", None), "device_info", None)):
+        if getter is None:
+            continue
+        try:
+            info = dict(getter())
+            break
+        except Exception:
+            continue
+    name = info.get("device_name") or info.get("name") or ""
+    return f"{mx.default_device()} {name}".strip()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="llama,hybrid")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per row per run")
+    parser.add_argument("--width", type=float, default=0.01, help="stop when the 95%% CI of the ratio is this narrow")
+    parser.add_argument("--min-rounds", type=int, default=8)
+    parser.add_argument("--max-rounds", type=int, default=60)
+    parser.add_argument("--budget", type=float, default=120.0, help="seconds per configuration (after min-rounds)")
+    parser.add_argument("--small", action="store_true", help="hidden 256 instead of 2048 (a smoke test)")
+    parser.add_argument("--patch", action="append", default=None, help="patch id to toggle (default: hot-path ones)")
+    args = parser.parse_args()
+
+    import mlx.core as mx
+    import mlx_lm
+    import mlx_lm.generate  # the cache module: the engine installs its patches
+
+    engine = kvpatch.get_engine()
+    ids = args.patch or [pid for pid, st in engine.status.items() if st.patch.hot_path and st.installed]
+    print(f"device: {device_name()}; {platform.platform()}; Python {platform.python_version()}")
+    print(f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, kvpatch {kvpatch.__version__}")
+    for pid in ids:
+        st = engine.status[pid]
+        print(f"  toggled: {pid}: {st.state.value}; {', '.join(t.path for t in st.installed) or 'nothing installed'}")
+    if not ids:
+        print("no hot-path patch is installed here: nothing to compare")
+        return 0
+    print(
+        f"decode only, {args.tokens} tokens per row per run, ratio = patched / unpatched tok/s, "
+        f"rounds until the 95% CI is narrower than {args.width:.2%}",
+        flush=True,
+    )
+    rows = []
+    for kind in args.models.split(","):
+        model = build(kind, args.small)
+        for batch in (int(b) for b in args.batches.split(",")):
+            run = decode_run(model, batch, args.tokens)
+            run()
+            with engine.without(*ids):
+                run()  # warm both sides (kernels compile on first use)
+            result = run_until(
+                run,
+                lambda: engine.without(*ids),
+                min_rounds=args.min_rounds,
+                max_rounds=args.max_rounds,
+                width=args.width,
+                budget_s=args.budget,
+            )
+            line = f"{kind:<7} batch {batch:>3}: {result.describe('tok/s')}"
+            rows.append(line)
+            print(line, flush=True)
+        del model
+        mx.clear_cache()
+    print("\nsummary")
+    for line in rows:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
