@@ -1,73 +1,61 @@
-"""kvpatch's start-up bootstrap, run from ``kvpatch.pth`` in every Python process of the environment.
+"""kvpatch's start-up hook, run in every process of the environment (kvpatch.pth; kvpatch.start from 3.15).
 
-It must cost nothing measurable: it imports only ``os`` and ``sys`` (both already loaded at start-up)
-and puts one tiny finder at the front of ``sys.meta_path``. The finder never finds anything; the
-first time something imports ``mlx_lm`` or ``mlx_vlm`` it removes itself and imports kvpatch, which
-registers the real post-import hooks before the upstream package executes.
-
+Kept tiny on purpose: this file is compiled at every start where no bytecode is cached. The rest of
+the machinery is in _kvpatch_hooks.py, loaded beside it the first time mlx_lm or mlx_vlm is imported.
 PYTEST_DONT_REWRITE
 """
 
 import os
 import sys
 
-_WATCHED = frozenset(("mlx_lm", "mlx_vlm"))
+_OFF = ("off", "0", "false", "no", "disable", "disabled")
+_TRIGGERS = ("mlx_lm", "mlx_vlm")
+_impl = None
+_startup_path = ()
 
 
 class KvpatchBootstrapFinder:
-    """Activates kvpatch when mlx-lm or mlx-vlm is first imported; finds nothing itself."""
+    """First on sys.meta_path; ignores every import until mlx_lm or mlx_vlm is imported."""
 
-    _busy = False
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if _impl is None:
+            if not name.startswith(_TRIGGERS) or hooks() is None:
+                return None
+        return _impl.find_spec(name, path, target)
 
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name not in _WATCHED or cls._busy:
-            return None
-        cls._busy = True
-        try:
+
+def hooks():
+    """The import machinery module (_kvpatch_hooks), loaded from this file's directory on first use."""
+    global _impl
+    if _impl is None:
+        module = sys.modules.get("_kvpatch_hooks")
+        if module is None:
+            # No import statement: this can run inside the import system's lock (in find_spec),
+            # where importing anything not loaded yet could wait on another thread's import.
+            ext, boot = sys.modules["_frozen_importlib_external"], sys.modules["_frozen_importlib"]
+            here = os.path.join(os.path.dirname(__file__), "_kvpatch_hooks.py")
             try:
-                sys.meta_path.remove(cls)
-            except ValueError:
-                pass
-            import kvpatch  # noqa: F401  (importing activates; it never raises)
-        except Exception as exc:  # kvpatch must never break the user's import
-            try:
-                import warnings
-
-                warnings.warn(f"kvpatch bootstrap failed: {type(exc).__name__}: {exc}", stacklevel=2)
-            except Exception:
-                pass
-        finally:
-            cls._busy = False
-        # We are inside the import system's loop over sys.meta_path for this very package, and
-        # kvpatch has just put wrapt's post-import finder at the front of it, where that loop will
-        # not look again: ask the finders now in place, so the package's own hook fires too.
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            if find is None or finder is cls:
-                continue
-            spec = find(name, path, target)
-            if spec is not None:
-                return spec
-        return None
-
-    @classmethod
-    def invalidate_caches(cls):
-        return None
+                spec = ext.spec_from_file_location("_kvpatch_hooks", here)
+                module = boot.module_from_spec(spec)
+                sys.modules["_kvpatch_hooks"] = module
+                spec.loader.exec_module(module)
+            except Exception as exc:  # a broken install must never break the user's imports
+                sys.modules.pop("_kvpatch_hooks", None)
+                KvpatchBootstrapFinder.find_spec = staticmethod(lambda name, path=None, target=None: None)
+                sys.stderr.write(f"kvpatch: bootstrap disabled ({type(exc).__name__}: {exc})\n")
+                return None
+        module._setup(KvpatchBootstrapFinder, _startup_path, __file__)
+        _impl = module
+    return _impl
 
 
-def install():
-    if os.environ.get("KVPATCH", "").strip().lower() in ("off", "0", "false", "no", "disable", "disabled"):
+def install(force=False):
+    """Put the finder first on sys.meta_path (idempotent); nothing with KVPATCH=off unless forced."""
+    global _startup_path
+    if not force and os.environ.get("KVPATCH", "").strip().lower() in _OFF:
         return
-    if "kvpatch" in sys.modules or KvpatchBootstrapFinder in sys.meta_path:
-        return
-    if _WATCHED.intersection(sys.modules):  # pragma: no cover - upstream already imported this early
-        try:
-            import kvpatch  # noqa: F401
-        except Exception:
-            pass
-        return
-    sys.meta_path.insert(0, KvpatchBootstrapFinder)
-
-
-install()
+    if not _startup_path:
+        _startup_path = tuple(sys.path)  # before the interpreter adds the script's or working directory
+    if KvpatchBootstrapFinder not in sys.meta_path:
+        sys.meta_path.insert(0, KvpatchBootstrapFinder)
