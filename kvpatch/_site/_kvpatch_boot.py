@@ -1,15 +1,14 @@
-"""kvpatch's start-up hook, run in every process of the environment (kvpatch.pth; kvpatch.start from 3.15).
+"""kvpatch's bootstrap finder. PYTEST_DONT_REWRITE
 
-Kept tiny on purpose: this file is compiled at every start where no bytecode is cached. The rest of
-the machinery is in _kvpatch_hooks.py, loaded beside it the first time mlx_lm or mlx_vlm is imported.
-PYTEST_DONT_REWRITE
+Up to Python 3.14 kvpatch.pth puts a one-line stand-in finder on sys.meta_path at start-up, which
+loads this file on the first import of an mlx_* module and hands over (``from_shim``). From 3.15
+(PEP 829) ``site`` runs ``install`` from kvpatch.start instead, at every start: keep this file small.
+The machinery itself is _kvpatch_hooks.py beside it, loaded on the first mlx_lm / mlx_vlm import.
 """
 
 import os
 import sys
 
-_OFF = ("off", "0", "false", "no", "disable", "disabled")
-_TRIGGERS = ("mlx_lm", "mlx_vlm")
 _impl = None
 _startup_path = ()
 
@@ -19,9 +18,8 @@ class KvpatchBootstrapFinder:
 
     @staticmethod
     def find_spec(name, path=None, target=None):
-        if _impl is None:
-            if not name.startswith(_TRIGGERS) or hooks() is None:
-                return None
+        if _impl is None and (not name.startswith(("mlx_lm", "mlx_vlm")) or hooks() is None):
+            return None
         return _impl.find_spec(name, path, target)
 
 
@@ -31,21 +29,20 @@ def hooks():
     if _impl is None:
         module = sys.modules.get("_kvpatch_hooks")
         if module is None:
-            # No import statement: this can run inside the import system's lock (in find_spec),
-            # where importing anything not loaded yet could wait on another thread's import.
-            ext, boot = sys.modules["_frozen_importlib_external"], sys.modules["_frozen_importlib"]
+            # No import statement: this runs inside the import system's lock (in find_spec), where
+            # importing a module not loaded yet could wait on another thread's import for good.
             here = os.path.join(os.path.dirname(__file__), "_kvpatch_hooks.py")
             try:
-                spec = ext.spec_from_file_location("_kvpatch_hooks", here)
-                module = boot.module_from_spec(spec)
+                spec = sys.modules["_frozen_importlib_external"].spec_from_file_location("_kvpatch_hooks", here)
+                module = sys.modules["_frozen_importlib"].module_from_spec(spec)
                 sys.modules["_kvpatch_hooks"] = module
                 spec.loader.exec_module(module)
-            except Exception as exc:  # a broken install must never break the user's imports
+            except Exception as exc:  # a broken install never breaks the user's imports
                 sys.modules.pop("_kvpatch_hooks", None)
                 KvpatchBootstrapFinder.find_spec = staticmethod(lambda name, path=None, target=None: None)
                 sys.stderr.write(f"kvpatch: bootstrap disabled ({type(exc).__name__}: {exc})\n")
                 return None
-        module._setup(KvpatchBootstrapFinder, _startup_path, __file__)
+        module._setup(KvpatchBootstrapFinder, _startup_path or tuple(sys.path), __file__)
         _impl = module
     return _impl
 
@@ -53,9 +50,20 @@ def hooks():
 def install(force=False):
     """Put the finder first on sys.meta_path (idempotent); nothing with KVPATCH=off unless forced."""
     global _startup_path
-    if not force and os.environ.get("KVPATCH", "").strip().lower() in _OFF:
+    if not force and os.environ.get("KVPATCH", "").strip().lower() in ("off", "0", "false", "no", "disable", "disabled"):
         return
     if not _startup_path:
         _startup_path = tuple(sys.path)  # before the interpreter adds the script's or working directory
-    if KvpatchBootstrapFinder not in sys.meta_path:
+    if not any(getattr(f, "__name__", "") == "KvpatchBootstrapFinder" for f in sys.meta_path):
         sys.meta_path.insert(0, KvpatchBootstrapFinder)
+
+
+def from_shim(name, path, target, startup_path):
+    """Take over from kvpatch.pth's stand-in finder (in place: threads iterating sys.meta_path skip nothing)."""
+    global _startup_path
+    _startup_path = _startup_path or tuple(startup_path)
+    meta_path = sys.meta_path
+    for i, finder in enumerate(meta_path):
+        if finder is not KvpatchBootstrapFinder and getattr(finder, "__name__", "") == "KvpatchBootstrapFinder":
+            meta_path[i] = KvpatchBootstrapFinder
+    return KvpatchBootstrapFinder.find_spec(name, path, target)

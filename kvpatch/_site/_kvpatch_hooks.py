@@ -166,12 +166,15 @@ def _trusted_path():
 
 
 def _ensure_first():
-    """Keep this finder first on sys.meta_path (wrapt inserts its own at the front when first used)."""
-    meta_path = sys.meta_path
-    if _finder is None or (meta_path and meta_path[0] is _finder):
+    """Keep this finder first on sys.meta_path, once (wrapt inserts its own at the front when first
+    used; kvpatch.pth's stand-in may still be there when kvpatch was imported before any mlx module)."""
+    if _finder is None:
         return
-    # One slice assignment: a thread iterating sys.meta_path meanwhile never skips a finder.
-    meta_path[:] = [_finder, *[f for f in meta_path if f is not _finder]]
+    meta_path = sys.meta_path
+    rest = [f for f in meta_path if f is not _finder and getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
+    if len(rest) + 1 != len(meta_path) or not meta_path or meta_path[0] is not _finder:
+        # One slice assignment: a thread iterating sys.meta_path meanwhile never skips a finder.
+        meta_path[:] = [_finder, *rest]
 
 
 class _Loader:
