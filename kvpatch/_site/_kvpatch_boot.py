@@ -50,7 +50,8 @@ def hooks():
 def install(force=False):
     """Put the finder first on sys.meta_path (idempotent); nothing with KVPATCH=off unless forced."""
     global _startup_path
-    if not force and os.environ.get("KVPATCH", "").strip().lower() in ("off", "0", "false", "no", "disable", "disabled"):
+    off = ("off", "0", "false", "no", "disable", "disabled")
+    if not force and os.environ.get("KVPATCH", "").strip().lower() in off:
         return
     if not _startup_path:
         _startup_path = tuple(sys.path)  # before the interpreter adds the script's or working directory

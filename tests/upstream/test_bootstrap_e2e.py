@@ -91,7 +91,7 @@ def test_warning_error_keeps_the_other_fixes(tmp_path, reference):
 
 
 def test_warning_error_never_breaks_the_import(tmp_path, reference):
-    out, err = _child(tmp_path, "-W", "error", env={"KVPATCH_DISABLE": "mask-fil"})
+    _, err = _child(tmp_path, "-W", "error", env={"KVPATCH_DISABLE": "mask-fil"})
     assert "Traceback" not in err, err[-3000:]
 
 
