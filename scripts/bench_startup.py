@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+WHAT = str(REPO)  # what to install (--wheel: a built wheel, for a machine without a package index)
 
 
 def _time(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
@@ -84,7 +85,7 @@ def _site(python: Path) -> str:
 
 def _install(pip_python: str, site: str, *flags: str) -> None:
     subprocess.run(
-        [pip_python, "-m", "pip", "install", "-q", "--no-deps", "--target", site, *flags, str(REPO)],
+        [pip_python, "-m", "pip", "install", "-q", "--no-deps", "--target", site, *flags, WHAT],
         check=True,
         stdout=subprocess.DEVNULL,
     )
@@ -138,7 +139,11 @@ def main() -> int:
     parser.add_argument("--python", default=sys.executable, help="interpreter of an environment with kvpatch installed")
     parser.add_argument("--skip-imports", action="store_true", help="only the plain-process comparison")
     parser.add_argument("--skip-plain", action="store_true", help="only the imports and status")
+    parser.add_argument("--wheel", help="install this kvpatch wheel instead of building the checkout")
     args = parser.parse_args()
+    if args.wheel:
+        global WHAT
+        WHAT = args.wheel
     if not args.skip_plain:
         plain_process(args.runs, args.python)
     if not args.skip_imports:

@@ -144,7 +144,10 @@ def _own_spec(name, target):
             spec = find(name, None, target)
         if spec is not None:
             return spec
-    raise ModuleNotFoundError(f"No module named {name!r} (kvpatch looks only outside the working directory)", name=name)
+    message = f"No module named {name!r}"
+    if path_finder.find_spec(name, None, target) is not None:
+        message += " outside the working or script directory (kvpatch does not import from there)"
+    raise ModuleNotFoundError(message, name=name)
 
 
 def _trusted_path():

@@ -295,3 +295,43 @@ def test_run_subcommand(run_py, tmp_path):
         env={"PYTHONPATH": str(mod)},
     )
     assert "argv ['--x', '1'] True" in out
+
+
+@pytest.mark.slow
+def test_editable_install_gets_the_bootstrap(tmp_path):
+    """``pip install -e`` (hatchling's editable wheel) installs kvpatch.pth, kvpatch.start and the
+    bootstrap modules too (as copies: reinstall after editing kvpatch/_site), and activation imports
+    kvpatch from the source tree. Needs the package index for the build backend."""
+    from support import REPO
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "-e", str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=child_env(),
+    )
+    if install.returncode != 0:
+        pytest.skip(f"editable install failed here (no package index?): {install.stderr[-500:]}")
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    assert {"kvpatch.pth", "kvpatch.start", "_kvpatch_boot.py", "_kvpatch_hooks.py"} <= {p.name for p in site.iterdir()}
+    proc = subprocess.run(
+        [python, "-c", "import sys, mlx_lm; print(sys.modules['kvpatch'].__file__)"],
+        cwd=tmp_path,
+        env=child_env({"PYTHONPATH": _trigger_dir(tmp_path)}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()).parent == REPO / "kvpatch"
