@@ -194,16 +194,15 @@ class Engine:
                 self._hook(loaded)
         if not fresh:
             return
-        try:
-            import wrapt
-        except Exception as exc:  # no wrapt: no hook will ever fire, so nothing pending will ever apply
-            self._cannot_activate(exc)
+        register = _hook_registry()
+        if isinstance(register, BaseException):  # no registry: no hook will ever fire, nothing pending will apply
+            self._cannot_activate(register)
             return
 
         for name in fresh:
             try:
-                wrapt.register_post_import_hook(self._hook, name)
-            except Exception as exc:  # pragma: no cover - wrapt itself failing
+                register(self._hook, name)
+            except Exception as exc:  # pragma: no cover - the registry itself failing
                 self.warn(f"could not hook {name}: {exc}", key=f"hook:{name}")
 
     def _cannot_activate(self, exc: BaseException) -> None:
@@ -634,6 +633,24 @@ class Engine:
     def changes(self) -> list[tuple[str, str]]:
         with self._lock:
             return [(c.patch_id, c.target.path) for c in self._changes]
+
+
+def _hook_registry() -> Any:
+    """``register_post_import_hook(hook, name)``: the bootstrap's registry (``kvpatch._site``: runs hooks after
+    each module's code, never inside the import system's lock), else wrapt's; or the error when neither loads."""
+    try:
+        from ._site import hooks
+
+        registry = hooks()
+        if registry is not None:
+            return registry.register_post_import_hook
+    except Exception:  # fall back to wrapt
+        pass
+    try:
+        import wrapt
+    except Exception as exc:
+        return exc
+    return wrapt.register_post_import_hook
 
 
 class TargetMissing(LookupError):

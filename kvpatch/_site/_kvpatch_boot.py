@@ -1,73 +1,70 @@
-"""kvpatch's start-up bootstrap, run from ``kvpatch.pth`` in every Python process of the environment.
+"""kvpatch's bootstrap finder. PYTEST_DONT_REWRITE
 
-It must cost nothing measurable: it imports only ``os`` and ``sys`` (both already loaded at start-up)
-and puts one tiny finder at the front of ``sys.meta_path``. The finder never finds anything; the
-first time something imports ``mlx_lm`` or ``mlx_vlm`` it removes itself and imports kvpatch, which
-registers the real post-import hooks before the upstream package executes.
-
-PYTEST_DONT_REWRITE
+Up to Python 3.14 kvpatch.pth puts a one-line stand-in finder on sys.meta_path at start-up, which
+loads this file on the first import of an mlx_* module and hands over (``from_shim``). From 3.15
+(PEP 829) ``site`` runs ``install`` from kvpatch.start instead, at every start: keep this file small.
+The machinery itself is _kvpatch_hooks.py beside it, loaded on the first mlx_lm / mlx_vlm import.
 """
 
 import os
 import sys
 
-_WATCHED = frozenset(("mlx_lm", "mlx_vlm"))
+_impl = None
+_startup_path = ()
 
 
 class KvpatchBootstrapFinder:
-    """Activates kvpatch when mlx-lm or mlx-vlm is first imported; finds nothing itself."""
+    """First on sys.meta_path; ignores every import until mlx_lm or mlx_vlm is imported."""
 
-    _busy = False
-
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name not in _WATCHED or cls._busy:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if _impl is None and (not name.startswith(("mlx_lm", "mlx_vlm")) or hooks() is None):
             return None
-        cls._busy = True
-        try:
+        return _impl.find_spec(name, path, target)
+
+
+def hooks():
+    """The import machinery module (_kvpatch_hooks), loaded from this file's directory on first use."""
+    global _impl
+    if _impl is None:
+        module = sys.modules.get("_kvpatch_hooks")
+        if module is None:
+            # No import statement: this runs inside the import system's lock (in find_spec), where
+            # importing a module not loaded yet could wait on another thread's import for good.
+            here = os.path.join(os.path.dirname(__file__), "_kvpatch_hooks.py")
             try:
-                sys.meta_path.remove(cls)
-            except ValueError:
-                pass
-            import kvpatch  # noqa: F401  (importing activates; it never raises)
-        except Exception as exc:  # kvpatch must never break the user's import
-            try:
-                import warnings
-
-                warnings.warn(f"kvpatch bootstrap failed: {type(exc).__name__}: {exc}", stacklevel=2)
-            except Exception:
-                pass
-        finally:
-            cls._busy = False
-        # We are inside the import system's loop over sys.meta_path for this very package, and
-        # kvpatch has just put wrapt's post-import finder at the front of it, where that loop will
-        # not look again: ask the finders now in place, so the package's own hook fires too.
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            if find is None or finder is cls:
-                continue
-            spec = find(name, path, target)
-            if spec is not None:
-                return spec
-        return None
-
-    @classmethod
-    def invalidate_caches(cls):
-        return None
+                spec = sys.modules["_frozen_importlib_external"].spec_from_file_location("_kvpatch_hooks", here)
+                module = sys.modules["_frozen_importlib"].module_from_spec(spec)
+                sys.modules["_kvpatch_hooks"] = module
+                spec.loader.exec_module(module)
+            except Exception as exc:  # a broken install never breaks the user's imports
+                sys.modules.pop("_kvpatch_hooks", None)
+                KvpatchBootstrapFinder.find_spec = staticmethod(lambda name, path=None, target=None: None)
+                sys.stderr.write(f"kvpatch: bootstrap disabled ({type(exc).__name__}: {exc})\n")
+                return None
+        module._setup(KvpatchBootstrapFinder, _startup_path or tuple(sys.path), __file__)
+        _impl = module
+    return _impl
 
 
-def install():
-    if os.environ.get("KVPATCH", "").strip().lower() in ("off", "0", "false", "no", "disable", "disabled"):
+def install(force=False):
+    """Put the finder first on sys.meta_path (idempotent); nothing with KVPATCH=off unless forced."""
+    global _startup_path
+    off = ("off", "0", "false", "no", "disable", "disabled")
+    if not force and os.environ.get("KVPATCH", "").strip().lower() in off:
         return
-    if "kvpatch" in sys.modules or KvpatchBootstrapFinder in sys.meta_path:
-        return
-    if _WATCHED.intersection(sys.modules):  # pragma: no cover - upstream already imported this early
-        try:
-            import kvpatch  # noqa: F401
-        except Exception:
-            pass
-        return
-    sys.meta_path.insert(0, KvpatchBootstrapFinder)
+    if not _startup_path:
+        _startup_path = tuple(sys.path)  # before the interpreter adds the script's or working directory
+    if not any(getattr(f, "__name__", "") == "KvpatchBootstrapFinder" for f in sys.meta_path):
+        sys.meta_path.insert(0, KvpatchBootstrapFinder)
 
 
-install()
+def from_shim(name, path, target, startup_path):
+    """Take over from kvpatch.pth's stand-in finder (in place: threads iterating sys.meta_path skip nothing)."""
+    global _startup_path
+    _startup_path = _startup_path or tuple(startup_path)
+    meta_path = sys.meta_path
+    for i, finder in enumerate(meta_path):
+        if finder is not KvpatchBootstrapFinder and getattr(finder, "__name__", "") == "KvpatchBootstrapFinder":
+            meta_path[i] = KvpatchBootstrapFinder
+    return KvpatchBootstrapFinder.find_spec(name, path, target)

@@ -191,3 +191,32 @@ def test_target_outside_upstream_is_rejected():
     )
     with pytest.raises(RecordError):
         p.replace("os.path", "join")
+
+
+def test_no_hook_registry_means_failed_not_pending(monkeypatch):
+    """Neither the bootstrap's registry nor wrapt loads: no hook will ever fire, so a patch that would apply is
+    reported failed with the reason, never left pending (an outcome, not a prediction)."""
+    import kvpatch.engine as engine_module
+    from kvpatch.config import Config
+    from kvpatch.detect import Upstream
+    from kvpatch.engine import Engine, State
+
+    monkeypatch.setattr(engine_module, "_hook_registry", lambda: ImportError("No module named 'wrapt'"))
+    p = Patch(
+        id="t-hook",
+        summary="s",
+        distribution="mlx-lm",
+        affected=">=0.1,<0.3",
+        fixed_in="0.3",
+        reference="r",
+        expiry=EXPIRY,
+    )
+    p.replace("mlx_lm.models.cache", "KVCache.update_and_fetch")(lambda original: original)
+    p.reproduce(lambda: None)
+    eng = Engine([p], upstream={"mlx-lm": Upstream("mlx-lm", "0.2")}, config=Config())
+    assert eng.status["t-hook"].state is State.PENDING
+    with pytest.warns(Warning):
+        eng.activate()
+    st = eng.status["t-hook"]
+    assert st.state is State.FAILED and "could not activate" in st.reason and "wrapt" in st.reason, st.reason
+    assert not eng.active

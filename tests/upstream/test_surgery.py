@@ -324,18 +324,15 @@ def test_opt_in_patches_stay_off_unless_enabled(tmp_path):
             assert default[pid][0] == "opt-in" and f"KVPATCH_ENABLE={pid}" in default[pid][1], default[pid]
 
 
-def test_without_wrapt_nothing_is_pending(tmp_path):
-    """No wrapt: no hook will ever fire, so every patch that would apply is reported failed, not pending."""
+def test_without_wrapt_the_fixes_still_apply(tmp_path):
+    """wrapt missing (or broken): the bootstrap's own post-import registry serves, so the outcome is unchanged."""
     code = "import sys\nsys.modules['wrapt'] = None\n" + STATES
     rc, out, err = _plain_child(tmp_path, code, {})
     assert rc == 0, err
-    states = json.loads(out.strip().splitlines()[-1])
-    assert "pending" not in {v[0] for v in states.values()}, states
-    failed = [v for v in states.values() if v[0] == "failed"]
+    states = {k: v[0] for k, v in json.loads(out.strip().splitlines()[-1]).items()}
     _, ref, _ = _plain_child(tmp_path, STATES, {})
-    applied = [k for k, v in json.loads(ref.strip().splitlines()[-1]).items() if v[0] == "applied"]
-    assert len(failed) >= len(applied), (states, applied)
-    assert all("wrapt" in v[1] for v in failed), failed
+    assert states == {k: v[0] for k, v in json.loads(ref.strip().splitlines()[-1]).items()}
+    assert "pending" not in states.values(), states
 
 
 def test_status_settles_outcomes_and_caches_them(tmp_path):

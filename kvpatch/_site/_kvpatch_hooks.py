@@ -1,0 +1,261 @@
+"""kvpatch's import machinery: activation on first use, and post-import hooks that cannot deadlock.
+
+Loaded by ``_kvpatch_boot`` (the start-up hook) the first time something imports ``mlx_lm`` or
+``mlx_vlm``; never in a process that does not. It imports nothing that is not loaded already
+(``sys``, ``os``, ``_thread``), because its finder runs inside the import system.
+
+Rules, each the answer to a deadlock or a lost patch seen with a finder that imports:
+
+- ``find_spec`` runs under the interpreter's global import lock. It never imports and never waits: it
+  asks the other finders for the spec directly, with the ``path`` the import system computed
+  (``importlib.util.find_spec`` would import the parent package, which may be executing in another
+  thread that is itself waiting for the global lock: wrapt's finder hangs exactly so), and wraps the
+  loader.
+- Activation (``import kvpatch``) runs in the wrapped loader's ``create_module`` of the first
+  ``mlx_lm`` / ``mlx_vlm`` package imported, where the thread holds only that package's module lock,
+  and before the package enters ``sys.modules``: every hook kvpatch registers is in place before any
+  upstream module exists. Threads that import the other package meanwhile wait on kvpatch's own
+  module lock (the import system's, with its deadlock detection), never on a lock of ours.
+- Hooks run after the module's code, outside every lock, in the importing thread. A hook registered
+  for a module that is still executing under our loader is kept for the end of that execution (not
+  called on the half-made module and then forgotten).
+- While a thread activates kvpatch, top-level modules it imports are looked up in kvpatch's own
+  site directory and the start-up ``sys.path``, never in the working or script directory: a
+  ``kvpatch.py`` or ``wrapt.py`` there is not executed by ``import mlx_lm``.
+- Hooks registered with wrapt (``wrapt.register_post_import_hook``) for mlx modules fire too, through
+  wrapt's public ``notify_module_loaded``; this finder stays in front of wrapt's, which is skipped
+  for these modules (its lookup is the deadlock described above).
+- Nothing here raises into an import: errors become one warning each (``_warn``).
+"""
+
+import _thread
+import os
+import sys
+
+_WATCHED = ("mlx_lm", "mlx_vlm")
+_OFF = ("off", "0", "false", "no", "disable", "disabled")
+
+_lock = _thread.allocate_lock()  # guards the tables below; never held while importing or calling out
+_hooks: dict = {}  # module name -> callables waiting for it
+_running: dict = {}  # module name -> how many of our loaders are executing it now
+_tls = _thread._local()
+_warned: set = set()
+_activated = False
+_finder = None
+_startup_path = ()
+_site_dir = ""
+
+
+def _setup(finder, startup_path, boot_file):
+    global _finder, _startup_path, _site_dir
+    _finder = finder
+    _startup_path = tuple(startup_path)
+    _site_dir = os.path.dirname(os.path.abspath(boot_file))
+
+
+# -- public: post-import hooks ---------------------------------------------------------------------
+def register_post_import_hook(hook, name):
+    """Call ``hook(module)`` once module ``name`` is imported (now, if it is imported already).
+
+    The same contract as ``wrapt.register_post_import_hook``, without its finder: the hook runs in the
+    importing thread after the module's code, with no lock held.
+    """
+    _ensure_first()
+    with _lock:
+        module = sys.modules.get(name)
+        if module is None or _running.get(name):
+            _hooks.setdefault(name, []).append(hook)
+            return
+    _call(hook, module)
+
+
+def discard_post_import_hook(hook, name):
+    """Withdraw a hook that has not fired yet (no-op otherwise)."""
+    with _lock:
+        waiting = _hooks.get(name)
+        if waiting and hook in waiting:
+            waiting.remove(hook)
+
+
+def _notify(module):
+    name = module.__name__
+    with _lock:
+        waiting = _hooks.pop(name, ())
+    for hook in waiting:
+        _call(hook, module)
+    wrapt_importer = sys.modules.get("wrapt.importer")
+    if wrapt_importer is not None:
+        try:
+            wrapt_importer.notify_module_loaded(module)
+        except Exception as exc:
+            _warn(f"a wrapt post-import hook for {name} failed: {type(exc).__name__}: {exc}")
+
+
+def _call(hook, module):
+    try:
+        hook(module)
+    except Exception as exc:
+        _warn(f"post-import hook for {module.__name__} failed: {type(exc).__name__}: {exc}")
+
+
+# -- the finder ------------------------------------------------------------------------------------
+def find_spec(name, path=None, target=None):
+    top, dot, _ = name.partition(".")
+    if top in _WATCHED:
+        return _chained_spec(name, path, target, top=not dot)
+    if not dot and getattr(_tls, "activating", False) and name not in sys.modules:
+        return _own_spec(name, target)
+    return None
+
+
+def _others():
+    for finder in sys.meta_path:
+        if finder is _finder:
+            continue
+        kind = type(finder)
+        if kind.__name__ == "ImportHookFinder" and kind.__module__ == "wrapt.importer":
+            continue  # its hooks fire through notify_module_loaded; its lookup imports under the lock
+        find = getattr(finder, "find_spec", None)
+        if find is not None:
+            yield finder, find
+
+
+def _chained_spec(name, path, target, top):
+    for _finder_obj, find in _others():
+        spec = find(name, path, target)
+        if spec is None:
+            continue
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module") or isinstance(loader, _Loader):
+            return spec
+        spec.loader = _Loader(loader, top)
+        return spec
+    return None
+
+
+def _own_spec(name, target):
+    """Find a top-level module for kvpatch's activation, outside the working and script directories."""
+    path_finder = sys.modules["_frozen_importlib_external"].PathFinder
+    trusted = _trusted_path()
+    for finder, find in _others():
+        if finder is path_finder:
+            spec = path_finder.find_spec(name, trusted, target)
+        else:
+            spec = find(name, None, target)
+        if spec is not None:
+            return spec
+    message = f"No module named {name!r}"
+    if path_finder.find_spec(name, None, target) is not None:
+        message += " outside the working or script directory (kvpatch does not import from there)"
+    raise ModuleNotFoundError(message, name=name)
+
+
+def _trusted_path():
+    untrusted = {"", os.curdir}
+    try:
+        untrusted.add(os.getcwd())
+    except OSError:
+        pass
+    argv0 = (getattr(sys, "argv", None) or [""])[0]
+    if argv0 and argv0 not in ("-c", "-m"):
+        untrusted.add(os.path.dirname(os.path.abspath(argv0)))
+    path = [_site_dir] if _site_dir else []
+    for entry in sys.path:
+        if not isinstance(entry, str) or entry in path:
+            continue
+        if entry in _startup_path or (entry not in untrusted and os.path.abspath(entry) not in untrusted):
+            path.append(entry)
+    return path
+
+
+def _ensure_first():
+    """Keep this finder first on sys.meta_path, once (wrapt inserts its own at the front when first
+    used; kvpatch.pth's stand-in may still be there when kvpatch was imported before any mlx module)."""
+    if _finder is None:
+        return
+    meta_path = sys.meta_path
+    rest = [f for f in meta_path if f is not _finder and getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
+    if len(rest) + 1 != len(meta_path) or not meta_path or meta_path[0] is not _finder:
+        # One slice assignment: a thread iterating sys.meta_path meanwhile never skips a finder.
+        meta_path[:] = [_finder, *rest]
+
+
+class _Loader:
+    """Wraps an upstream module's loader: activation before it exists, hooks after its code ran."""
+
+    def __init__(self, loader, top):
+        self._kvpatch_loader = loader
+        self._kvpatch_top = top
+
+    def __getattr__(self, attr):  # get_code, get_source, is_package, get_resource_reader, ...
+        if attr.startswith("_kvpatch_"):
+            raise AttributeError(attr)
+        return getattr(self._kvpatch_loader, attr)
+
+    def create_module(self, spec):
+        create = getattr(self._kvpatch_loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module):
+        loader = self._kvpatch_loader
+        # The module keeps its own loader, as if we had never been there.
+        if getattr(module, "__loader__", None) is self:
+            try:
+                module.__loader__ = loader
+            except AttributeError:
+                pass
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and spec.loader is self:
+            spec.loader = loader
+        name = module.__name__
+        with _lock:
+            _running[name] = _running.get(name, 0) + 1
+        try:
+            loader.exec_module(module)
+        finally:
+            with _lock:
+                left = _running.pop(name) - 1
+                if left:
+                    _running[name] = left
+        if self._kvpatch_top:
+            _activate()
+        _notify(module)
+
+
+# -- activation ------------------------------------------------------------------------------------
+def _activate():
+    """Import (and so activate) kvpatch from its own site directory. Idempotent, never raises."""
+    global _activated
+    if _activated or getattr(_tls, "activating", False):
+        return
+    if os.environ.get("KVPATCH", "").strip().lower() in _OFF:
+        _activated = True
+        return
+    _tls.activating = True
+    try:
+        import kvpatch  # noqa: F401  (importing activates)
+    except Exception as exc:
+        _warn(f"kvpatch could not activate: {type(exc).__name__}: {exc}")
+    finally:
+        _tls.activating = False
+    _activated = True
+    _ensure_first()
+
+
+# -- the one warning path --------------------------------------------------------------------------
+def _warn(message):
+    """Warn once per message; never raise (under ``-W error`` the warning goes to stderr instead)."""
+    try:
+        if message in _warned:
+            return
+        _warned.add(message)
+        if len(message) > 500:
+            message = message[:497] + "..."
+        import warnings
+
+        warnings.warn(message, UserWarning, stacklevel=3)
+    except Exception:
+        try:
+            sys.stderr.write(f"kvpatch: warning: {message}\n")
+        except Exception:
+            pass
