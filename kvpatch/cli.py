@@ -1,6 +1,7 @@
 """Command line: ``python -m kvpatch <command>``.
 
 status [--json] [--check] [--verify]   audit what is applied and why
+verify [--json] [--missing]             measure and cache the verdicts this environment's imports read
 run -m MODULE [ARGS...] | run SCRIPT [ARGS...]   run a program with kvpatch active
 compat [--write | --check]              print, write or check COMPAT.md from the registry
 fingerprints                            source fingerprints of every target in the installed upstream
@@ -86,6 +87,12 @@ def cmd_compat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import run
+
+    return run(args)
+
+
 def cmd_fingerprints(args: argparse.Namespace) -> int:
     from .compat import target_fingerprints
 
@@ -108,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_status)
 
     sub.add_parser("run", help="run -m MODULE [ARGS...] or SCRIPT [ARGS...] with kvpatch active")
+
+    from .verify import add_arguments as add_verify_arguments
+
+    p = sub.add_parser("verify", help="run the reproductions the facts leave open and cache their verdicts")
+    add_verify_arguments(p)
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("compat", help="render COMPAT.md from the registry")
     group = p.add_mutually_exclusive_group()
