@@ -467,6 +467,8 @@ def _background_allowed() -> str | None:
         return "this is a verification process"
     if os.environ.get(VERIFY_VAR, "").strip().lower() in ("never", "off", "0", "no", "false"):
         return f"{VERIFY_VAR}=never"
+    if os.environ.get("KVPATCH", "").strip().lower() in ("off", "0", "false", "no", "disable", "disabled"):
+        return "KVPATCH=off"
     if fcntl is None or not os.path.exists("/bin/sh"):  # pragma: no cover - not POSIX
         return "no background verification on this platform"
     return None

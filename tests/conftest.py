@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
-from support import child_env
+from support import child_env, verdicts_dir
+
+# kvpatch in this process (and every child, through child_env) keeps its verdicts in the session's own cache and
+# starts no background verification: tests never touch the environment's verdict cache.
+os.environ["KVPATCH_VERDICTS"] = verdicts_dir()
+os.environ.setdefault("KVPATCH_VERIFY", "never")
 
 
 @pytest.fixture

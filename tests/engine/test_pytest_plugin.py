@@ -51,7 +51,7 @@ def _plugin_args() -> list[str]:
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in list(os.environ):
-        if name.startswith("KVPATCH") and name != "KVPATCH_CACHE":
+        if name.startswith("KVPATCH") and name not in ("KVPATCH_CACHE", "KVPATCH_VERDICTS", "KVPATCH_VERIFY"):
             monkeypatch.delenv(name)
     return monkeypatch
 

@@ -171,7 +171,7 @@ def test_first_use_starts_one_background_verification(tmp_path):
     """No verdict: the import is not blocked, the patch is not applied, one detached verification runs and
     stores the verdict; the next process applies the patch from it."""
     kind = "newer"
-    env = _env(tmp_path, kind)
+    env = _env(tmp_path, kind, KVPATCH_VERIFY="auto")
     started = time.monotonic()
     first = _run(_program(), env, tmp_path)
     assert first["reproductions"] == []
@@ -215,3 +215,44 @@ def _lock_held(path: Path) -> bool:
             return True
         fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
     return False
+
+
+SERVER_FIX_FIRST = """
+import json, sys
+import mlx_lm.models.cache as C
+from kvpatch import registry
+from kvpatch.config import Config
+from kvpatch.engine import Engine
+from kvpatch.gate import Action
+from kvpatch.status import build_report
+from kvpatch.testing import natural_decision
+
+reg = registry.load()
+patch = reg.get("rotating-merge-empty")
+if natural_decision(patch).action is not Action.APPLY:
+    print("@@" + json.dumps(None)); raise SystemExit
+target = patch.targets[0]
+original = vars(C.BatchRotatingKVCache)["merge"].__func__
+# a server's own fix of the same bug, installed before kvpatch (a plain function of the server's module)
+server_fix = patch.builders[target](original)
+server_fix.__module__, server_fix.__qualname__ = "some_server.patches", "fixed_merge"
+C.BatchRotatingKVCache.merge = classmethod(server_fix)
+engine = Engine(reg.patches, config=Config())
+engine.activate()
+report = build_report(engine, verify=True)
+entry = next(p for p in report.data["patches"] if p["id"] == patch.id)
+print("@@" + json.dumps({"state": entry["state"], "verify": entry["verify"], "check": report.data["check"]}))
+"""
+
+
+def test_verify_credits_a_server_fix_to_the_server_not_upstream(tmp_path):
+    """Issue 11 item 3: with a server's own fix under kvpatch's, the bug is absent with kvpatch's patch taken
+    out, but that is the server's doing: status --verify says so and advises no record edit."""
+    out = _run(SERVER_FIX_FIRST, {"KVPATCH": "off", "KVPATCH_VERDICTS": str(tmp_path / "v")}, tmp_path)
+    if out is None:
+        pytest.skip("rotating-merge-empty does not apply to this release")
+    assert out["state"] == "applied", out
+    outcome = out["verify"]["outcome"]
+    assert outcome.startswith("bug absent in this process, fixed by something else in this process"), outcome
+    assert "some_server.patches.fixed_merge" in outcome, outcome
+    assert not [r for r in out["check"]["reasons"] if r.startswith("rotating-merge-empty")], out["check"]
