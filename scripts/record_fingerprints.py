@@ -256,12 +256,11 @@ def git_fingerprints(patch: Patch, first_release: str, known: dict[str, dict[str
     line = mainline(patch.distribution)
     position = {c: i for i, c in enumerate(line)}
     start = tag_commit(mirror, first_release)
-    if start is None:
-        return {}
-    # the tagged commit may sit on a release branch: take its merge base with the main line
     head = line[-1]
-    base = _git(mirror, "merge-base", start, head).strip()
-    lo = position.get(base)
+    # the tagged commit may sit on a release branch: take its merge base with the main line; a release older
+    # than the indexed history (mlx-lm moved out of mlx-examples at 0.22/0.23): start at the oldest indexed commit
+    base = _git(mirror, "merge-base", start, head).strip() if start else line[0]
+    lo = position.get(base, 0)
     end = head
     if patch.fixed_commit:
         full = [c for c in line if c.startswith(patch.fixed_commit)]
@@ -336,6 +335,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--only", default="", help="comma-separated patch ids (others are kept as they are)")
     parser.add_argument("--no-git", action="store_true", help="do not fingerprint git commits")
     parser.add_argument("--check", action="store_true", help="exit 1 when the file would change; write nothing")
+    parser.add_argument(
+        "--git-only", action="store_true", help="keep the recorded releases; only (re)add the git commits' fingerprints"
+    )
     args = parser.parse_args(argv)
 
     reg = load()
@@ -350,6 +352,17 @@ def main(argv: list[str]) -> int:
 
     versions = {d: index_versions(d) for d in DISTRIBUTIONS}
     wanted: dict[tuple[str, str], list[tuple[Patch, Any]]] = defaultdict(list)
+    if args.git_only:
+        table = {
+            pid: {
+                t: {fp: [x for x in labels if not x.startswith("git:")] for fp, labels in fps.items()}
+                for t, fps in e.items()
+            }
+            for pid, e in old.get("patches", {}).items()
+            if pid in reg.by_id
+        }
+        table = {pid: {t: {fp: x for fp, x in fps.items() if x} for t, fps in e.items()} for pid, e in table.items()}
+        patches = []
     for p in patches:
         for release in releases_in(p, versions[p.distribution]):
             for t in p.targets:
@@ -388,7 +401,7 @@ def main(argv: list[str]) -> int:
                 table[p.id][t.path][fp].append(release)
     git_counts: dict[str, dict[str, int]] = {}
     if not args.no_git:
-        for p in patches:
+        for p in patches or [reg.by_id[pid] for pid in table]:
             rels = releases_in(p, versions[p.distribution])
             if rels:
                 git_counts[p.id] = git_fingerprints(p, rels[0], table.setdefault(p.id, {}))

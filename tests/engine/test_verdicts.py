@@ -153,6 +153,7 @@ def test_no_background_verification_when_switched_off_or_inside_one(fresh, monke
 
 
 def test_a_recent_attempt_is_not_repeated(fresh, monkeypatch):
+    monkeypatch.setenv(verdicts.VERIFY_VAR, "auto")
     verdicts.record_attempt(["k"])
     verdicts._forget()
     text = verdicts.request_verification(["k"])
