@@ -277,6 +277,8 @@ class Engine:
         verified environment reads no source here. A mismatch sends the patch to its verdict.
         """
         patch = st.patch
+        if st.decision.action is Action.VERIFY:
+            return  # the verdict decides whatever the code is (its key covers the target files)
         known = verdicts.validated(patch)
         if not known:
             return
