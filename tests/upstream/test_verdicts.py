@@ -86,9 +86,8 @@ def _overlay(tmp: Path, kind: str) -> str:
         shutil.copytree(info, dest)
         if kind == "newer":
             meta = dest / "METADATA"
-            version = Version(metadata.version(dist))
-            newer = f"{version.major}.{version.minor}.{version.micro + 1}"
-            meta.write_text(meta.read_text().replace(f"\nVersion: {version}\n", f"\nVersion: {newer}\n", 1))
+            version = metadata.version(dist)
+            meta.write_text(meta.read_text().replace(f"\nVersion: {version}\n", f"\nVersion: {_newer(dist)}\n", 1))
         elif KINDS[kind] is not None:
             direct = dict(KINDS[kind])
             (dest / "direct_url.json").write_text(json.dumps(direct))
@@ -116,6 +115,27 @@ def _env(tmp_path: Path, kind: str, **extra: str) -> dict[str, str]:
 pytestmark = pytest.mark.skipif("mlx-lm" not in DISTS, reason="needs mlx-lm")
 
 
+def _newer(dist: str) -> str:
+    version = Version(metadata.version(dist))
+    return f"{version.major}.{version.minor}.{version.micro + 1}"
+
+
+def _left_to_reproduction() -> list[str]:
+    """Ids the gate leaves to the reproduction once the installed releases claim to be one micro release newer."""
+    from kvpatch import registry
+    from kvpatch.config import Config
+    from kvpatch.detect import Upstream
+    from kvpatch.gate import Action, decide
+
+    out = []
+    for patch in registry.load().patches:
+        if patch.distribution in DISTS:
+            upstream = Upstream(patch.distribution, _newer(patch.distribution))
+            if decide(patch, upstream, Config(enable_all=True)).action is Action.VERIFY:
+                out.append(patch.id)
+    return out
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_import_runs_no_reproduction_and_keeps_random_state(tmp_path, kind):
     off = _run(_program(), _env(tmp_path, kind, KVPATCH="off"), tmp_path)
@@ -133,7 +153,7 @@ def test_import_runs_no_reproduction_and_keeps_random_state(tmp_path, kind):
             if state == "pending verification":
                 assert "KVPATCH_VERIFY=never" in reason and "kvpatch verify" in reason, reason
     if kind == "newer":
-        assert decided, "a release newer than checked_through should leave some patch to its reproduction"
+        assert set(decided) == set(_left_to_reproduction()), decided
     assert not any(s[0] == "applied" for s in decided.values())
 
 
@@ -141,6 +161,8 @@ def test_verdict_from_kvpatch_verify_is_read_at_import(tmp_path):
     """``kvpatch verify`` measures the open patches once; a later import applies them from the verdict, with
     no reproduction and the same random numbers."""
     kind = "newer"
+    if not _left_to_reproduction():
+        pytest.skip("no patch has this release as its checked_through: nothing is left to a reproduction")
     env = _env(tmp_path, kind)
     proc = subprocess.run(
         [sys.executable, "-m", "kvpatch", "verify", "--json"],
@@ -171,6 +193,8 @@ def test_first_use_starts_one_background_verification(tmp_path):
     """No verdict: the import is not blocked, the patch is not applied, one detached verification runs and
     stores the verdict; the next process applies the patch from it."""
     kind = "newer"
+    if not _left_to_reproduction():
+        pytest.skip("no patch has this release as its checked_through: nothing is left to a reproduction")
     env = _env(tmp_path, kind, KVPATCH_VERIFY="auto")
     started = time.monotonic()
     first = _run(_program(), env, tmp_path)
@@ -236,6 +260,7 @@ original = vars(C.BatchRotatingKVCache)["merge"].__func__
 # a server's own fix of the same bug, installed before kvpatch (a plain function of the server's module)
 server_fix = patch.builders[target](original)
 server_fix.__module__, server_fix.__qualname__ = "some_server.patches", "fixed_merge"
+server_fix.__wrapped__ = original  # a well-behaved wrapper (functools.wraps): kvpatch sees upstream's code under it
 C.BatchRotatingKVCache.merge = classmethod(server_fix)
 engine = Engine(reg.patches, config=Config())
 engine.activate()
