@@ -315,15 +315,21 @@ class Engine:
         found = None if verdicts.remeasure() else verdicts.lookup(verdict_key)
         by = verdicts.measuring()
         if found is None and by is not None:
-            import_target_modules(patch)
-            before = run_reproduction(patch)
-            after = None
-            if before.verdict == "present":
-                self._install_available(st)
-                try:
-                    after = run_reproduction(patch)
-                finally:
-                    self._uninstall(st)
+            if patch.id in verdicts.MEASURING:
+                return  # a hook fired by this very measurement (importing the targets): the outer call decides
+            verdicts.MEASURING.add(patch.id)
+            try:
+                import_target_modules(patch)
+                before = run_reproduction(patch)
+                after = None
+                if before.verdict == "present":
+                    self._install_available(st)
+                    try:
+                        after = run_reproduction(patch)
+                    finally:
+                        self._uninstall(st)
+            finally:
+                verdicts.MEASURING.discard(patch.id)
             found = verdicts.from_findings(before, after, by=by)
             verdicts.store(verdict_key, patch, found, self.upstream)
         if found is None:

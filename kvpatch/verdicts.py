@@ -35,9 +35,10 @@ No verdict yet (the first process after an upgrade, an editable install, ...): t
 applied in that process (state ``pending verification``), and one verification is started in a
 detached child process at low priority (``nice`` 10): ``python -m kvpatch verify --background``.
 The import does not wait for it: starting it costs one ``/bin/sh`` fork and exec, once per process
-at most (measured: kvpatch's hooks took 3-18 ms with it, 0.8-1.0 ms without, on 2 shared cores). At most one runs at a time per environment (a lock file held by the child), and
-a key that a background verification already tried is not tried again for an hour
-(``python -m kvpatch verify`` settles it at once). Every later process reads the verdict.
+at most (measured: kvpatch's hooks took 3-18 ms with it, 0.8-1.0 ms without, on 2 shared cores).
+At most one runs at a time per environment (a lock file held by the child), and a key that a
+background verification already tried is not tried again for an hour (``python -m kvpatch verify``
+settles it at once). Every later process reads the verdict.
 ``KVPATCH_VERIFY=never`` turns the background verification off (status then says to run
 ``kvpatch verify``).
 
@@ -433,6 +434,9 @@ def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[st
 _measuring: str | None = None
 _remeasure = False
 _requested: str | None = None
+#: Ids of the patches whose verdict is being measured right now (a hook fired by importing their targets
+#: during the measurement must not start a second one).
+MEASURING: set[str] = set()
 
 
 @contextlib.contextmanager

@@ -195,6 +195,14 @@ def fake_site(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "models" / "__init__.py").write_text("")
     (pkg / "models" / "cache.py").write_text(FAKE_CACHE)
+    # the little of mlx.core that run_reproduction touches (it keeps the device, stream and random state)
+    (site / "mlx").mkdir()
+    (site / "mlx" / "__init__.py").write_text("")
+    (site / "mlx" / "core.py").write_text(
+        "import types\nrandom = types.SimpleNamespace(state=[0])\n"
+        "def default_device(): return 'cpu'\ndef default_stream(device): return 's'\n"
+        "def set_default_device(device): pass\ndef set_default_stream(stream): pass\n"
+    )
     info = site / "mlx_lm-0.3.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-lm\nVersion: 0.3.0\n")
@@ -225,15 +233,22 @@ CHILD = textwrap.dedent(
         import mlx_lm.models.cache as c
         return Finding(c.C().f() == "buggy", "f() said " + c.C().f())
 
+    if mode == "measure-raising":  # a reproduction that hits an error which is not the bug's symptom
+        p.reproduction = lambda: (_ for _ in ()).throw(RuntimeError("no kernel for this shape"))
     engine = Engine([p], config=Config())
     key = verdicts.key(p, engine.upstream)
-    if mode != "none":
+    if not mode.startswith(("none", "measure")):
         verdicts.store(key, p, verdicts.Verdict(mode, "stored by the test", 1.0, "test"), engine.upstream)
-    engine.activate()
-    import mlx_lm.models.cache as c
+    import contextlib
+    with verdicts.measuring_as("test") if mode.startswith("measure") else contextlib.nullcontext():
+        engine.activate()
+        import mlx_lm.models.cache as c
     st = engine.status["demo-bug"]
+    from kvpatch.status import build_report
+    check = build_report(engine).data["check"]
     print("@@" + json.dumps({"state": st.state.value, "reason": st.reason, "f": c.C().f(), "drift": st.drift,
-                             "reproductions": REPRODUCTIONS_RUN, "action": st.decision.action.value}))
+                             "reproductions": REPRODUCTIONS_RUN, "action": st.decision.action.value,
+                             "stored": (verdicts._forget(), verdicts.lookup(key))[1] is not None, "check": check}))
     """
 )
 
@@ -293,3 +308,23 @@ def test_drifted_target_goes_to_its_verdict(fake_site, tmp_path):
     # and the fingerprint is cached by the file's stat for the next process
     data = json.loads((tmp_path / "cache" / verdicts.FILE).read_text())
     assert any(true in entry.values() for entry in data["fingerprints"].values()), data["fingerprints"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "state", "f"), [("measure", "applied", "fixed"), ("measure-raising", "inconclusive", "buggy")]
+)
+def test_a_verification_process_measures_and_stores(fake_site, tmp_path, mode, state, f):
+    """Only a verification process runs the reproduction; an error that is not the bug's symptom gives an
+    inconclusive verdict: not applied, and ``status --check`` fails on it without advising a record edit."""
+    out = _child(fake_site, tmp_path, mode)
+    assert (out["state"], out["f"]) == (state, f), out
+    assert out["reproductions"] == (["demo-bug", "demo-bug"] if state == "applied" else ["demo-bug"]), out
+    assert out["stored"], out
+    if state == "inconclusive":
+        assert "no kernel for this shape" in out["reason"], out
+        assert out["check"]["exit"] == 1, out["check"]
+        text = " ".join(out["check"]["reasons"])
+        assert "inconclusive" in text and "not a record error" in text and "update" not in text, text
+    # and a later user process reads it without reproducing
+    later = _child(fake_site, tmp_path, "none")
+    assert (later["state"], later["reproductions"]) == (state, []), later

@@ -131,7 +131,7 @@ def _left_to_reproduction() -> list[str]:
     for patch in registry.load().patches:
         if patch.distribution in DISTS:
             upstream = Upstream(patch.distribution, _newer(patch.distribution))
-            if decide(patch, upstream, Config(enable_all=True)).action is Action.VERIFY:
+            if decide(patch, upstream, Config()).action is Action.VERIFY:
                 out.append(patch.id)
     return out
 
