@@ -1,6 +1,7 @@
 """Command line: the ``kvpatch`` console script (also ``python -m kvpatch``).
 
 status [-v] [--json] [--check] [--verify]   audit what is applied and why
+verify [--json] [--missing]             measure and cache the verdicts this environment's imports read
 run -m MODULE [ARGS...] | run SCRIPT [ARGS...]   run a program with kvpatch active
 compat [--write | --check]              print, write or check COMPAT.md from the registry (maintainers)
 fingerprints                            source fingerprints of every target in the installed upstream (maintainers)
@@ -171,6 +172,12 @@ def cmd_compat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import run
+
+    return run(args)
+
+
 def cmd_fingerprints(args: argparse.Namespace) -> int:
     import json
 
@@ -221,6 +228,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_status)
 
     sub.add_parser("run", help="run -m MODULE [ARGS...] or SCRIPT [ARGS...] with kvpatch active")
+
+    from .verify import add_arguments as add_verify_arguments
+
+    p = sub.add_parser("verify", help="run the reproductions the facts leave open and cache their verdicts")
+    add_verify_arguments(p)
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("compat", help="render COMPAT.md from the registry (maintainers)")
     group = p.add_mutually_exclusive_group()

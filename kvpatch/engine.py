@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import surgery
+from . import surgery, verdicts
 from ._warn import KvpatchWarning, emit
 from .config import Config, read_config
 from .detect import Upstream, detect
@@ -61,6 +61,10 @@ class State(enum.Enum):
     FAILED = "failed"
     TARGET_MISSING = "target missing"  # a target is not where the patch expects it (moved or removed upstream)
     OVERRIDDEN = "overridden"  # installed, but something else replaced kvpatch's replacement since
+    #: The reproduction decides and this environment has no verdict yet (see kvpatch.verdicts): not applied.
+    UNVERIFIED = "pending verification"
+    #: The environment's verdict is inconclusive (the reproduction hit an error that is not the bug): not applied.
+    INCONCLUSIVE = "inconclusive"
 
 
 _FROM_ACTION = {
@@ -300,11 +304,21 @@ class Engine:
         return False
 
     def _check_drift(self, st: PatchStatus) -> None:
+        """Compare each replaced target's source fingerprint with those recorded for the affected releases.
+
+        The recorded ones are shipped data (``kvpatch/data/fingerprints.json``, read once); a target's own
+        fingerprint is cached by its file's stat (:func:`kvpatch.verdicts.fingerprint_cached`), so a
+        verified environment reads no source here. A mismatch sends the patch to its verdict.
+        """
         patch = st.patch
-        if not patch.validated:
+        if st.decision.action is Action.VERIFY:
+            return  # the verdict decides whatever the code is (its key covers the target files)
+        known = verdicts.validated(patch)
+        if not known:
             return
         for target in patch.targets:
-            if target.kind is not Kind.REPLACE or target in st.fingerprinted:
+            recorded = known.get(target.path)
+            if target.kind is not Kind.REPLACE or target in st.fingerprinted or not recorded:
                 continue
             module = sys.modules.get(target.module)
             if module is None:
@@ -312,42 +326,75 @@ class Engine:
             original = self._upstream_original(target, module)
             if original is _MISSING:
                 continue
-            st.fingerprinted.add(target)  # reading source costs: once per target, not once per hook
-            fp = fingerprint(original)
-            if fp not in patch.validated:
-                known = ", ".join(sorted(patch.validated))
-                st.drift.append(f"{target.path} has source fingerprint {fp}, not one validated ({known})")
+            st.fingerprinted.add(target)  # once per target per process
+            fp = verdicts.fingerprint_cached(original, fingerprint)
+            if fp not in recorded:
+                st.drift.append(
+                    f"{target.path} has source fingerprint {fp}, none of the {len(recorded)} recorded for "
+                    f"{patch.distribution} releases in {patch.affected}"
+                )
+        verdicts.save_fingerprints(wait=verdicts.measuring() is not None)
 
     def _verify_and_apply(self, st: PatchStatus) -> None:
+        """Settle a patch that the facts leave to its reproduction, from this environment's verdict.
+
+        In the user's process this only reads the verdict cache (:mod:`kvpatch.verdicts`): no reproduction
+        runs and no global state changes. With no verdict the patch is not applied (``pending
+        verification``) and one background verification is requested. Only a verification process
+        (``kvpatch verify``, ``status --verify``, the background child) measures here and stores the verdict.
+        """
         patch = st.patch
         why = "; ".join(st.drift) or st.decision.reason
-        import_target_modules(patch)
         if self._declined(st):
-            return  # nothing would change here: no reproduction to run
-        before = run_reproduction(patch)
-        if before.skipped:
-            st.state, st.reason = State.DRIFTED, f"{why}; reproduction cannot run here ({before.skipped}): not applied"
-            self.warn(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"drift:{patch.id}")
+            return  # nothing would change here (e.g. a CUDA-only fix on the CPU): no verdict needed
+        verdict_key = verdicts.key(patch, self.upstream)
+        found = None if verdicts.remeasure() else verdicts.lookup(verdict_key)
+        by = verdicts.measuring()
+        if found is None and by is not None:
+            if patch.id in verdicts.MEASURING:
+                return  # a hook fired by this very measurement (importing the targets): the outer call decides
+            verdicts.MEASURING.add(patch.id)
+            try:
+                import_target_modules(patch)
+                before = run_reproduction(patch)
+                after = None
+                if before.verdict == "present":
+                    self._install_available(st)
+                    try:
+                        after = run_reproduction(patch)
+                    finally:
+                        self._uninstall(st)
+            finally:
+                verdicts.MEASURING.discard(patch.id)
+            found = verdicts.from_findings(before, after, by=by)
+            verdicts.store(verdict_key, patch, found, self.upstream)
+        if found is None:
+            st.state = State.UNVERIFIED
+            st.reason = f"{why}; {verdicts.request_verification([verdict_key])}"
             return
-        if not before.present:
-            st.verified = f"bug absent upstream ({before.detail})" if before.detail else "bug absent upstream"
-            st.state, st.reason = State.NOT_NEEDED, f"{why}; reproduction: {st.verified}"
-            return
-        self._install_available(st)
-        after = run_reproduction(patch)
-        if after.present:
-            self._uninstall(st)
+        st.verified = found.describe()
+        st.reason = f"{why}; verdict: {st.verified}"
+        if found.outcome == verdicts.FIXED:
+            st.state = State.PENDING  # installed now for the modules already imported, by their hooks later
+            self._install_available(st)
+            if st.drift:
+                self.warn(
+                    f"kvpatch: {patch.id} applied to drifted code after its reproduction confirmed it: {why}",
+                    key=f"drift:{patch.id}",
+                )
+        elif found.outcome == verdicts.ABSENT:
+            st.state = State.NOT_NEEDED
+        elif found.outcome == verdicts.INCONCLUSIVE:
+            st.state, st.error = State.INCONCLUSIVE, found.detail
+            st.reason = f"{why}; the reproduction was inconclusive here ({found.detail}): not applied"
+            self.warn(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"verdict:{patch.id}")
+        elif found.outcome == verdicts.SKIPPED and not st.drift:
+            st.state = State.NOT_NEEDED
+            st.reason = f"{why}; the reproduction cannot run on this backend ({found.detail}): not applied"
+        else:  # NOT_FIXED, or SKIPPED on drifted code
             st.state = State.DRIFTED
-            st.reason = f"{why}; reproduction: bug present and NOT fixed by the patch ({after.detail}): not applied"
+            st.reason = f"{why}; verdict: {st.verified}: not applied"
             self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
-            return
-        st.verified = "bug present, fixed by patch"
-        st.reason = f"{why}; reproduction: {st.verified}"
-        if st.drift:
-            self.warn(
-                f"kvpatch: {patch.id} applied to drifted code after its reproduction confirmed it: {why}",
-                key=f"drift:{patch.id}",
-            )
 
     def _install_available(self, st: PatchStatus) -> None:
         patch = st.patch
@@ -671,6 +718,11 @@ def import_target_modules(patch: Patch) -> None:
                 raise
 
 
+#: Ids of the reproductions run in this process, in order: the proof, read by tests, that a user's import
+#: ran none (verdicts are measured by ``kvpatch verify`` or a background child; see kvpatch.verdicts).
+REPRODUCTIONS_RUN: list[str] = []
+
+
 def run_reproduction(patch: Patch) -> Finding:
     """Run ``patch``'s reproduction: present, absent, or inconclusive (an error that is not the bug's symptom).
 
@@ -679,6 +731,7 @@ def run_reproduction(patch: Patch) -> Finding:
     """
     if patch.reproduction is None:
         raise LookupError(f"{patch.id} has no reproduction")
+    REPRODUCTIONS_RUN.append(patch.id)
     with _mlx_state_kept():
         try:
             finding = patch.reproduction()

@@ -17,36 +17,49 @@ JSON schema ``kvpatch.status/1`` (stable; new keys may be added, none removed or
                    "fixed_in", "fixed_commit", "checked_through", "reference", "hot_path",
                    "metal_only", "expiry": {"condition", "review_by", "overdue"},
                    "action", "state", "reason", "error", "drift": [...], "verified",
-                   "verify": null | {"outcome", "without_patch", "with_patch"}}],
+                   "verdict": null | "<this environment's stored verdict, for a patch the reproduction decides>",
+                   "verify": null | {"outcome", "without_patch", "with_patch", "foreign": [...]}}],
       "broken": {"<module>": "<error>"},
       "problems": ["<configuration problem>", ...],
       "summary": {"<state>": <count>, ...},
       "check": {"exit": 0 | 1 | 2, "reasons": [...]}
     }
 
+A finding (``without_patch`` / ``with_patch``) is ``{"present", "verdict", "detail", "skipped",
+"inconclusive"}`` with ``verdict`` one of ``present``, ``absent``, ``inconclusive``, ``skipped``.
+
 ``check.exit``: 0 clean; 1 action needed (drifted patch, patch applied to drifted code, overdue
-expiry, a reproduction that disagrees with the record, a configuration problem); 2 a patch failed or a
-patch unit could not be loaded, or a patch did not fix its bug.
+expiry, a conclusive reproduction that disagrees with the record, a configuration problem, and facts
+about this environment that are not record errors: an inconclusive verdict or ``--verify`` finding, a
+verification that could not run, a patch pending verification); 2 a patch failed or a patch unit could
+not be loaded, or a patch did not fix its bug. Advice to edit a record is given only on a conclusive
+finding on upstream's own code: an absent bug where another library's wrapper or replacement sits on a
+target is reported as "fixed by something else in this process (<qualified name>)".
 """
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from . import __version__
+from . import __version__, verdicts
 from .detect import Upstream
 from .engine import Engine, PatchStatus, State, import_target_modules, run_reproduction
-from .record import Finding
+from .gate import Action
+from .record import Finding, Patch
 
 __all__ = ["Report", "build_report", "format_text"]
 
-OUTCOME_FIXED = "bug present, fixed by patch"
-OUTCOME_ABSENT = "bug absent upstream"
-OUTCOME_NOT_FIXED = "bug present, NOT fixed by patch"
+OUTCOME_FIXED = verdicts.FIXED
+OUTCOME_ABSENT = verdicts.ABSENT
+OUTCOME_NOT_FIXED = verdicts.NOT_FIXED
 OUTCOME_UNPATCHED = "bug present, patch not applied"
+OUTCOME_INCONCLUSIVE = "inconclusive"
+OUTCOME_ELSEWHERE = "bug absent in this process, fixed by something else in this process"
+OUTCOME_COULD_NOT_RUN = "could not run"
 
 
 @dataclass
@@ -61,33 +74,88 @@ class Report:
 def _finding(f: Finding | None) -> dict[str, Any] | None:
     if f is None:
         return None
-    return {"present": f.present, "detail": f.detail, "skipped": f.skipped}
+    return {
+        "present": f.present,
+        "verdict": f.verdict,
+        "detail": f.detail,
+        "skipped": f.skipped,
+        "inconclusive": f.inconclusive,
+    }
+
+
+def _sharing(engine: Engine, patch: Patch) -> list[str]:
+    """Ids of installed patches that change one of ``patch``'s targets (itself included)."""
+    mine = {(t.module, t.qualname) for t in patch.targets}
+    return [
+        other.id
+        for other in engine.patches
+        if engine.status[other.id].installed and mine & {(t.module, t.qualname) for t in other.targets}
+    ]
 
 
 def verify_patch(engine: Engine, st: PatchStatus) -> dict[str, Any]:
-    """Run one reproduction without and (if applied) with its patch."""
+    """Run one reproduction without and (if applied) with its patch.
+
+    Without: every kvpatch patch on the same targets is taken out, so the finding is upstream's, unless
+    something outside kvpatch sits on a target (another library's wrapper or replacement): then an absent
+    bug is credited to that, never to upstream (:func:`kvpatch.verdicts.foreign_targets`).
+    """
     patch = st.patch
     try:
         import_target_modules(patch)
-        if st.state is State.APPLIED:
-            with engine.without(patch.id):
-                before = run_reproduction(patch)
-            after: Finding | None = run_reproduction(patch)
-        else:
-            before, after = run_reproduction(patch), None
+        with engine.without(*_sharing(engine, patch)):
+            foreign = verdicts.foreign_targets(patch)
+            before = run_reproduction(patch)
+        after: Finding | None = run_reproduction(patch) if st.state is State.APPLIED else None
     except Exception as exc:
-        return {"outcome": f"could not run: {type(exc).__name__}: {exc}", "without_patch": None, "with_patch": None}
-    if before.skipped:
+        return {
+            "outcome": f"{OUTCOME_COULD_NOT_RUN}: {type(exc).__name__}: {exc}",
+            "without_patch": None,
+            "with_patch": None,
+            "foreign": [],
+        }
+    if before.verdict == "skipped":
         outcome = f"skipped: {before.skipped}"
-    elif not before.present:
-        outcome = OUTCOME_ABSENT
+    elif before.verdict == "inconclusive":
+        outcome = f"{OUTCOME_INCONCLUSIVE} without the patch: {before.inconclusive}"
+    elif before.verdict == "absent":
+        outcome = f"{OUTCOME_ELSEWHERE} ({', '.join(foreign)})" if foreign else OUTCOME_ABSENT
     elif after is None:
         outcome = f"{OUTCOME_UNPATCHED} ({st.state.value})"
-    elif after.present:
+    elif after.verdict == "inconclusive":
+        outcome = f"{OUTCOME_INCONCLUSIVE} with the patch: {after.inconclusive}"
+    elif after.verdict == "present":
         outcome = OUTCOME_NOT_FIXED
     else:
         outcome = OUTCOME_FIXED
-    return {"outcome": outcome, "without_patch": _finding(before), "with_patch": _finding(after)}
+    return {
+        "outcome": outcome,
+        "without_patch": _finding(before),
+        "with_patch": _finding(after),
+        "foreign": foreign,
+    }
+
+
+def _verify_reasons(p: Patch, st: PatchStatus, outcome: str) -> tuple[list[str], list[str]]:
+    """(exit-2 reasons, exit-1 reasons) for one ``--verify`` outcome. Only a conclusive finding on
+    upstream's own code can say a record is wrong; everything else is a fact about this environment."""
+    if outcome == OUTCOME_NOT_FIXED:
+        return [f"{p.id}: {outcome}"], []
+    if outcome.startswith(OUTCOME_COULD_NOT_RUN):
+        return [], [f"{p.id}: verify {outcome} (this environment needs attention; not a record error)"]
+    if outcome.startswith(OUTCOME_INCONCLUSIVE):
+        return [], [f"{p.id}: verify {outcome} (an error that is not the bug: this environment needs attention)"]
+    if outcome.startswith(OUTCOME_ELSEWHERE):
+        return [], []  # not upstream's fix and not kvpatch's: nothing to change in the record
+    if outcome.startswith(OUTCOME_UNPATCHED):
+        if st.state in (State.NOT_NEEDED, State.OUT_OF_RANGE):
+            return [], [f"{p.id}: {outcome}: the record says otherwise; update it"]
+        if st.state is State.UNVERIFIED:
+            return [], [f"{p.id}: {outcome}: no verdict in this process; run `python -m kvpatch verify`"]
+        return [], []  # disabled, opt-in, failed, drifted, inconclusive: reported by its state
+    if outcome == OUTCOME_ABSENT and st.state is State.APPLIED:
+        return [], [f"{p.id}: applied, but the bug is absent upstream: update the record"]
+    return [], []
 
 
 def _relevant_for_verify(st: PatchStatus) -> bool:
@@ -100,8 +168,21 @@ _FAILING = {State.FAILED.value, State.TARGET_MISSING.value}
 _ATTENTION = {State.DRIFTED.value, State.OVERRIDDEN.value}
 
 
+def _cached_verdict(engine: Engine, st: PatchStatus) -> str | None:
+    """The stored verdict for a patch the reproduction decides (read without importing upstream)."""
+    if st.decision.action is not Action.VERIFY:
+        return None
+    found = verdicts.lookup(verdicts.key(st.patch, engine.upstream))
+    return found.describe() if found else None
+
+
 def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, fresh: bool = False) -> Report:
     """The audit. ``settle`` (default): outcomes, not predictions (see :mod:`kvpatch.settle`)."""
+    with verdicts.measuring_as("status --verify", remeasure=True) if verify else contextlib.nullcontext():
+        return _build_report(engine, verify=verify, settle=settle, fresh=fresh)
+
+
+def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) -> Report:
     settled = None
     if settle and not verify:
         from .settle import settle as settle_outcomes
@@ -110,7 +191,8 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
     else:
         engine.refresh()
     if verify:
-        # Import every relevant target module so that the hooks install what applies.
+        # Import every relevant target module so that the hooks install what applies (and, as this is a
+        # verification, measure and store the verdict of every patch the reproduction decides).
         for st in engine.status.values():
             if _relevant_for_verify(st):
                 try:
@@ -150,6 +232,7 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
             "notes": list(st.notes),
             "wrapped": list(st.wrapped),
             "opt_in": p.opt_in,
+            "verdict": _cached_verdict(engine, st),
             "verify": None,
         }
         if settled is not None and settled.how == "cache" and p.id in settled.outcomes:
@@ -157,19 +240,21 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
         if verify and _relevant_for_verify(st):
             entry["verify"] = verify_patch(engine, st)
             entry["state"], entry["reason"] = st.state.value, st.reason
-            outcome = entry["verify"]["outcome"]
-            if outcome == OUTCOME_NOT_FIXED:
-                reasons_2.append(f"{p.id}: {outcome}")
-            elif outcome.startswith(OUTCOME_UNPATCHED) and st.state not in (State.DISABLED, State.OPT_IN):
-                reasons_1.append(f"{p.id}: {outcome}: the record says otherwise; update it")
-            elif outcome == OUTCOME_ABSENT and st.state is State.APPLIED:
-                reasons_1.append(f"{p.id}: applied, but the bug is absent upstream: update the record")
+            more_2, more_1 = _verify_reasons(p, st, entry["verify"]["outcome"])
+            reasons_2.extend(more_2)
+            reasons_1.extend(more_1)
         state = entry["state"]
         summary[state] = summary.get(state, 0) + 1
         if state in _FAILING:
             reasons_2.append(f"{p.id}: {entry['reason']}")
         elif state in _ATTENTION:
             reasons_1.append(f"{p.id}: {state}: {entry['reason']}")
+        elif state == State.INCONCLUSIVE.value:
+            reasons_1.append(f"{p.id}: inconclusive here, not applied (not a record error): {entry['error']}")
+        elif state == State.UNVERIFIED.value or (
+            state == State.PENDING.value and st.decision.action is Action.VERIFY and not entry["verdict"]
+        ):
+            reasons_1.append(f"{p.id}: pending verification (no verdict for this environment): run `kvpatch verify`")
         elif st.drift and st.state is State.APPLIED:
             reasons_1.append(f"{p.id}: applied to drifted code (reproduction confirmed); validate and record it")
         patches.append(entry)
@@ -244,7 +329,10 @@ _EXPECTED_OUTCOMES = (OUTCOME_FIXED, OUTCOME_ABSENT, "skipped")
 
 def _state_text(entry: dict[str, Any]) -> str:
     if entry["state"] == State.PENDING.value:
-        return "pending" if entry["action"] == "apply" else "pending (verify)"
+        if entry["action"] == "apply":
+            return "pending"
+        verdict = entry.get("verdict")
+        return f"pending ({verdict.split(' (')[0]})" if verdict else "pending verification"
     return str(entry["state"])
 
 

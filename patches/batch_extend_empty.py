@@ -34,7 +34,7 @@ from typing import Any
 
 from kvpatch.patches import _rows
 
-from kvpatch.record import Expiry, Finding, Patch
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="batch-extend-empty",
@@ -75,6 +75,9 @@ def _build(original: Any) -> Any:
 
 PATCH.replace("mlx_lm.models.cache", "BatchKVCache.extend")(_build)
 PATCH.replace("mlx_lm.models.cache", "BatchRotatingKVCache.extend", optional=True)(_build)
+
+
+_NONE = "'NoneType' object has no attribute"  # the bug's own error: the empty side's keys are None
 
 
 @PATCH.reproduce
@@ -129,8 +132,8 @@ def reproduce() -> Finding:
                 src = mx.array(order)
                 keys, values = a.update_and_fetch(k_new[src], v_new[src])
                 out = attend(q_new[src], keys, values, mask)
-            except Exception as exc:
-                problems.append(f"{label} raises {type(exc).__name__}: {exc}")
+            except AttributeError as exc:  # the bug's own error: the empty side's keys are None
+                problems.append(f"{label} raises AttributeError: {symptom(exc, _NONE)}")
                 continue
             errs = []
             for r in range(2):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="batch-logits-processors",
@@ -119,6 +119,9 @@ def run_late_join(model: Any, first: tuple[list[int], bool], second: tuple[list[
     return [out.get(u, []) for u in uids]
 
 
+_NONE = "'NoneType' object is not iterable"  # the bug's own error: the joining request's processors
+
+
 @PATCH.reproduce
 def reproduce() -> Finding:
     """A request without processors joins one with processors mid-prefill: batched tokens == each alone."""
@@ -128,8 +131,8 @@ def reproduce() -> Finding:
     reference = [run_late_join(model, r, None)[0] for r in (with_processor, without_processor)]
     try:
         batched = run_late_join(model, with_processor, without_processor)
-    except Exception as exc:
-        return Finding(True, f"mixed batch raises {type(exc).__name__}: {exc}")
+    except TypeError as exc:  # the bug's own error: the joining request's processors are None
+        return Finding(True, f"mixed batch raises TypeError: {symptom(exc, _NONE)}")
     if batched != reference:
         return Finding(True, f"mixed batch decodes {batched}, each request alone {reference}")
     return Finding(False, f"mixed batch == each request alone: {batched}")

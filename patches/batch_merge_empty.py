@@ -29,7 +29,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="batch-merge-empty",
@@ -94,6 +94,9 @@ def _build_rotating(original: Any) -> Any:
     return merge
 
 
+_NONE = "'NoneType' object"  # the bug's own errors: the empty row's keys are None
+
+
 @PATCH.reproduce
 def reproduce() -> Finding:
     """Merge a filled and an empty row (both classes) and compare with the per-row contents."""
@@ -114,8 +117,8 @@ def reproduce() -> Finding:
             rows = [filled, empty] if order == "filled+empty" else [empty, filled]
             try:
                 merged = batch_cls.merge(rows)
-            except Exception as exc:
-                problems.append(f"{name}.merge({order}) raises {type(exc).__name__}: {exc}")
+            except (TypeError, AttributeError) as exc:  # the bug's own errors: the empty row's keys are None
+                problems.append(f"{name}.merge({order}) raises {type(exc).__name__}: {symptom(exc, _NONE)}")
                 continue
             i = rows.index(filled)
             j = 1 - i

@@ -27,7 +27,7 @@ from typing import Any
 
 from kvpatch.patches import _rows
 
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
     id="batch-quantized-extend",
@@ -102,8 +102,8 @@ def reproduce() -> Finding:
             merged.extend(other)
             out = attend(merged, step_k, step_v, queries)
             mx.eval(out)
-        except Exception as exc:
-            problems.append(f"{order}: decode raises {type(exc).__name__}: {exc}")
+        except ValueError as exc:  # the bug's own error: the empty side's rows are missing from the join
+            problems.append(f"{order}: decode raises ValueError: {symptom(exc, 'Cannot broadcast')}")
             continue
         # references: each row decoded alone, with the same step input and query as its batch row
         err = 0.0

@@ -34,7 +34,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
     id="batch-quantized-prepare",
@@ -152,8 +152,9 @@ def reproduce() -> Finding:
         cache.finalize()
         state = (cache.offset.tolist(), cache.left_padding.tolist())
         k, v, out = decode(cache)
-    except Exception as exc:
-        return Finding(True, f"right-padded prefill raises {type(exc).__name__}: {exc}")
+    except AttributeError as exc:  # the bug's own error: no prepare()/finalize() on the quantized batch cache
+        detail = symptom(exc, "has no attribute 'prepare'", "has no attribute 'finalize'")
+        return Finding(True, f"right-padded prefill raises AttributeError: {detail}")
     if state != ref_state:
         return Finding(True, f"after finalize offset/left_padding={state}, left-padded prefill {ref_state}")
     err = 0.0

@@ -31,7 +31,7 @@ from typing import Any
 
 from kvpatch.patches import _rows
 
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
     id="empty-tq-rows",
@@ -107,8 +107,8 @@ def reproduce() -> Finding:
             merged.extend(other)
             out = attend(merged, step_k, step_v, queries, merged.left_padding)
             mx.eval(out)
-        except Exception as exc:
-            problems.append(f"{order}: decode raises {type(exc).__name__}: {exc}")
+        except ValueError as exc:  # the bug's own error: the empty side's rows are missing from the join
+            problems.append(f"{order}: decode raises ValueError: {symptom(exc, 'Cannot broadcast')}")
             continue
         # references: each row decoded alone, with the same step input and query as its batch row
         alone = [full_cache(), BatchTurboQuantKVCache([0], bits=bits)]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
     id="left-padding-mask",
@@ -104,8 +104,9 @@ def reproduce() -> Finding:
             label = f"{name} {stage} N={n} return_array={return_array} window={window}"
             try:
                 mask = cache.make_mask(n, return_array=return_array, window_size=window)
-            except Exception as exc:
-                problems.append(f"{label}: raises {type(exc).__name__}")
+            except TypeError as exc:  # the bug's own error: the offset array handed to mx.arange
+                symptom(exc, "arange(): incompatible function arguments")
+                problems.append(f"{label}: raises TypeError (arange() given an array)")
                 continue
             ref = expected(cache._idx, n, window)
             if mask is None or isinstance(mask, str):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="mask-fill",
@@ -98,8 +98,8 @@ def reproduce() -> Finding:
         err = mx.abs(out - reference).max().item()
         if err > 1e-3:
             problems.append(f'"causal" mask: max error {err:.3g}')
-    except Exception as exc:
-        problems.append(f'"causal" mask raises {type(exc).__name__}: {exc}')
+    except ValueError as exc:  # the bug's own error: the "causal" string added to the scores
+        problems.append(f'"causal" mask raises ValueError: {symptom(exc, "Cannot perform inplace addition")}')
     if problems:
         return Finding(True, "; ".join(problems))
     return Finding(False, "boolean and 'causal' masks match the float reference (max error <= 1e-3)")

@@ -37,7 +37,7 @@ from typing import Any
 
 from kvpatch.patches import _qsdpa
 
-from kvpatch.record import Expiry, Finding, Patch
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="qsdpa-gqa-batch-mask",
@@ -97,8 +97,9 @@ def reproduce() -> Finding:
             err = mx.abs(out - reference).max().item()
             if out.shape != reference.shape or err > 1e-3:
                 problems.append(f"{n_q}q/{n_kv}kv heads: max error {err:.3g} against the float reference")
-        except Exception as exc:
-            problems.append(f"{n_q}q/{n_kv}kv heads raises {type(exc).__name__}: {exc}")
+        except ValueError as exc:  # the bug's own error: the (B, 1, L, S) mask against grouped heads
+            detail = symptom(exc, "[reshape] Cannot reshape", "[broadcast_shapes]")
+            problems.append(f"{n_q}q/{n_kv}kv heads raises ValueError: {detail}")
     if problems:
         return Finding(True, "; ".join(problems))
     return Finding(False, "batch-2 GQA attention with a per-row mask matches the float reference (max error <= 1e-3)")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="rotating-merge-empty",
@@ -82,8 +82,9 @@ def reproduce() -> Finding:
     filled.update_and_fetch(k, v)
     try:
         merged = C.BatchRotatingKVCache.merge([empty, filled])
-    except Exception as exc:
-        return Finding(True, f"merge([zero-length row with storage, filled row]) raises {type(exc).__name__}: {exc}")
+    except ValueError as exc:  # the bug's own error: the stale storage is sliced to zero length, then broadcast
+        detail = symptom(exc, "[broadcast_shapes]")
+        return Finding(True, f"merge([zero-length row with storage, filled row]) raises ValueError: {detail}")
     got = (tuple(merged.keys.shape), merged.left_padding.tolist(), merged.offset.tolist())
     want = ((2, 2, 24, 8), [24, 0], [0, 24])
     stale = mx.abs(merged.keys[0]).max().item()

@@ -155,16 +155,14 @@ def reproduce() -> Finding:
     first = mx.random.randint(0, 128, (9,)).tolist()
     second = mx.random.randint(0, 128, (5,)).tolist()
     cache = make_prompt_cache(main) + make_prompt_cache(draft)
-    try:
-        answer = run(first, cache, 12)
-        expected = len(first) + len(answer) - 1  # the last answer token is not in the cache yet
-        kinds = sorted({type(c).__name__ for c in cache})
-        offsets = sorted({c.offset for c in cache})
-        # Continue the chat from the caller's list, and compare with one uninterrupted generation.
-        follow = run(answer[-1:] + second, cache, 8)
-        reference = run(first + answer + second, make_prompt_cache(main) + make_prompt_cache(draft), 8)
-    except Exception as exc:
-        return Finding(True, f"speculative generation on the reused cache raises {type(exc).__name__}: {exc}")
+    # The bug shows in values (the caller's cache list); an error here is something else: inconclusive.
+    answer = run(first, cache, 12)
+    expected = len(first) + len(answer) - 1  # the last answer token is not in the cache yet
+    kinds = sorted({type(c).__name__ for c in cache})
+    offsets = sorted({c.offset for c in cache})
+    # Continue the chat from the caller's list, and compare with one uninterrupted generation.
+    follow = run(answer[-1:] + second, cache, 8)
+    reference = run(first + answer + second, make_prompt_cache(main) + make_prompt_cache(draft), 8)
     problems = []
     if kinds != [QuantizedKVCache.__name__] or offsets != [expected]:
         problems.append(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
     id="tq-filter-unprimed",
@@ -101,8 +101,8 @@ def reproduce() -> Finding:
             err = max(err, mx.abs(out - ref).max().item())
         if err > 1e-5:
             problems.append(f"prefill/decode differ from a fresh cache of the kept rows by {err:.3g}")
-    except Exception as exc:
-        problems.append(f"next update raises {type(exc).__name__}: {exc}")
+    except ValueError as exc:  # the bug's own error: the negative _idx misaligns the next update
+        problems.append(f"next update raises ValueError: {symptom(exc, '[broadcast_shapes]')}")
     if problems:
         return Finding(True, "; ".join(problems))
     return Finding(False, "unprimed filter keeps _idx=0 and the padding; prefill and decode equal a fresh cache")

@@ -40,7 +40,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
     id="tq-prefix-snapshot",
@@ -168,23 +168,26 @@ def reproduce() -> Finding:
         err = mx.abs(decode(restored) - decode(cache)).max().item()
         if err > 1e-6:
             problems.append(f"round trip: restored cache decodes {err:.3g} away from the original")
-    except Exception as exc:
-        problems.append(f"snapshot/restore/reserve of a 2-row batch cache raises {type(exc).__name__}: {exc}")
+    except (ValueError, TypeError) as exc:  # the bug's own errors: per-row arrays used as Python ints
+        detail = symptom(exc, "Slice indices must be integers", "Only length-1 arrays", "left_padding")
+        problems.append(f"snapshot/restore/reserve of a 2-row batch cache raises {type(exc).__name__}: {detail}")
 
     single = TurboQuantKVCache(bits=bits)
     single.update_and_fetch(prefill[0][:1], prefill[1][:1])
     try:
         fresh().prefix_cache_restore(single.prefix_cache_snapshot())
-    except Exception as exc:
-        problems.append(f"prefix_cache_restore() on the batch class raises {type(exc).__name__}: {exc}")
+    except TypeError as exc:  # the bug's own error: the batch class rebuilt without its left_padding
+        detail = symptom(exc, "left_padding")
+        problems.append(f"prefix_cache_restore() on the batch class raises TypeError: {detail}")
     grown, plain = batch(), batch()
     try:
         grown.prefix_cache_reserve(grown._idx + 300)
         err = mx.abs(decode(grown) - decode(plain)).max().item()
         if err > 1e-6:
             problems.append(f"after prefix_cache_reserve() the cache decodes {err:.3g} away")
-    except Exception as exc:
-        problems.append(f"prefix_cache_reserve() on a 2-row batch cache raises {type(exc).__name__}: {exc}")
+    except ValueError as exc:  # the bug's own error: the per-row offset used as a Python int
+        detail = symptom(exc, "Only length-1 arrays", "Slice indices must be integers")
+        problems.append(f"prefix_cache_reserve() on a 2-row batch cache raises ValueError: {detail}")
     if problems:
         return Finding(True, "; ".join(problems))
     return Finding(False, "snapshot/restore/reserve round-trip a 2-row batch cache (next decode identical), also alone")

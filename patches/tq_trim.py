@@ -51,7 +51,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
     id="tq-trim",
@@ -207,8 +207,8 @@ def reproduce() -> Finding:
         before = cache.dequantize()[0]
         try:
             cache.zero_row_tail(1, 3, T)
-        except AttributeError as exc:
-            problems.append(f"{cls.__name__}.zero_row_tail: AttributeError: {exc}")
+        except AttributeError as exc:  # the bug's own error: the method is missing
+            problems.append(f"{cls.__name__}.zero_row_tail: AttributeError: {symptom(exc, 'zero_row_tail')}")
             continue
         after = cache.dequantize()[0]
         target = (mx.arange(2)[:, None, None, None] == 1) & (mx.arange(T)[None, None, :, None] >= 3)

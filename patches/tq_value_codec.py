@@ -29,7 +29,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
     id="tq-value-codec",
@@ -95,8 +95,9 @@ def reproduce() -> Finding:
         try:
             out = cache.dequantize(*cache.update_and_fetch(keys, values))
             mx.eval(out)
-        except Exception as exc:
-            problems.append(f"{name}: update raises {type(exc).__name__}: {exc}")
+        except ValueError as exc:  # the bug's own error: values quantized with the keys' head dimension
+            detail = symptom(exc, "[matmul] Last dimension", "[reshape] Cannot reshape")
+            problems.append(f"{name}: update raises ValueError: {detail}")
             continue
         if out[1].shape != values.shape:
             problems.append(f"{name}: values come back as {out[1].shape}, fed {values.shape}")

@@ -48,7 +48,7 @@ from typing import Any
 
 from kvpatch.patches import _qsdpa
 
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
     id="vlm-qsdpa-batch-mask",
@@ -107,8 +107,8 @@ def _case(module: Any, batch: int, n_kv_heads: int, additive: bool) -> str | Non
             queries + 0, q_keys, q_values, scale=scale, mask=given, group_size=64, bits=8
         )
         err = mx.abs(out - reference).max().item()
-    except Exception as exc:
-        return f"{what}: raises {type(exc).__name__}: {exc}"
+    except ValueError as exc:  # the bug's own error: the (B, 1, L, K) mask against grouped heads
+        return f"{what}: raises ValueError: {symptom(exc, '[broadcast_shapes]', '[reshape] Cannot reshape')}"
     if err > 1e-3:
         return f"{what}: max error {err:.3g} against the float32 reference"
     return None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="vlm-rotating-merge-empty",
@@ -101,8 +101,8 @@ def reproduce() -> Finding:
             merged = BatchRotatingKVCache.merge(rows)
             out = attend(merged, slice(0, 2))
             mx.eval(out)
-        except Exception as exc:
-            problems.append(f"merge({order}) raises {type(exc).__name__}: {exc}")
+        except ValueError as exc:  # the bug's own error: the empty row's storage sliced to zero, then broadcast
+            problems.append(f"merge({order}) raises ValueError: {symptom(exc, '[broadcast_shapes]')}")
             continue
         err = 0.0
         for i, name in enumerate(order.split(", ")):

@@ -8,12 +8,13 @@ line counts only tests that ran here; the matrix buckets that ran it are summed 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
 
 import pytest
-from support import MATRIX_RESULTS, MATRIX_SELECTED, child_env
+from support import MATRIX_RESULTS, MATRIX_SELECTED, child_env, verdicts_dir
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None
 #: tests/upstream runs inside matrix buckets (tests/test_matrix.py), or wherever mlx is installed.
@@ -46,6 +47,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_sep("-", "kvpatch")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+# kvpatch in this process (and every child, through child_env) keeps its verdicts in the session's own cache and
+# starts no background verification: tests never touch the environment's verdict cache.
+os.environ["KVPATCH_VERDICTS"] = verdicts_dir()
+os.environ.setdefault("KVPATCH_VERIFY", "never")
 
 
 @pytest.fixture

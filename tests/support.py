@@ -4,6 +4,7 @@ tests/upstream has a conftest of its own)."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,24 @@ MATRIX_RESULTS = pytest.StashKey[dict]()
 MATRIX_SELECTED = pytest.StashKey[int]()
 
 
+_VERDICTS: str | None = None
+
+
+def verdicts_dir() -> str:
+    """A verdict cache for this test session (kvpatch.verdicts): tests never read or write the environment's."""
+    global _VERDICTS
+    if _VERDICTS is None:
+        _VERDICTS = os.environ.get("KVPATCH_VERDICTS") or tempfile.mkdtemp(prefix="kvpatch-test-verdicts-")
+    return _VERDICTS
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child process: no KVPATCH switches of the caller, the session's verdict cache, and no
+    background verification (a test that wants one asks for it with ``KVPATCH_VERIFY=auto``)."""
     env = {
         k: v for k, v in os.environ.items() if not k.startswith("KVPATCH") or k in ("KVPATCH_CACHE", "KVPATCH_BUCKET")
     }
+    env["KVPATCH_VERDICTS"] = verdicts_dir()
+    env["KVPATCH_VERIFY"] = "never"
     env.update(extra or {})
     return env

@@ -15,6 +15,8 @@ Per patch it reports what was measured:
                              the releases after the record's ``checked_through``;
 ``target moved or gone``     a target the patch changes is missing (retarget or retire the patch);
 ``could not run``            why (environment, crash, or the reproduction cannot run on this backend);
+``inconclusive``             the reproduction hit an error that is not the bug's own symptom (the error is
+                             shown): a fact about that environment, never a reason to edit a record;
 ``not relevant``             the patch's distribution is not checked, the release predates the affected
                              range, or the release is past the patch's ``fixed_in``.
 
@@ -102,6 +104,8 @@ class Measured(enum.Enum):
     FIXED = "fixed upstream"
     MOVED = "target moved or gone"
     COULD_NOT_RUN = "could not run"
+    #: The reproduction ran into an error that is not the bug's own symptom (see kvpatch.record.symptom).
+    INCONCLUSIVE = "inconclusive"
     NOT_RELEVANT = "not relevant"
 
 
@@ -180,6 +184,16 @@ def judge(
     dist = patch.distribution
     if measured is Measured.NOT_RELEVANT or expect is Expect.NOT_RELEVANT:
         return Verdict(None, Expect.NOT_RELEVANT.value)
+    if measured is Measured.INCONCLUSIVE:
+        return Verdict(
+            False,
+            expect.value,
+            (
+                f"{where}: the reproduction was inconclusive on {dist} {release} (an error that is not the bug's "
+                "symptom): not a record error; fix the environment, or make the reproduction catch only the bug's "
+                "own symptom",
+            ),
+        )
     if measured is Measured.COULD_NOT_RUN:
         if skipped:
             return Verdict(None, expect.value)
@@ -551,7 +565,12 @@ def child_main(argv: Sequence[str]) -> int:
             from ..engine import run_reproduction
 
             finding = run_reproduction(patch)
-            out["finding"] = {"present": finding.present, "detail": finding.detail, "skipped": finding.skipped}
+            out["finding"] = {
+                "present": finding.present,
+                "detail": finding.detail,
+                "skipped": finding.skipped,
+                "inconclusive": finding.inconclusive,
+            }
         except BaseException as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
             out["traceback"] = traceback.format_exc(limit=6)[-2000:]
@@ -799,6 +818,8 @@ def _measure_one(result: dict[str, Any] | None, failure: str | None) -> tuple[Me
     finding = result["finding"]
     if finding["skipped"]:
         return Measured.COULD_NOT_RUN, f"skipped: {finding['skipped']}", True
+    if finding.get("inconclusive"):
+        return Measured.INCONCLUSIVE, f"inconclusive: {finding['inconclusive']}", False
     if not finding["present"]:
         note = f" (targets: {'; '.join(missing)})" if missing else ""
         return Measured.FIXED, f"{finding['detail']}{note}", False
@@ -819,6 +840,8 @@ def _patched_text(result: dict[str, Any] | None, failure: str | None) -> tuple[s
     state = result.get("state", "?")
     if finding["skipped"]:
         return f"{state}; skipped: {finding['skipped']}", None
+    if finding.get("inconclusive"):
+        return f"{state}; inconclusive with kvpatch active: {finding['inconclusive']}", None
     if finding["present"]:
         return f"{state}; bug still present with kvpatch active", False
     return f"{state}; bug fixed by the patch", True
@@ -1045,8 +1068,9 @@ def format_text(outcome: Outcome) -> str:
     for note in outcome.notes:
         lines.append(f"note: {note}")
     failed = [r for r in outcome.rows if r.verdict and r.verdict.agrees is False]
-    unmeasured = [r for r in failed if r.measured is Measured.COULD_NOT_RUN]
-    must = [(r, a) for r in failed if r.verdict and r.measured is not Measured.COULD_NOT_RUN for a in r.verdict.advice]
+    unsettled = (Measured.COULD_NOT_RUN, Measured.INCONCLUSIVE)
+    unmeasured = [r for r in failed if r.measured in unsettled]
+    must = [(r, a) for r in failed if r.verdict and r.measured not in unsettled for a in r.verdict.advice]
     may = [(r, a) for r in outcome.rows if r.verdict and r.verdict.agrees is True for a in r.verdict.advice]
     lines.append("")
     if must:
@@ -1055,7 +1079,8 @@ def format_text(outcome: Outcome) -> str:
         )
         lines.extend(f"  - {a}" for _, a in must)
     if unmeasured:
-        lines.append("could not measure (fix the environment or the reproduction, then re-run):")
+        lines.append("could not measure: inconclusive or could not run (not record errors; fix the environment or")
+        lines.append("the reproduction, then re-run):")
         lines.extend(f"  - {patch_file(r.patch)}: {r.detail}" for r in unmeasured)
     if may:
         lines.append("records to bring up to date (they agree; the newer release was measured):")

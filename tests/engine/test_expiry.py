@@ -228,6 +228,8 @@ def test_relevant_needs_the_distribution_checked():
         (OPEN, "0.33.0", Measured.MOVED, {}, False, ["retarget", "patches/open_bug.py"]),
         (OPEN, "0.33.0", Measured.COULD_NOT_RUN, {}, False, ["could not run"]),
         (OPEN, "0.33.0", Measured.COULD_NOT_RUN, {"skipped": True}, None, []),
+        (OPEN, "0.33.0", Measured.INCONCLUSIVE, {}, False, ["inconclusive", "not a record error"]),
+        (OPEN, "0.32.2", Measured.INCONCLUSIVE, {}, False, ["inconclusive", "not a record error"]),
         (OPEN, "0.27.0", Measured.NOT_RELEVANT, {}, None, []),
         (FIXED, "0.24.0", Measured.FIXED, {}, True, []),
         (FIXED, "0.24.0", Measured.NEEDED, {}, False, ["fixed_in='0.24.0' but the bug reproduces"]),
@@ -252,6 +254,24 @@ def test_judge(patch, release, measured, kwargs, agrees, advice):
         assert fragment in text, text
     if not advice:
         assert not verdict.advice
+
+
+@pytest.mark.parametrize("patch", [OPEN, FIXED], ids=["open", "fixed"])
+@pytest.mark.parametrize("release", ["0.23.2", "0.24.0", "0.28.0", "0.32.2", "0.33.0"])
+def test_inconclusive_never_advises_a_record_edit(patch, release):
+    """An error that is not the bug's symptom says nothing about the record: no field to set, bump or widen."""
+    verdict = judge(patch, release, Measured.INCONCLUSIVE)
+    text = "\n".join(verdict.advice)
+    for word in ("set ", "bump", "widen", "fixed_in=", "affected="):
+        assert word not in text, text
+
+
+def test_an_inconclusive_child_result_is_measured_inconclusive():
+    from kvpatch.upstream_check import _measure_one
+
+    finding = {"present": False, "detail": "", "skipped": None, "inconclusive": "RuntimeError: no kernel"}
+    measured, detail, skipped = _measure_one({"finding": finding, "missing": [], "exists": [], "deps": []}, None)
+    assert measured is Measured.INCONCLUSIVE and "no kernel" in detail and not skipped
 
 
 def test_newest_skips_fresh_and_pre_releases():

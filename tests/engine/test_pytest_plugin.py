@@ -51,7 +51,7 @@ def _plugin_args() -> list[str]:
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in list(os.environ):
-        if name.startswith("KVPATCH") and name != "KVPATCH_CACHE":
+        if name.startswith("KVPATCH") and name not in ("KVPATCH_CACHE", "KVPATCH_VERDICTS", "KVPATCH_VERIFY"):
             monkeypatch.delenv(name)
     return monkeypatch
 
@@ -95,6 +95,18 @@ def test_enabled_without_upstream_passes(pytester, clean_env):
     result.assert_outcomes(passed=1)
     assert result.ret == 0
     result.stdout.fnmatch_lines(["kvpatch: 0 applicable patch(es), every one applied (none)"])
+
+
+def test_verify_option_settles_verdicts_in_a_child_before_the_session(pytester, clean_env, tmp_path):
+    """``--kvpatch-verify`` runs ``python -m kvpatch verify --missing`` in a child process first; nothing of
+    kvpatch loads in the test process for it."""
+    clean_env.setenv("KVPATCH_VERDICTS", str(tmp_path / "verdicts"))
+    pytester.makepyfile(test_plain=NO_UPSTREAM)
+    result = pytester.runpytest_subprocess(*_plugin_args(), "-s", "--kvpatch-verify")
+    result.assert_outcomes(passed=1)
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["kvpatch verify: * verdict(s) for this environment, 0 need attention*"])
+    assert "ENGINE-MODULES []" in result.stdout.str()
 
 
 def test_fixture_returns_the_records(pytester, clean_env):

@@ -217,17 +217,18 @@ def test_bootstrap_sees_the_top_level_package_finish(run_py):
     assert out["ready"]
 
 
-def test_drifted_target_is_judged_by_the_reproduction(run_py):
-    """A target whose source fingerprint is not one the patch was validated on is not applied blindly: the
-    reproduction runs, and the patch goes in only because it shows the bug present and then fixed."""
+def test_drifted_target_is_judged_by_the_reproduction(run_py, tmp_path):
+    """A target whose source fingerprint is not one the patch was validated on is not applied blindly: in the
+    user's process (no verdict yet) it is left pending verification and no reproduction runs; in a verification
+    process the reproduction runs, and the patch goes in only because it shows the bug present and then fixed."""
     out = _json_tail(
         run_py(
             _prelude()
             + """
-import copy
-from kvpatch import registry
+import contextlib, copy
+from kvpatch import registry, verdicts
 from kvpatch.config import Config
-from kvpatch.engine import Engine, fingerprint
+from kvpatch.engine import Engine, REPRODUCTIONS_RUN, fingerprint
 from kvpatch.gate import Action
 from kvpatch.testing import natural_decision
 candidates = [p for p in registry.load().patches
@@ -237,7 +238,9 @@ if not candidates:
     print(json.dumps(None)); raise SystemExit
 real = candidates[0]
 result = {"patch": real.id}
-for label, validated in (("drifted", frozenset({"000000000000"})), ("validated", None)):
+for label, validated, measure in (("drifted", frozenset({"000000000000"}), False),
+                                  ("drifted, verifying", frozenset({"000000000000"}), True),
+                                  ("validated", None, False)):
     probe = copy.copy(real)
     if validated is None:  # the true fingerprints of the installed targets
         import_all(list(real.modules))
@@ -250,18 +253,27 @@ for label, validated in (("drifted", frozenset({"000000000000"})), ("validated",
                 fps.add(fingerprint(obj))
         validated = frozenset(fps)
     probe.validated = validated
+    runs = len(REPRODUCTIONS_RUN)
     eng = Engine([probe], config=Config())
-    eng.activate()
-    import_all(list(real.modules))
+    with verdicts.measuring_as("test", remeasure=True) if measure else contextlib.nullcontext():
+        eng.activate()
+        import_all(list(real.modules))
     st = eng.status[real.id]
-    result[label] = {"state": st.state.value, "drift": bool(st.drift), "verified": st.verified}
+    result[label] = {"state": st.state.value, "drift": bool(st.drift), "verified": (st.verified or "").split(" (")[0],
+                     "reproductions": len(REPRODUCTIONS_RUN) - runs}
     eng.deactivate()
 print(json.dumps(result))
 """,
-            env={"KVPATCH": "off"},
+            env={"KVPATCH": "off", "KVPATCH_VERDICTS": str(tmp_path / "verdicts"), "KVPATCH_VERIFY": "never"},
         )
     )
     if out is None:
         pytest.skip("no patch applies to this upstream release")
-    assert out["drifted"] == {"state": "applied", "drift": True, "verified": "bug present, fixed by patch"}, out
-    assert out["validated"] == {"state": "applied", "drift": False, "verified": None}, out
+    assert out["drifted"] == {"state": "pending verification", "drift": True, "verified": "", "reproductions": 0}, out
+    assert out["drifted, verifying"] == {
+        "state": "applied",
+        "drift": True,
+        "verified": "bug present, fixed by patch",
+        "reproductions": 2,
+    }, out
+    assert out["validated"] == {"state": "applied", "drift": False, "verified": "", "reproductions": 0}, out

@@ -3,6 +3,10 @@
 On an affected release: the bug is absent in this (patched) process, and present with the patch taken
 out. Run with ``KVPATCH_DISABLE=<id>`` (or ``KVPATCH=off``) to see the test fail without the patch.
 On a fixed release: the patch is not applied and the bug is absent.
+
+Findings are three-valued: the assertions name the verdict they want (``present`` / ``absent``), so an
+inconclusive finding (an error that is not the bug's own symptom) fails the test with its error rather
+than passing for "absent".
 """
 
 from __future__ import annotations
@@ -37,18 +41,27 @@ def test_regression(patch):
         # (disabled too when run with KVPATCH_DISABLE: what matters is that nothing is installed)
         assert st.state in (State.NOT_NEEDED, State.DISABLED) and not st.installed, st.reason
         finding = reproduce(patch)
-        assert not finding.present, f"record says fixed upstream, but: {finding.detail}"
+        assert finding.verdict == "absent", f"record says fixed upstream, but {_said(finding)}"
         return
-    # APPLY (or VERIFY, which the engine settled with the reproduction itself)
+    if decision.action is Action.VERIFY and st.state is State.UNVERIFIED:
+        # the reproduction decides and this environment has no verdict: nothing was applied at import
+        assert not st.installed, st.reason
+        pytest.skip(f"pending verification: {st.reason}")
+    # APPLY (or VERIFY, settled from this environment's verdict)
     finding = reproduce(patch)
     if finding.skipped:
         # a bug of one backend (e.g. CUDA only): its builder declines the others, nothing is installed
         assert not st.installed, f"{patch.id} is installed although its reproduction cannot run here"
         pytest.skip(f"{patch.id}: {finding.skipped}")
-    assert not finding.present, f"bug present in this process ({st.state.value}: {st.reason}): {finding.detail}"
+    assert finding.verdict == "absent", f"in this process ({st.state.value}: {st.reason}) {_said(finding)}"
     if decision.action is Action.APPLY:
         assert st.state is State.APPLIED, st.reason
     if st.installed:
         with without(patch.id):
             unpatched = reproduce(patch)
-        assert unpatched.present, f"the reproduction does not show the bug without the patch: {unpatched.detail}"
+        assert unpatched.verdict == "present", f"without the patch {_said(unpatched)}"
+
+
+def _said(finding):
+    what = finding.inconclusive or finding.skipped or finding.detail
+    return f"the reproduction says {finding.verdict}: {what}"

@@ -1,0 +1,695 @@
+"""Verdicts, not workloads: what a reproduction found in this environment, measured once and then only read.
+
+When the facts do not settle a patch (a release newer than the record's ``checked_through``, an
+editable, directory or archive install, an unknown git commit, target code that drifted from every
+fingerprint recorded for the affected releases), only the patch's reproduction can say whether the
+bug is there. A reproduction is a workload (it builds caches, runs attention, seeds mlx's random
+generator), so it never runs inside the user's ``import``. It runs in ``python -m kvpatch verify``
+(also ``status --verify``, CI, the pytest plugin's ``--kvpatch-verify``, and the background
+verification below), and its outcome is stored here as a *verdict*. At import the engine reads the
+verdict; that costs a file read once per process and one ``stat`` per target module.
+
+Verdicts: ``bug present, fixed by patch`` (the engine applies the patch), ``bug absent upstream``
+(not needed), ``bug present, NOT fixed by patch`` (not applied; ``drifted``), ``inconclusive``
+(the reproduction hit something other than the bug; not applied; ``status --check`` fails),
+``skipped`` (the reproduction cannot run on this backend; not applied).
+
+Where (first that applies; ``KVPATCH_VERDICTS`` overrides both)::
+
+    <sys.prefix>/var/cache/kvpatch/verdicts.json          when that directory can be written
+    $XDG_CACHE_HOME/kvpatch/verdicts/<hash of sys.prefix>/verdicts.json   (~/.cache when unset)
+
+A reader looks in both (the ``sys.prefix`` file first), so a verdict written by ``kvpatch verify``
+at image build time (as root) is found by a server running as another user. The file is written
+atomically (temporary file + rename) under a lock; a corrupt, foreign or unreadable file is ignored,
+never raised.
+
+Key of a verdict (a hash; any change means "no verdict", so the patch goes back to verification):
+kvpatch's version, the patch id and the size and modification time of its module's file, Python's
+version and platform, the version and PEP 610 install source (kind, url, commit) of mlx, mlx-lm and
+mlx-vlm, and the path, size and modification time (ns) of each of the patch's target module files.
+Reading the source of every target at import would cost tens of milliseconds (measured: 19 mlx-lm
+targets, 64-78 ms under load); a ``stat`` costs microseconds.
+
+No verdict yet (the first process after an upgrade, an editable install, ...): the patch is *not*
+applied in that process (state ``pending verification``), and one verification is started in a
+detached child process at low priority (``nice`` 10): ``python -m kvpatch verify --background``.
+The import does not wait for it: starting it costs one ``/bin/sh`` fork and exec, once per process
+at most (measured: kvpatch's hooks took 3-18 ms with it, 0.8-1.0 ms without, on 2 shared cores).
+At most one runs at a time per environment (a lock file held by the child), and a key that a
+background verification already tried is not tried again for an hour (``python -m kvpatch verify``
+settles it at once). Every later process reads the verdict.
+``KVPATCH_VERIFY=never`` turns the background verification off (status then says to run
+``kvpatch verify``).
+
+Drift fingerprints: each replaced target's source fingerprint is compared with the ones recorded on
+every release of the patch's affected range (``kvpatch/data/fingerprints.json``, written by
+``scripts/record_fingerprints.py``). A fingerprint needs the target's source; it is cached here by
+the target file's path, size and modification time, so a verified environment reads no source at
+import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import logging
+import os
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .detect import Upstream
+    from .record import Finding, Patch
+
+try:  # POSIX; elsewhere there is no background verification and writes are unlocked
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "ABSENT",
+    "FIXED",
+    "INCONCLUSIVE",
+    "NOT_FIXED",
+    "SKIPPED",
+    "Verdict",
+    "cache_dirs",
+    "fingerprint_cached",
+    "foreign_targets",
+    "from_findings",
+    "key",
+    "lookup",
+    "measuring",
+    "measuring_as",
+    "request_verification",
+    "store",
+    "validated",
+]
+
+log = logging.getLogger(__name__)
+
+#: A directory that overrides where verdicts are kept (tests, read-only environments).
+DIR_VAR = "KVPATCH_VERDICTS"
+#: ``never`` (or ``off``/``0``): no background verification; anything else: on.
+VERIFY_VAR = "KVPATCH_VERIFY"
+#: Set in the environment of a verification process (the background child and ``kvpatch verify``).
+CHILD_VAR = "KVPATCH_VERIFYING"
+SCHEMA = "kvpatch.verdicts/1"
+FILE = "verdicts.json"
+#: A background verification is not started again for a key tried this recently (seconds).
+RETRY_AFTER = 3600.0
+#: Entries kept per table (oldest dropped first).
+MAX_ENTRIES = 512
+
+FIXED = "bug present, fixed by patch"
+ABSENT = "bug absent upstream"
+NOT_FIXED = "bug present, NOT fixed by patch"
+INCONCLUSIVE = "inconclusive"
+SKIPPED = "skipped"
+OUTCOMES = (FIXED, ABSENT, NOT_FIXED, INCONCLUSIVE, SKIPPED)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One measured outcome for one patch in one environment (see the module docstring)."""
+
+    outcome: str
+    detail: str = ""
+    #: When it was measured (seconds since the epoch).
+    at: float = 0.0
+    #: What measured it: ``verify``, ``background``, ``status --verify``.
+    by: str = ""
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.at)) if self.at else "?"
+        detail = f": {self.detail}" if self.detail and self.outcome in (INCONCLUSIVE, SKIPPED, NOT_FIXED) else ""
+        return f"{self.outcome}{detail} (verdict of {when}{', ' + self.by if self.by else ''})"
+
+
+def from_findings(before: Finding, after: Finding | None, *, by: str = "") -> Verdict:
+    """The verdict from a reproduction without the patch (``before``) and with it (``after``)."""
+    now = time.time()
+    if before.verdict == "skipped":
+        return Verdict(SKIPPED, before.skipped or "", now, by)
+    if before.verdict == "inconclusive":
+        return Verdict(INCONCLUSIVE, f"without the patch: {before.inconclusive}", now, by)
+    if before.verdict == "absent":
+        return Verdict(ABSENT, before.detail, now, by)
+    if after is None:
+        return Verdict(INCONCLUSIVE, "bug present; the patch could not be tried", now, by)
+    if after.verdict == "inconclusive":
+        return Verdict(INCONCLUSIVE, f"bug present without the patch; with it: {after.inconclusive}", now, by)
+    if after.verdict == "present":
+        return Verdict(NOT_FIXED, after.detail, now, by)
+    if after.verdict == "skipped":
+        return Verdict(INCONCLUSIVE, f"bug present; with the patch the reproduction skipped: {after.skipped}", now, by)
+    return Verdict(FIXED, before.detail, now, by)
+
+
+# ------------------------------------------------------------------------------------------------
+# Where
+
+
+def _hashed(text: str, n: int = 16) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:n]
+
+
+def _writable(directory: Path) -> bool:
+    """Whether ``directory`` exists writable, or could be created under a writable ancestor."""
+    path = directory
+    while True:
+        if path.exists():
+            return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+        if path.parent == path:
+            return False
+        path = path.parent
+
+
+def _user_dir() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kvpatch" / "verdicts" / _hashed(os.path.realpath(sys.prefix))
+
+
+def cache_dirs() -> tuple[Path, ...]:
+    """Where verdicts are looked up, in order; the first writable one is where they are written."""
+    explicit = os.environ.get(DIR_VAR)
+    if explicit:
+        return (Path(explicit).expanduser(),)
+    prefix = Path(sys.prefix) / "var" / "cache" / "kvpatch"
+    try:
+        user = _user_dir()
+    except (RuntimeError, KeyError):  # no home directory
+        return (prefix,)
+    return (prefix, user)
+
+
+def write_dir() -> Path | None:
+    """The directory verdicts are written to (``None``: nowhere writable)."""
+    for directory in cache_dirs():
+        if _writable(directory):
+            return directory
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# The file
+
+
+def _empty() -> dict[str, Any]:
+    return {"schema": SCHEMA, "verdicts": {}, "attempts": {}, "fingerprints": {}}
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """The file's tables; an absent, unreadable, corrupt or foreign file reads as empty."""
+    try:
+        with path.open("rb") as fh:
+            data = json.loads(fh.read())
+    except FileNotFoundError:
+        return _empty()
+    except (OSError, ValueError) as exc:
+        log.debug("kvpatch: ignoring verdict cache %s: %s", path, exc)
+        return _empty()
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        return _empty()
+    out = _empty()
+    for table in ("verdicts", "attempts", "fingerprints"):
+        value = data.get(table)
+        if isinstance(value, dict):
+            out[table] = value
+    return out
+
+
+def _write(path: Path, data: Mapping[str, Any]) -> None:
+    """Atomically replace ``path`` (a temporary file in the same directory, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            json.dump(data, fh, separators=(",", ":"), sort_keys=True)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+@contextlib.contextmanager
+def _locked(directory: Path, name: str, *, wait: bool) -> Iterator[bool]:
+    """Hold ``directory/name`` locked for the block; yields False when ``wait`` is off and it is taken."""
+    if fcntl is None:  # pragma: no cover - Windows
+        yield True
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / name, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _prune(table: dict[str, Any]) -> None:
+    if len(table) <= MAX_ENTRIES:
+        return
+    by_age = sorted(table, key=lambda k: table[k].get("at", 0) if isinstance(table[k], dict) else 0)
+    for k in by_age[: len(table) - MAX_ENTRIES]:
+        del table[k]
+
+
+def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> bool:
+    """Read the writable file afresh, apply ``change`` to its tables, write it back. Never raises.
+
+    ``wait=False`` (the user's process): give up rather than wait when another process is writing.
+    Returns whether it was written.
+    """
+    directory = write_dir()
+    if directory is None:
+        return False
+    try:
+        with _locked(directory, "verdicts.lock", wait=wait) as held:
+            if not held:
+                return False
+            path = directory / FILE
+            data = _read(path)
+            change(data)
+            for table in ("verdicts", "attempts", "fingerprints"):
+                _prune(data[table])
+            _write(path, data)
+    except Exception as exc:  # a cache must never break anything
+        log.debug("kvpatch: could not write the verdict cache in %s: %s", directory, exc)
+        return False
+    _forget()
+    return True
+
+
+_loaded: dict[str, Any] | None = None
+
+
+def _tables() -> dict[str, Any]:
+    """Every readable file's tables merged (earlier directories win); read once per process."""
+    global _loaded
+    if _loaded is None:
+        merged = _empty()
+        for directory in reversed(cache_dirs()):
+            data = _read(directory / FILE)
+            for table in ("verdicts", "attempts", "fingerprints"):
+                merged[table].update(data[table])
+        _loaded = merged
+    return _loaded
+
+
+def _forget() -> None:
+    global _loaded
+    _loaded = None
+
+
+# ------------------------------------------------------------------------------------------------
+# Keys
+
+
+_stats: dict[str, tuple[int, int] | None] = {}
+
+
+def _stat(path: str) -> tuple[int, int] | None:
+    """(size, mtime_ns) of ``path``, once per process."""
+    if path not in _stats:
+        try:
+            st = os.stat(path)
+            _stats[path] = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            _stats[path] = None
+    return _stats[path]
+
+
+def module_file(name: str) -> str | None:
+    """The file of module ``name`` without importing it (its package's directory plus the dotted path)."""
+    module = sys.modules.get(name)
+    found = getattr(module, "__file__", None) if module is not None else None
+    if found:
+        return str(found)
+    top, _, rest = name.partition(".")
+    package = sys.modules.get(top)
+    origin = getattr(package, "__file__", None) if package is not None else None
+    if not origin:
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec(top)  # a top-level name: imports nothing
+        except (ImportError, ValueError):
+            return None
+        origin = spec.origin if spec is not None else None
+    if not origin or not rest:
+        return str(origin) if origin else None
+    base = os.path.join(os.path.dirname(origin), *rest.split("."))
+    for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _kvpatch_version() -> str:
+    module = sys.modules.get("kvpatch")
+    return str(getattr(module, "__version__", "?"))
+
+
+def key_parts(patch: Patch, upstream: Mapping[str, Upstream]) -> dict[str, Any]:
+    """What a verdict for ``patch`` depends on (see the module docstring); hashed by :func:`key`."""
+    patch_module = sys.modules.get(patch.module) if patch.module else None
+    patch_file = getattr(patch_module, "__file__", None)
+    files = []
+    for name in patch.modules:
+        path = module_file(name)
+        files.append([name, path, _stat(path) if path else None])
+    return {
+        "kvpatch": _kvpatch_version(),
+        "patch": [patch.id, patch_file, _stat(patch_file) if patch_file else None],
+        "python": [sys.version_info[0], sys.version_info[1], sys.platform],
+        "upstream": {
+            name: [up.version, up.source.kind, up.source.url, up.source.commit] for name, up in sorted(upstream.items())
+        },
+        "files": files,
+    }
+
+
+def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
+    return _hashed(json.dumps(key_parts(patch, upstream), sort_keys=True, default=str), 24)
+
+
+# ------------------------------------------------------------------------------------------------
+# Verdicts
+
+
+def lookup(verdict_key: str) -> Verdict | None:
+    """The stored verdict for ``verdict_key``, or ``None``. Never raises."""
+    try:
+        entry = _tables()["verdicts"].get(verdict_key)
+        if not isinstance(entry, dict) or entry.get("outcome") not in OUTCOMES:
+            return None
+        return Verdict(
+            str(entry["outcome"]), str(entry.get("detail", "")), float(entry.get("at", 0)), str(entry.get("by", ""))
+        )
+    except Exception:
+        return None
+
+
+def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[str, Upstream]) -> bool:
+    """Keep ``verdict`` for every later process (waits for the file lock; never raises)."""
+    up = upstream.get(patch.distribution)
+    entry = {
+        "patch": patch.id,
+        "outcome": verdict.outcome,
+        "detail": verdict.detail[:2000],
+        "at": verdict.at,
+        "by": verdict.by,
+        "upstream": f"{patch.distribution} {up.version if up else None} ({up.source.kind if up else '?'})",
+        "kvpatch": _kvpatch_version(),
+    }
+
+    def change(data: dict[str, Any]) -> None:
+        data["verdicts"][verdict_key] = entry
+        data["attempts"].pop(verdict_key, None)
+
+    return update(change)
+
+
+# ------------------------------------------------------------------------------------------------
+# Who measures: this process, or a background child
+
+
+_measuring: str | None = None
+_remeasure = False
+_requested: str | None = None
+#: Ids of the patches whose verdict is being measured right now (a hook fired by importing their targets
+#: during the measurement must not start a second one).
+MEASURING: set[str] = set()
+
+
+@contextlib.contextmanager
+def measuring_as(by: str, *, remeasure: bool = False) -> Iterator[None]:
+    """Within the block this process is a verification process: the engine measures verdicts and stores them.
+
+    ``by`` names the measurer (``verify``, ``background``, ``status --verify``). ``remeasure``: measure even
+    where a verdict is stored (``kvpatch verify`` does; the background child measures only what is missing).
+    Outside such a block (the user's process) the engine only reads verdicts.
+    """
+    global _measuring, _remeasure
+    saved = (_measuring, _remeasure)
+    _measuring, _remeasure = by, remeasure
+    try:
+        yield
+    finally:
+        _measuring, _remeasure = saved
+
+
+def measuring() -> str | None:
+    """What this process measures as (``None``: it only reads verdicts, the user's process)."""
+    return _measuring
+
+
+def remeasure() -> bool:
+    return _remeasure
+
+
+def _background_allowed() -> str | None:
+    """Why no background verification may start here (``None``: it may)."""
+    if os.environ.get(CHILD_VAR) or _measuring is not None:
+        return "this is a verification process"
+    if os.environ.get(VERIFY_VAR, "").strip().lower() in ("never", "off", "0", "no", "false"):
+        return f"{VERIFY_VAR}=never"
+    if os.environ.get("KVPATCH", "").strip().lower() in ("off", "0", "false", "no", "disable", "disabled"):
+        return "KVPATCH=off"
+    if fcntl is None or not os.path.exists("/bin/sh"):  # pragma: no cover - not POSIX
+        return "no background verification on this platform"
+    return None
+
+
+def request_verification(keys: list[str]) -> str:
+    """Start one background verification for this environment unless one runs or was tried; say what happened.
+
+    Never blocks the caller beyond starting ``/bin/sh`` (which starts the detached verifier and exits);
+    never raises. The text is what ``status`` shows after "pending verification".
+    """
+    global _requested
+    settle = "run `python -m kvpatch verify` to settle it now"
+    if _requested is not None:
+        return _requested
+    try:
+        why_not = _background_allowed()
+        if why_not is not None:
+            _requested = f"no verdict for this environment yet ({why_not}): {settle}"
+            return _requested
+        attempts = _tables()["attempts"]
+        now = time.time()
+        for k in keys:
+            tried = attempts.get(k)
+            if isinstance(tried, dict) and now - float(tried.get("at", 0)) < RETRY_AFTER:
+                when = time.strftime("%H:%M", time.localtime(float(tried["at"])))
+                _requested = f"no verdict yet: a background verification started at {when} has not settled it; {settle}"
+                return _requested
+        directory = write_dir()
+        if directory is None:
+            places = ", ".join(map(str, cache_dirs()))
+            _requested = f"no verdict yet, and no writable place for one ({places}); {settle}"
+            return _requested
+        _requested = _spawn(directory, keys, settle)
+    except Exception as exc:  # never break the import
+        _requested = f"no verdict yet (background verification could not start: {type(exc).__name__}: {exc}); {settle}"
+    return _requested
+
+
+def _spawn(directory: Path, keys: list[str], settle: str) -> str:
+    import subprocess
+
+    assert fcntl is not None
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / "verify.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f"no verdict yet: a verification is running for this environment; {settle}"
+        flags = [f for f, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment)) if on]
+        flags += [f for f, on in (("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site)) if on]
+        command = [
+            sys.executable,
+            *flags,
+            "-m",
+            "kvpatch",
+            "verify",
+            "--background",
+            "--lock-fd",
+            str(fd),
+            "--for",
+            ",".join(keys),
+        ]
+        env = dict(os.environ)
+        env[CHILD_VAR] = "1"
+        env.pop("PYTHONSTARTUP", None)
+        log_path = directory / "verify.log"
+        # sh starts the verifier in the background and exits at once: nothing of it is left to reap here.
+        script = 'log=$1; shift; "$@" </dev/null >>"$log" 2>&1 & echo $!'
+        proc = subprocess.run(
+            ["/bin/sh", "-c", script, "sh", str(log_path), *command],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(fd,),
+            cwd=directory,
+            env=env,
+            start_new_session=True,
+            timeout=10,
+            check=False,
+        )
+        pid = proc.stdout.decode(errors="replace").strip()
+        if proc.returncode != 0 or not pid.isdigit():
+            return f"no verdict yet (background verification did not start: sh exited {proc.returncode}); {settle}"
+        return f"no verdict for this environment yet: verifying in the background (pid {pid}, log {log_path}); {settle}"
+    finally:
+        os.close(fd)  # the verifier holds the lock through its own copy of the descriptor
+
+
+def record_attempt(keys: list[str]) -> None:
+    """The background verifier notes the keys it was started for (so they are not retried at once)."""
+    now = time.time()
+
+    def change(data: dict[str, Any]) -> None:
+        for k in keys:
+            if k:
+                data["attempts"][k] = {"at": now, "pid": os.getpid()}
+
+    update(change)
+
+
+# ------------------------------------------------------------------------------------------------
+# Whose code sits on a target
+
+
+def foreign_targets(patch: Patch) -> list[str]:
+    """``"<target>: <qualified name>"`` for each of ``patch``'s replaced targets whose live object is not
+    upstream's own function (another library's wrapper or replacement), for targets already imported.
+
+    Upstream's own: a plain function (or classmethod / staticmethod of one) defined in a module of the
+    patch's distribution. kvpatch's own replacements count as foreign here: take them out first.
+    """
+    from .record import Kind
+
+    found = []
+    package = patch.import_name
+    for target in patch.targets:
+        if target.kind is not Kind.REPLACE:
+            continue
+        owner: Any = sys.modules.get(target.module)
+        for part in target.owner_path:
+            owner = getattr(owner, part, None)
+        if owner is None:
+            continue
+        try:
+            live = inspect.getattr_static(owner, target.attribute)
+        except AttributeError:
+            continue
+        func = getattr(live, "__func__", live) if isinstance(live, (classmethod, staticmethod)) else live
+        if isinstance(func, types.FunctionType):
+            module = func.__module__ or ""
+            if module == package or module.startswith(package + "."):
+                continue
+            found.append(f"{target.path}: {module}.{func.__qualname__}")
+        else:
+            kind = type(func)
+            inner = getattr(func, "__wrapped__", None)
+            wraps = ""
+            if inner is not None:
+                wraps = f" around {getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', '?')}"
+            found.append(f"{target.path}: {kind.__module__}.{kind.__qualname__}{wraps}")
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# Drift fingerprints
+
+
+_shipped: dict[str, dict[str, frozenset[str]]] | None = None
+
+
+def shipped() -> dict[str, dict[str, frozenset[str]]]:
+    """``kvpatch/data/fingerprints.json`` as patch id -> target path -> fingerprints (read once)."""
+    global _shipped
+    if _shipped is None:
+        table: dict[str, dict[str, frozenset[str]]] = {}
+        path = Path(__file__).resolve().parent / "data" / "fingerprints.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            for pid, targets in data.get("patches", {}).items():
+                table[pid] = {t: frozenset(fps) for t, fps in targets.items()}
+        except Exception as exc:  # a broken data file must not break imports (a test guards it)
+            log.warning("kvpatch: cannot read %s: %s", path, exc)
+        _shipped = table
+    return _shipped
+
+
+def validated(patch: Patch) -> dict[str, frozenset[str]]:
+    """Target path -> fingerprints the patch was validated on (the record's own ``validated`` wins)."""
+    if patch.validated:
+        return {t.path: patch.validated for t in patch.targets}
+    return shipped().get(patch.id, {})
+
+
+_new_fingerprints: dict[str, dict[str, str]] = {}
+
+
+def fingerprint_cached(obj: Any, compute: Callable[[Any], str | None]) -> str | None:
+    """``compute(obj)`` (a source fingerprint), cached by the defining file's path, size and mtime."""
+    func = inspect.unwrap(obj) if callable(obj) else obj
+    func = getattr(func, "__func__", func)
+    code = getattr(func, "__code__", None)
+    filename = getattr(code, "co_filename", None)
+    stamp = _stat(filename) if filename else None
+    if code is None or stamp is None:
+        return compute(obj)
+    file_key = f"{filename}|{stamp[0]}|{stamp[1]}"
+    sub = f"{code.co_firstlineno}:{getattr(func, '__qualname__', '?')}"
+    known = _tables()["fingerprints"].get(file_key)
+    if isinstance(known, dict) and isinstance(known.get(sub), str):
+        return str(known[sub])
+    pending = _new_fingerprints.get(file_key, {})
+    if sub in pending:
+        return pending[sub]
+    value = compute(obj)
+    if value is not None:
+        _new_fingerprints.setdefault(file_key, {})[sub] = value
+    return value
+
+
+def save_fingerprints(*, wait: bool = False) -> None:
+    """Write fingerprints computed in this process to the cache (best effort; never waits by default)."""
+    if not _new_fingerprints:
+        return
+    new = {k: dict(v) for k, v in _new_fingerprints.items()}
+    now = time.time()
+
+    def change(data: dict[str, Any]) -> None:
+        table = data["fingerprints"]
+        for file_key, subs in new.items():
+            entry = table.get(file_key)
+            if not isinstance(entry, dict):
+                entry = {}
+            entry.update(subs)
+            entry["at"] = now
+            table[file_key] = entry
+
+    if update(change, wait=wait):
+        _new_fingerprints.clear()

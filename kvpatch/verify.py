@@ -1,0 +1,137 @@
+"""``python -m kvpatch verify``: settle, in this process, every verdict the environment's imports will read.
+
+It imports every target module of every patch that concerns the installed upstream, with a fresh engine
+that considers every patch (``KVPATCH_DISABLE`` / ``KVPATCH_ENABLE`` do not change what a verdict is),
+and for each patch the facts leave to its reproduction (see :mod:`kvpatch.gate`: a release newer than
+``checked_through``, an editable / directory / archive install, an unknown commit, drifted target code)
+runs the reproduction without and with the patch and stores the verdict (:mod:`kvpatch.verdicts`). It
+also caches the source fingerprint of every replaced target, so later imports read no source.
+
+Run it after installing or upgrading (a Dockerfile's last step, CI, a deployment hook); the pytest
+plugin runs it with ``--kvpatch-verify``. ``--background`` is what a user's process starts when it finds
+no verdict (detached, ``nice`` 10, at most one per environment, only what is missing).
+
+Exit status: 0 when every patch is settled (applied, not needed, out of range, not installed), 1 when
+a verdict is inconclusive, a patch drifted or failed, or a verification could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from typing import Any
+
+from . import verdicts
+
+__all__ = ["add_arguments", "run"]
+
+_SETTLED = ("applied", "not needed", "out of range", "not installed", "opt-in", "disabled")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable output (schema kvpatch.verify/1)")
+    parser.add_argument(
+        "--missing", action="store_true", help="measure only patches without a stored verdict (default: all again)"
+    )
+    parser.add_argument("--background", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--lock-fd", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--for", dest="for_keys", default="", help=argparse.SUPPRESS)
+
+
+def _background_start(args: argparse.Namespace) -> bool:
+    """Lower priority, hold the environment's verification lock, note the keys tried. False: another runs."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(10)
+    if args.lock_fd is None:  # started by hand: take the lock ourselves
+        directory = verdicts.write_dir()
+        if directory is not None:
+            import fcntl
+
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(directory / "verify.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            args.lock_fd = fd  # held until this process exits
+    verdicts.record_attempt([k for k in args.for_keys.split(",") if k])
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    background = bool(args.background)
+    if background and not _background_start(args):
+        print("kvpatch verify: another verification holds this environment's lock; nothing to do")
+        return 0
+    os.environ[verdicts.CHILD_VAR] = "1"  # nothing started from here starts a verification of its own
+    import kvpatch
+
+    from .config import Config
+    from .engine import Engine, State, import_target_modules
+    from .registry import load
+
+    kvpatch.deactivate()  # the environment's engine steps aside: this one considers every patch
+    reg = load()
+    engine = Engine(reg.patches, broken=reg.broken, config=Config(enable_all=True))
+    by = "background" if background else "verify"
+    errors: dict[str, str] = {}
+    with verdicts.measuring_as(by, remeasure=not (background or args.missing)):
+        engine.activate()
+        for patch in engine.patches:
+            st = engine.status[patch.id]
+            if st.state is not State.PENDING:
+                continue
+            try:
+                import_target_modules(patch)
+            except Exception as exc:
+                errors[patch.id] = f"{type(exc).__name__}: {exc}"
+        verdicts.save_fingerprints(wait=True)
+    rows: list[dict[str, Any]] = []
+    for patch in engine.patches:
+        st = engine.status[patch.id]
+        state = st.state.value
+        error = errors.get(patch.id) or st.error
+        if patch.id in errors and st.state is State.PENDING:
+            state = "could not run"
+        rows.append(
+            {
+                "id": patch.id,
+                "action": st.decision.action.value,
+                "state": state,
+                "verdict": st.verified,
+                "drift": list(st.drift),
+                "reason": st.reason,
+                "error": error,
+            }
+        )
+    engine.deactivate()
+    unsettled = [r for r in rows if r["state"] not in _SETTLED and r["state"] != "pending"]
+    # "pending": an APPLY patch whose modules imported nothing to patch (optional targets): not a verdict matter
+    code = 1 if unsettled or reg.broken else 0
+    where = verdicts.write_dir()
+    if args.json:
+        data = {
+            "schema": "kvpatch.verify/1",
+            "cache": str(where / verdicts.FILE) if where else None,
+            "patches": rows,
+            "broken": dict(reg.broken),
+            "exit": code,
+        }
+        print(json.dumps(data, indent=2))
+        return code
+    measured = [r for r in rows if r["verdict"] or r["state"] not in _SETTLED]
+    for r in measured:
+        print(f"{r['id']:<26} {r['state']:<20} {r['verdict'] or r['error'] or r['reason']}")
+    for module, error in reg.broken.items():
+        print(f"BROKEN {module}: {error}")
+    settled = sum(1 for r in rows if r["verdict"])
+    print(
+        f"kvpatch verify: {settled} verdict(s) for this environment, {len(unsettled)} need attention; "
+        f"cache: {where / verdicts.FILE if where else 'nowhere writable'} (exit {code})",
+        file=sys.stdout,
+    )
+    return code

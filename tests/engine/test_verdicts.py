@@ -1,0 +1,330 @@
+"""The verdict cache (kvpatch.verdicts) and the engine's use of it, without a real upstream.
+
+A fake ``mlx_lm`` package (one module, one class) with a ``.dist-info`` saying a release newer than the
+test patch's ``checked_through`` stands in for upstream in child processes, so the gate says "the
+reproduction decides"; the test patch's reproduction raises if it is ever called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+
+import pytest
+from support import child_env
+
+from kvpatch import verdicts
+from kvpatch.detect import Source, Upstream
+from kvpatch.record import Expiry, Finding, Patch
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """Point the cache at ``tmp_path`` and forget what this process read or requested."""
+    monkeypatch.setenv(verdicts.DIR_VAR, str(tmp_path / "cache"))
+    monkeypatch.setattr(verdicts, "_loaded", None)
+    monkeypatch.setattr(verdicts, "_requested", None)
+    monkeypatch.setattr(verdicts, "_stats", {})
+    monkeypatch.setattr(verdicts, "_new_fingerprints", {})
+    return tmp_path / "cache"
+
+
+def _patch(**kw) -> Patch:
+    p = Patch(
+        id="demo-bug",
+        summary="demo",
+        distribution="mlx-lm",
+        affected=">=0.1.0,<=0.2.0",
+        checked_through="0.2.0",
+        reference="none",
+        expiry=Expiry("never"),
+        **kw,
+    )
+    p.module = "kvpatch_demo_patch"
+    return p
+
+
+UPSTREAM = {"mlx-lm": Upstream("mlx-lm", "0.3.0", Source()), "mlx": Upstream("mlx", "0.1.0", Source())}
+
+
+# -- the file ----------------------------------------------------------------------------------------
+
+
+def test_cache_dirs_follow_the_override_then_prefix_then_user(monkeypatch, tmp_path):
+    monkeypatch.setenv(verdicts.DIR_VAR, str(tmp_path / "x"))
+    assert verdicts.cache_dirs() == (tmp_path / "x",)
+    monkeypatch.delenv(verdicts.DIR_VAR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    prefix, user = verdicts.cache_dirs()
+    assert prefix == Path(sys.prefix) / "var" / "cache" / "kvpatch"
+    assert user.parent == tmp_path / "xdg" / "kvpatch" / "verdicts"
+
+
+def test_store_then_lookup_round_trip(fresh):
+    p = _patch()
+    key = verdicts.key(p, UPSTREAM)
+    assert verdicts.lookup(key) is None
+    v = verdicts.from_findings(Finding(True, "bad"), Finding(False, "good"), by="test")
+    assert v.outcome == verdicts.FIXED
+    assert verdicts.store(key, p, v, UPSTREAM)
+    found = verdicts.lookup(key)
+    assert found is not None and found.outcome == verdicts.FIXED and found.by == "test"
+    data = json.loads((fresh / verdicts.FILE).read_text())
+    assert data["schema"] == verdicts.SCHEMA and data["verdicts"][key]["patch"] == "demo-bug"
+    assert not [f for f in os.listdir(fresh) if f.endswith(".tmp")]  # the temporary file was renamed
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[]", b'{"schema": "other/1", "verdicts": {}}', b"\xff\xfe", b""])
+def test_corrupt_or_foreign_file_reads_as_empty(fresh, content):
+    fresh.mkdir(parents=True)
+    (fresh / verdicts.FILE).write_bytes(content)
+    assert verdicts.lookup("anything") is None
+    # and a later store replaces it with a good file
+    p = _patch()
+    assert verdicts.store("k", p, verdicts.Verdict(verdicts.ABSENT, "", time.time()), UPSTREAM)
+    verdicts._forget()
+    assert verdicts.lookup("k").outcome == verdicts.ABSENT
+
+
+def test_entries_are_pruned_oldest_first(fresh, monkeypatch):
+    monkeypatch.setattr(verdicts, "MAX_ENTRIES", 3)
+    p = _patch()
+    for i in range(5):
+        verdicts.store(f"k{i}", p, verdicts.Verdict(verdicts.ABSENT, "", float(i + 1)), UPSTREAM)
+    verdicts._forget()
+    assert [verdicts.lookup(f"k{i}") is not None for i in range(5)] == [False, False, True, True, True]
+
+
+def test_key_depends_on_versions_sources_and_target_files(fresh, tmp_path, monkeypatch):
+    pkg = tmp_path / "site" / "mlx_lm"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "__init__.py").write_text("")
+    target = pkg / "models" / "cache.py"
+    target.write_text("class C:\n    def f(self):\n        return 1\n")
+    monkeypatch.setitem(sys.modules, "mlx_lm", types.SimpleNamespace(__file__=str(pkg / "__init__.py")))
+    p = _patch()
+    p.replace("mlx_lm.models.cache", "C.f")(lambda original: original)
+    base = verdicts.key(p, UPSTREAM)
+    assert verdicts.module_file("mlx_lm.models.cache") == str(target)
+    assert verdicts.key(p, UPSTREAM) == base  # stable
+    editable = {**UPSTREAM, "mlx-lm": Upstream("mlx-lm", "0.3.0", Source(kind="editable", url="file:///src"))}
+    assert verdicts.key(p, editable) != base
+    newer = {**UPSTREAM, "mlx-lm": Upstream("mlx-lm", "0.3.1", Source())}
+    assert verdicts.key(p, newer) != base
+    other_mlx = {**UPSTREAM, "mlx": Upstream("mlx", "0.1.1", Source())}
+    assert verdicts.key(p, other_mlx) != base
+    target.write_text("class C:\n    def f(self):\n        return 2  # edited in place\n")
+    verdicts._stats.clear()
+    assert verdicts.key(p, UPSTREAM) != base
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "outcome"),
+    [
+        (Finding(False, "fine"), None, verdicts.ABSENT),
+        (Finding(True, "bad"), Finding(False, "good"), verdicts.FIXED),
+        (Finding(True, "bad"), Finding(True, "still"), verdicts.NOT_FIXED),
+        (Finding(False, inconclusive="RuntimeError: x"), None, verdicts.INCONCLUSIVE),
+        (Finding(True, "bad"), Finding(False, inconclusive="RuntimeError: y"), verdicts.INCONCLUSIVE),
+        (Finding(False, skipped="Metal only"), None, verdicts.SKIPPED),
+        (Finding(True, "bad"), None, verdicts.INCONCLUSIVE),
+    ],
+)
+def test_from_findings(before, after, outcome):
+    assert verdicts.from_findings(before, after).outcome == outcome
+
+
+def test_no_background_verification_when_switched_off_or_inside_one(fresh, monkeypatch):
+    monkeypatch.setenv(verdicts.VERIFY_VAR, "never")
+    text = verdicts.request_verification(["k"])
+    assert "KVPATCH_VERIFY=never" in text and "kvpatch verify" in text
+    monkeypatch.setattr(verdicts, "_requested", None)
+    monkeypatch.delenv(verdicts.VERIFY_VAR)
+    with verdicts.measuring_as("test"):
+        assert "verification process" in verdicts.request_verification(["k"])
+    assert verdicts.measuring() is None
+
+
+def test_a_recent_attempt_is_not_repeated(fresh, monkeypatch):
+    monkeypatch.setenv(verdicts.VERIFY_VAR, "auto")
+    verdicts.record_attempt(["k"])
+    verdicts._forget()
+    text = verdicts.request_verification(["k"])
+    assert "has not settled it" in text, text
+
+
+def test_foreign_targets_name_what_sits_on_a_target(monkeypatch):
+    def upstream_f(self):
+        return 1
+
+    upstream_f.__module__ = "mlx_lm.models.fake"
+
+    def server_f(self):
+        return 2
+
+    server_f.__module__ = "some_server.patches"
+    server_f.__qualname__ = "server_f"
+    cls = type("C", (), {"f": upstream_f, "g": server_f})
+    module = types.ModuleType("mlx_lm.models.fake")
+    module.C = cls  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mlx_lm.models.fake", module)
+    p = _patch()
+    p.replace("mlx_lm.models.fake", "C.f")(lambda o: o)
+    p.replace("mlx_lm.models.fake", "C.g")(lambda o: o)
+    assert verdicts.foreign_targets(p) == ["mlx_lm.models.fake.C.g: some_server.patches.server_f"]
+
+
+# -- the engine, in a child process with a fake upstream -------------------------------------------------
+
+
+FAKE_CACHE = "class C:\n    def f(self):\n        return 'buggy'\n"
+
+
+@pytest.fixture
+def fake_site(tmp_path):
+    site = tmp_path / "site"
+    pkg = site / "mlx_lm"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models" / "__init__.py").write_text("")
+    (pkg / "models" / "cache.py").write_text(FAKE_CACHE)
+    # the little of mlx.core that run_reproduction touches (it keeps the device, stream and random state)
+    (site / "mlx").mkdir()
+    (site / "mlx" / "__init__.py").write_text("")
+    (site / "mlx" / "core.py").write_text(
+        "import types\nrandom = types.SimpleNamespace(state=[0])\n"
+        "def default_device(): return 'cpu'\ndef default_stream(device): return 's'\n"
+        "def set_default_device(device): pass\ndef set_default_stream(stream): pass\n"
+    )
+    info = site / "mlx_lm-0.3.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-lm\nVersion: 0.3.0\n")
+    return site
+
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from kvpatch import verdicts
+    from kvpatch.config import Config
+    from kvpatch.engine import Engine, REPRODUCTIONS_RUN
+    from kvpatch.record import Expiry, Finding, Patch
+    mode = sys.argv[1]
+    p = Patch(id="demo-bug", summary="demo", distribution="mlx-lm", affected=">=0.1.0,<=0.2.0",
+              checked_through="0.2.0", reference="none", expiry=Expiry("never"),
+              validated=frozenset(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else frozenset())
+    p.module = "kvpatch"
+
+    @p.replace("mlx_lm.models.cache", "C.f")
+    def build(original):
+        def f(self):
+            return "fixed"
+        return f
+
+    @p.reproduce
+    def reproduce():
+        import mlx_lm.models.cache as c
+        return Finding(c.C().f() == "buggy", "f() said " + c.C().f())
+
+    if mode == "measure-raising":  # a reproduction that hits an error which is not the bug's symptom
+        p.reproduction = lambda: (_ for _ in ()).throw(RuntimeError("no kernel for this shape"))
+    engine = Engine([p], config=Config())
+    key = verdicts.key(p, engine.upstream)
+    if not mode.startswith(("none", "measure")):
+        verdicts.store(key, p, verdicts.Verdict(mode, "stored by the test", 1.0, "test"), engine.upstream)
+    import contextlib
+    with verdicts.measuring_as("test") if mode.startswith("measure") else contextlib.nullcontext():
+        engine.activate()
+        import mlx_lm.models.cache as c
+    st = engine.status["demo-bug"]
+    from kvpatch.status import build_report
+    check = build_report(engine).data["check"]
+    print("@@" + json.dumps({"state": st.state.value, "reason": st.reason, "f": c.C().f(), "drift": st.drift,
+                             "reproductions": REPRODUCTIONS_RUN, "action": st.decision.action.value,
+                             "stored": (verdicts._forget(), verdicts.lookup(key))[1] is not None, "check": check}))
+    """
+)
+
+
+def _child(fake_site, tmp_path, *args: str, **env: str) -> dict:
+    environ = child_env(
+        {
+            "PYTHONPATH": os.pathsep.join([str(fake_site), os.environ.get("PYTHONPATH", "")]),
+            verdicts.DIR_VAR: str(tmp_path / "cache"),
+            verdicts.VERIFY_VAR: "never",
+            "KVPATCH": "off",  # the .pth bootstrap stays out; the child builds its own engine
+            **env,
+        }
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, *args], env=environ, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("@@"))[2:])
+
+
+@pytest.mark.parametrize(
+    ("stored", "state", "f"),
+    [
+        ("none", "pending verification", "buggy"),
+        (verdicts.FIXED, "applied", "fixed"),
+        (verdicts.ABSENT, "not needed", "buggy"),
+        (verdicts.NOT_FIXED, "drifted", "buggy"),
+        (verdicts.INCONCLUSIVE, "inconclusive", "buggy"),
+    ],
+)
+def test_engine_reads_the_verdict_and_never_reproduces(fake_site, tmp_path, stored, state, f):
+    out = _child(fake_site, tmp_path, stored)
+    assert out["action"] == "verify", out
+    assert out["reproductions"] == [], out
+    assert (out["state"], out["f"]) == (state, f), out
+    if stored == "none":
+        assert "no verdict" in out["reason"] and "kvpatch verify" in out["reason"], out["reason"]
+
+
+def test_drifted_target_goes_to_its_verdict(fake_site, tmp_path):
+    # an in-range release (APPLY), but the target's fingerprint is none of those recorded: no verdict, not applied
+    info = fake_site / "mlx_lm-0.3.0.dist-info" / "METADATA"
+    info.write_text(info.read_text().replace("0.3.0", "0.2.0"))
+    out = _child(fake_site, tmp_path, "none", "000000000000")
+    assert out["action"] == "apply"
+    assert out["drift"] and out["state"] == "pending verification" and out["f"] == "buggy", out
+    assert out["reproductions"] == []
+    # with its true fingerprint recorded it applies, reading no verdict
+    from kvpatch.engine import fingerprint
+
+    namespace: dict = {}
+    exec(compile(FAKE_CACHE, str(fake_site / "mlx_lm" / "models" / "cache.py"), "exec"), namespace)
+    true = fingerprint(namespace["C"].f)
+    out = _child(fake_site, tmp_path, "none", true)
+    assert (out["state"], out["f"], out["drift"]) == ("applied", "fixed", []), out
+    # and the fingerprint is cached by the file's stat for the next process
+    data = json.loads((tmp_path / "cache" / verdicts.FILE).read_text())
+    assert any(true in entry.values() for entry in data["fingerprints"].values()), data["fingerprints"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "state", "f"), [("measure", "applied", "fixed"), ("measure-raising", "inconclusive", "buggy")]
+)
+def test_a_verification_process_measures_and_stores(fake_site, tmp_path, mode, state, f):
+    """Only a verification process runs the reproduction; an error that is not the bug's symptom gives an
+    inconclusive verdict: not applied, and ``status --check`` fails on it without advising a record edit."""
+    out = _child(fake_site, tmp_path, mode)
+    assert (out["state"], out["f"]) == (state, f), out
+    assert out["reproductions"] == (["demo-bug", "demo-bug"] if state == "applied" else ["demo-bug"]), out
+    assert out["stored"], out
+    if state == "inconclusive":
+        assert "no kernel for this shape" in out["reason"], out
+        assert out["check"]["exit"] == 1, out["check"]
+        text = " ".join(out["check"]["reasons"])
+        assert "inconclusive" in text and "not a record error" in text and "update" not in text, text
+    # and a later user process reads it without reproducing
+    later = _child(fake_site, tmp_path, "none")
+    assert (later["state"], later["reproductions"]) == (state, []), later
