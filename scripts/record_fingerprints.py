@@ -12,7 +12,7 @@ install, a vendor's patched wheel, a file rewritten in place) and the patch goes
 instead of being applied blindly.
 
 Releases: every final, non-yanked release of the patch's distribution on the package index inside
-``affected`` (``kvpatch.upstream_check.index_releases``). Each is layered with ``kvpatch.envs.layer``
+``affected`` (``kvpatch.maint.upstream_check.index_releases``). Each is layered with ``kvpatch.maint.envs.layer``
 (``pip install --no-deps --target``, cached under ``~/.cache/kvpatch``) together with the mlx (and, for
 mlx-vlm, the mlx-lm and extra layers) of the nearest matrix bucket (``tests/matrix.py``), and a child
 process with ``KVPATCH=off`` imports the target modules and fingerprints the real objects, exactly as
@@ -54,8 +54,8 @@ sys.path.insert(0, str(REPO))
 
 from matrix import BUCKETS  # noqa: E402
 
-from kvpatch import envs  # noqa: E402
-from kvpatch.envs import Bucket  # noqa: E402
+from kvpatch.maint import envs  # noqa: E402
+from kvpatch.maint.envs import Bucket  # noqa: E402
 from kvpatch.record import DISTRIBUTIONS, Kind, Patch  # noqa: E402
 from kvpatch.registry import load  # noqa: E402
 
@@ -141,7 +141,7 @@ def releases_in(patch: Patch, available: list[Version]) -> list[str]:
 
 
 def index_versions(distribution: str) -> list[Version]:
-    from kvpatch.upstream_check import index_releases
+    from kvpatch.maint.upstream_check import index_releases
 
     out = []
     for r in index_releases(distribution)[0]:

@@ -267,7 +267,7 @@ def test_inconclusive_never_advises_a_record_edit(patch, release):
 
 
 def test_an_inconclusive_child_result_is_measured_inconclusive():
-    from kvpatch.upstream_check import _measure_one
+    from kvpatch.maint.upstream_check import _measure_one
 
     finding = {"present": False, "detail": "", "skipped": None, "inconclusive": "RuntimeError: no kernel"}
     measured, detail, skipped = _measure_one({"finding": finding, "missing": [], "exists": [], "deps": []}, None)
