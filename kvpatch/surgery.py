@@ -105,8 +105,9 @@ def chain(obj: Any) -> Iterator[Any]:
 
 
 def carries(obj: Any, patch_id: str) -> bool:
-    """True when kvpatch's replacement for ``patch_id`` is ``obj`` or reachable under it."""
-    return any(mark_of(o) == patch_id for o in chain(obj))
+    """True when kvpatch's replacement for ``patch_id`` is ``obj`` or reachable under it (``__wrapped__`` or a
+    closure: see :func:`_walk`)."""
+    return any(mark_of(node) == patch_id for node, _ in _walk(obj))
 
 
 def mark_of(obj: Any) -> str | None:
@@ -168,11 +169,50 @@ def prepare(
     return function
 
 
+def _walk(obj: Any) -> Iterator[tuple[Any, Any]]:
+    """Everything reachable from ``obj`` through ``__wrapped__`` and the functions a closure holds (a wrapper that
+    calls kvpatch's replacement from its closure, as servers' own monkey patches do, still reaches it), breadth
+    first, each with the outermost non-kvpatch object above it (``None`` when only kvpatch's lie above)."""
+    seen: set[int] = set()
+    todo: list[tuple[Any, Any]] = [(_plain(obj), None)]
+    while todo and len(seen) < 4 * _MAX_CHAIN:
+        current, above = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current, above
+        if above is None and mark_of(current) is None:
+            above = current
+        try:
+            inner = getattr(current, "__wrapped__", None)
+        except Exception:  # a proxy whose __wrapped__ raises
+            inner = None
+        if inner is not None:
+            todo.append((_plain(inner), above))
+        if type(current) is types.FunctionType and current.__closure__:
+            for cell in current.__closure__:
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if callable(value):
+                    todo.append((_plain(value), above))
+
+
+def _reaches(obj: Any, target: Any) -> Any:
+    """The outermost non-kvpatch object above ``target`` as reached from ``obj`` (``None``: only kvpatch's own;
+    ``MISSING``: not reached)."""
+    for node, above in _walk(obj):
+        if node is target:
+            return above
+    return MISSING
+
+
 def liveness(change: Change) -> tuple[str, str]:
     """Where ``change``'s replacement stands now: ``("in place" | "wrapped" | "overridden" | "removed", detail)``.
 
-    ``wrapped``: a foreign wrapper holds the attribute and reaches kvpatch's replacement through its
-    ``__wrapped__`` chain (the replacement still runs if the wrapper calls through, as wrappers do).
+    ``wrapped``: a foreign wrapper holds the attribute and reaches kvpatch's replacement (through its
+    ``__wrapped__`` chain or its closure), so the fix still runs when the wrapper calls through, as wrappers do.
     ``overridden``: the attribute holds something that does not reach it.
     """
     try:
@@ -183,13 +223,12 @@ def liveness(change: Change) -> tuple[str, str]:
         return "overridden", f"{change.target.path} cannot be read: {exc}"
     if current is MISSING:
         return "removed", f"{change.target.path} no longer exists"
-    foreign = None  # the outermost object above kvpatch's replacement that is not kvpatch's own
-    for obj in chain(current):
-        if obj is change.function:
-            return ("in place", "") if foreign is None else ("wrapped", f"under {describe(foreign)}")
-        if foreign is None and mark_of(obj) is None:
-            foreign = obj
-    return "overridden", f"overridden by {describe(current)}"
+    if _plain(current) is change.function:
+        return "in place", ""
+    foreign = _reaches(current, change.function)
+    if foreign is MISSING:
+        return "overridden", f"overridden by {describe(current)}"
+    return ("in place", "") if foreign is None else ("wrapped", f"under {describe(foreign)}")
 
 
 def restore(change: Change) -> str | None:
