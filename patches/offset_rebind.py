@@ -27,8 +27,9 @@ Fix: a delta in front of ``update_and_fetch`` of both classes: the cache's ``off
 second handle on the same array (``mx.array(offset)``: no data copy, no graph node, no evaluation) before the
 original runs, so the original's in-place ``+=`` / ``-=`` lands on the cache's new handle and a handle a
 model kept keeps its value. Values stored and returned are bit-identical. Cost: a decode-step
-``BatchKVCache.update_and_fetch`` took 63 us with the patch, 59 us without (0.31.3, CPU, best of 5x2000). ``prepare`` / ``finalize`` / ``trim`` / ``filter`` also move ``offset`` in place but run
-between forward passes, where no model holds a handle.
+``BatchKVCache.update_and_fetch`` took 63 us with the patch, 59 us without (0.31.3, CPU, best of 5x2000).
+``prepare`` / ``finalize`` / ``trim`` / ``filter`` also move ``offset`` in place but run between forward
+passes, where no model holds a handle.
 """
 
 from __future__ import annotations
