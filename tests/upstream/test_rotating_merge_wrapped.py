@@ -10,14 +10,12 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.rotating_merge_wrapped import PATCH
 
-import kvpatch
 from kvpatch.testing import require_affected, skip_unless_in_place, tiny_llama
 
 WINDOW = 8
 LONG = [7, 3, 22, 41, 8, 13, 2, 19, 30, 5, 11]  # 11 tokens: past the window in one chunk
 SHORT = [5, 9, 2, 33, 17]
 STEPS = [11, 30, 40]
-TARGET = "mlx_lm.models.cache.BatchRotatingKVCache.merge"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,10 +70,9 @@ def test_merged_decode_matches_rows_alone(model, kinds):
 
 def test_with_an_empty_row(model):
     skip_unless_in_place("batch-merge-empty", "the empty-row merge crash (0.28.4-0.30.2)")
+    # (either stacking order: this patch rewrites only rows that hold tokens, batch-merge-empty only rows
+    # without keys, into zero-length stand-ins that this patch leaves alone)
     _check(model, ["none", "wrapped", "overfull"])
-    order = [pid for pid, path in kvpatch.get_engine().changes() if path == TARGET]
-    if PATCH.id in order:  # outermost: it only rewrites rows that hold tokens, after the others
-        assert order[-1] == PATCH.id, order
 
 
 def test_caller_rows_untouched(model):
