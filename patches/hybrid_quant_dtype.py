@@ -16,8 +16,8 @@ Fix: deltas around the originals. ``update_and_fetch`` notes the dtypes it is fe
 host synchronisation) before the original runs; ``dequantize`` (which ``update_and_fetch`` returns, and
 which prefix-cache harvests call) casts its results to the noted dtypes, so the numbers are the
 original's rounded once to the model's dtype. With the tiny bf16 model the logits then differ from the
-float32-promoted run by at most 0.035 (logit scale 1.5: bf16 rounding of the activations). A cache that was never fed (restored from ``state``) keeps
-upstream's dtypes until its next update.
+float32-promoted run by at most 0.035 (logit scale 1.5: bf16 rounding of the activations). A cache that
+was never fed (restored from ``state``) keeps upstream's dtypes until its next update.
 """
 
 from __future__ import annotations
