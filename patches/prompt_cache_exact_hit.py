@@ -33,6 +33,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches._prompt_cache import prompt_cache_class
+
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -75,18 +77,6 @@ def _build_server_module(original: Any) -> Any:
     if getattr(original, "__module__", None) != "mlx_lm.server":
         return original  # the class lives in mlx_lm.models.cache (0.31.2+): patched there
     return _build_fetch(original)
-
-
-def prompt_cache_class() -> Any:
-    """``LRUPromptCache`` of the running mlx-lm (``mlx_lm.models.cache`` from 0.31.2, else the server's)."""
-    from mlx_lm.models import cache
-
-    found = getattr(cache, "LRUPromptCache", None)
-    if found is None:
-        import mlx_lm.server
-
-        found = mlx_lm.server.LRUPromptCache
-    return found
 
 
 @PATCH.reproduce
