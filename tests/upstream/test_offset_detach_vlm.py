@@ -100,6 +100,6 @@ def test_reexported_mlx_lm_class_left_to_offset_detach():
     if vlm_cache.BatchKVCache.__module__.startswith("mlx_vlm."):
         pytest.skip("mlx-vlm has its own BatchKVCache here (>= 0.6.4): covered by the tests above")
     assert vlm_cache.BatchKVCache is lm_cache.BatchKVCache
-    with without("offset-detach"):
-        # offset-detach out: whatever this patch installed on the shared class must be upstream's own
+    with without("offset-detach", "offset-rebind"):
+        # offset-detach (and offset-rebind, same method) out: whatever this patch installed on the shared class must be upstream's own
         assert lm_cache.BatchKVCache.update_and_fetch.__module__ == "mlx_lm.models.cache"
