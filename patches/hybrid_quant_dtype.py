@@ -34,6 +34,7 @@ PATCH = Patch(
     affected=">=0.6.12,<=0.7.10",
     checked_through="0.7.10",
     introduced_commit="ffd7aeff",
+    catalogue="N12 (HybridQuantKVCache dtype; twin of V30)",
     reference="not reported upstream (introduced by Blaizzy/mlx-vlm#1807)",
     hot_path=True,
     expiry=Expiry(

@@ -30,6 +30,7 @@ PATCH = Patch(
     affected=">=0.30.4,<0.31.2",
     fixed_in="0.31.2",
     fixed_commit="3f9d179f",
+    catalogue="N11 (all-empty merge)",
     reference="ml-explore/mlx-lm#1072",
     expiry=Expiry(
         "retire when kvpatch stops supporting mlx-lm < 0.31.2",

@@ -47,6 +47,7 @@ PATCH = Patch(
     distribution="mlx-lm",
     affected=">=0.28.0,<0.32.0",
     fixed_in="0.32.0",
+    catalogue="N6 (issue 12 item 6)",
     reference="ml-explore/mlx-lm#1848",
     hot_path=True,
     order=90,

@@ -33,6 +33,7 @@ PATCH = Patch(
     distribution="mlx-vlm",
     affected=">=0.5.0,<=0.7.10",
     checked_through="0.7.10",
+    catalogue="N6 (mlx-vlm's copies)",
     reference="not reported to mlx-vlm (mlx-lm twin: ml-explore/mlx-lm#1806, fixed by #1848)",
     hot_path=True,
     order=90,

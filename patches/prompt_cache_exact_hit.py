@@ -43,6 +43,7 @@ PATCH = Patch(
     distribution="mlx-lm",
     affected=">=0.28.4,<=0.32.2",
     checked_through="0.32.2",
+    catalogue="N8 (issue 12 item 8)",
     reference="ml-explore/mlx-lm#1596 (issue #1215; also #1581, #1887)",
     expiry=Expiry(
         "retire when fetch_nearest_cache (or the server) keeps at least one prompt token on an exact hit",

@@ -41,6 +41,7 @@ PATCH = Patch(
     distribution="mlx-lm",
     affected=">=0.28.4,<=0.32.2",
     checked_through="0.32.2",
+    catalogue="N8b (the 0.32.2 server's speculative prompt-cache key)",
     reference="not reported upstream",
     expiry=Expiry(
         "retire when the server files prompt caches under the tokens they hold (or speculative decoding "

@@ -41,6 +41,7 @@ PATCH = Patch(
     affected=">=0.28.4,<0.31.2",
     fixed_in="0.31.2",
     fixed_commit="3f9d179f",
+    catalogue="N10 (merge of a wrapped RotatingKVCache)",
     reference="ml-explore/mlx-lm#1072",
     order=120,
     expiry=Expiry(

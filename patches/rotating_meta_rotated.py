@@ -35,6 +35,7 @@ PATCH = Patch(
     distribution="mlx-lm",
     affected=">=0.28.1,<0.32.0",
     fixed_in="0.32.0",
+    catalogue="N7 (issue 12 item 7)",
     reference="ml-explore/mlx-lm#1250",
     expiry=Expiry(
         "retire when kvpatch stops supporting mlx-lm < 0.32.0",

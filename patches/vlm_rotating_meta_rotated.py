@@ -30,6 +30,7 @@ PATCH = Patch(
     distribution="mlx-vlm",
     affected=">=0.6.4,<=0.7.10",
     checked_through="0.7.10",
+    catalogue="N7 (mlx-vlm's copy)",
     reference="not reported to mlx-vlm (mlx-lm twin: ml-explore/mlx-lm#1250)",
     expiry=Expiry(
         "retire when mlx-vlm's BatchRotatingKVCache reads rotated back as a bool",
