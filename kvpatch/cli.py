@@ -1,6 +1,6 @@
 """Command line: ``python -m kvpatch <command>``.
 
-status [--json] [--check] [--verify]   audit what is applied and why
+status [--json] [--check] [--verify] [--scan]   audit what is applied and why
 run -m MODULE [ARGS...] | run SCRIPT [ARGS...]   run a program with kvpatch active
 compat [--write | --check]              print, write or check COMPAT.md from the registry
 fingerprints                            source fingerprints of every target in the installed upstream
@@ -34,10 +34,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     engine = _engine()
     report = build_report(engine, verify=args.verify)
+    if args.scan:
+        from .vendored import format_copies, scan
+
+        copies = scan(engine, installed=True)
+        report.data["vendored"] = [c.as_dict() for c in copies]
     if args.json:
         print(json.dumps(report.data, indent=2, sort_keys=False))
     else:
         print(format_text(report))
+        if args.scan:
+            print(format_copies(copies))
     return report.exit_code if (args.check or args.verify) else 0
 
 
@@ -104,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 0 clean, 1 action needed, 2 a patch failed")
     p.add_argument(
         "--verify", action="store_true", help="run each relevant reproduction with and without its patch (imports mlx)"
+    )
+    p.add_argument(
+        "--scan",
+        action="store_true",
+        help="also list vendored copies of patched upstream code in installed servers (reads files only)",
     )
     p.set_defaults(func=cmd_status)
 

@@ -120,3 +120,17 @@ VLM_BUCKETS: tuple[Bucket, ...] = (
 BUCKETS: tuple[Bucket, ...] = LM_BUCKETS + VLM_BUCKETS
 
 BY_NAME: dict[str, Bucket] = {b.name: b for b in BUCKETS}
+
+# Coexistence: downstream servers that carry their own monkey patches on the attributes kvpatch patches,
+# with the mlx-lm / mlx-vlm releases their newest wheels pin (read from each wheel's METADATA):
+#   vllm-mlx 0.6.0: mlx-lm>=0.31.3,<0.32.0 (so 0.31.3), mlx-vlm>=0.6.5 (pip picks the newest, 0.7.10,
+#     which needs mlx>=0.32.4 and no longer imports mlx-lm), mlx>=0.29.0.
+#   rapid-mlx 0.16.10: mlx-lm>=0.31.3,<0.32 (0.31.3), mlx-vlm==0.7.2 (needs mlx>=0.32.2), mlx>=0.32.1,<0.33.
+# Both wheels ship a package named ``vllm_mlx`` (Rapid-MLX is a fork), so they cannot share a bucket.
+# Not part of BUCKETS: tests/test_coexist.py runs tests/coexist in them when KVPATCH_COEXIST asks for it.
+COEXIST_BUCKETS: tuple[Bucket, ...] = (
+    Bucket("coexist-vllm-mlx", ("mlx[cpu]==0.32.4", "mlx-lm==0.31.3", "mlx-vlm==0.7.10", "vllm-mlx==0.6.0")),
+    Bucket("coexist-rapid-mlx", ("mlx[cpu]==0.32.4", "mlx-lm==0.31.3", "mlx-vlm==0.7.2", "rapid-mlx==0.16.10")),
+)
+
+COEXIST_BY_NAME: dict[str, Bucket] = {b.name: b for b in COEXIST_BUCKETS}
