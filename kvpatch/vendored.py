@@ -116,6 +116,8 @@ class _State:
     lock: threading.RLock = field(default_factory=threading.RLock)
     installed: list[_Installed] = field(default_factory=list)
     hooked: set[str] = field(default_factory=set)
+    #: The last state :func:`apply` gave each (patch id, copy path) that it did not patch.
+    notes: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 _state = _State()
@@ -349,7 +351,8 @@ def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, 
     needles = re.compile("|".join(sorted(re.escape(u.first_line) for entries in upstream.values() for u in entries)))
     found: list[Copy] = []
     with _state.lock:
-        patched = {(i.copy.patch_id, i.copy.path): i.copy.state for i in _state.installed}
+        patched = dict(_state.notes)
+        patched.update({(i.copy.patch_id, i.copy.path): i.copy.state for i in _state.installed})
     candidates = dict(_candidate_modules(modules))
     if installed:
         for module, path in _installed_dependents():
@@ -389,9 +392,11 @@ def _install(engine: Engine, copy: Copy) -> None:
     static = inspect.getattr_static(owner, name)
     wrapper = type(static) if isinstance(static, (classmethod, staticmethod)) else None
     original = static.__func__ if wrapper else getattr(owner, name)
+    ours = any(i.owner is owner and i.name == name and i.replacement is static for i in _state.installed)
     code = getattr(inspect.unwrap(original), "__code__", None)
     home = _module_file(copy.module)
-    if code is None or home is None or Path(code.co_filename).resolve() != home.resolve():
+    if not ours and (code is None or home is None or Path(code.co_filename).resolve() != home.resolve()):
+        # Someone replaced the copy after import: their code is not what the fingerprint matched.
         copy.state = "not patched: the attribute is no longer the copy's own code (replaced after import)"
         return
     replacement = patch.builders[target](original)
@@ -434,10 +439,12 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
                     copy.state = f"not patched: {copy.patch_id} is not applied to the installed upstream here"
                     continue
                 try:
-                    _install(engine, copy)
+                    _install(engine, copy)  # stacks on a copy kvpatch patched already (engine order)
                 except Exception as exc:
                     copy.state = f"not patched: {type(exc).__name__}: {exc}"
                     log.warning("kvpatch: vendored copy %s not patched: %s", copy.path, copy.state)
+                if copy.state != "patched":
+                    _state.notes[(copy.patch_id, copy.path)] = copy.state
         return copies
     except Exception as exc:  # kvpatch never raises into its host
         log.warning("kvpatch: patching vendored copies failed: %s: %s", type(exc).__name__, exc)
@@ -461,6 +468,7 @@ def restore() -> list[str]:
             item.copy.state = "found"
             restored.append(item.copy.path)
         _state.installed.clear()
+        _state.notes.clear()
     return restored
 
 

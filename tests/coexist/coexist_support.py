@@ -55,5 +55,7 @@ def run_scenario(*args: str, order: str, env: dict[str, str] | None = None, time
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise AssertionError(f"scenario {args} ({order}) failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"scenario {args} ({order}) failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+        )
     return json.loads(lines[-1][len("RESULT ") :])

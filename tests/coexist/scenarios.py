@@ -241,6 +241,53 @@ def scenario_alias(order: str) -> dict[str, Any]:
     return {"active": active, "deactivated": restored, "status": status_of("max-kv-size-ignored")}
 
 
+def offset_graph(cache_class: Any) -> dict[int, int]:
+    """Decode 60 steps on a left-padded batch cache, evaluating only what attention reads (a NoPE layer):
+    edges of the lazy graph behind ``offset`` after 10 and 60 steps (flat when the offset is tied)."""
+    import io
+
+    import mlx.core as mx
+
+    def edges(array: Any) -> int:
+        buf = io.StringIO()
+        mx.export_to_dot(buf, array)
+        return buf.getvalue().count("->")
+
+    cache = cache_class([2, 0])
+    prompt = mx.random.normal((2, 2, 3, 16), key=mx.random.key(0))
+    steps = mx.random.normal((60, 2, 2, 1, 16), key=mx.random.key(1))
+    mx.eval(cache.update_and_fetch(prompt, prompt + 1))
+    out = {}
+    for i in range(60):
+        mx.eval(cache.update_and_fetch(steps[i], steps[i] + 1))
+        if i + 1 in (10, 60):
+            out[i + 1] = edges(cache.offset)
+    return out
+
+
+def scenario_vendored(order: str, module: str = "rapid_mlx.models.mlx_vlm_vendored.cache") -> dict[str, Any]:
+    """Item 6: a vendored copy of mlx-vlm's batch caches (Rapid-MLX's, or one made by the test). Run with or
+    without KVPATCH_VENDORED in the environment."""
+    if order == "kvpatch-first":
+        kvpatch = activate_kvpatch()
+        importlib.import_module("mlx_vlm.models.cache")
+        vendored_module = importlib.import_module(module)
+    else:
+        vendored_module = importlib.import_module(module)
+        importlib.import_module("mlx_vlm.models.cache")
+        kvpatch = activate_kvpatch()
+    from kvpatch import vendored
+
+    copies = {f"{c.patch_id} {c.path}": c.state for c in vendored.scan()}
+    cls = vendored_module.BatchKVCache
+    active = offset_graph(cls)
+    function = qualified(vars(cls)["update_and_fetch"])
+    kvpatch.deactivate()
+    restored = qualified(vars(cls)["update_and_fetch"])
+    after = {f"{c.patch_id} {c.path}": c.state for c in vendored.scan()}
+    return {"copies": copies, "edges": active, "function": function, "restored": restored, "after": after}
+
+
 def main(argv: list[str]) -> int:
     name, order, *rest = argv
     if order not in ORDERS:

@@ -16,7 +16,6 @@ import os
 import pytest
 from coexist_support import installed, needs
 from downstream import DEFAULT_FILES, overlapping_files, run_tests, sdist_tree, tally
-
 from support import child_env
 
 SERVERS = ("vllm-mlx", "rapid-mlx")
