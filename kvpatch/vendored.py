@@ -57,6 +57,7 @@ __all__ = [
     "restore",
     "scan",
     "setting",
+    "target_fingerprint",
 ]
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,17 @@ def _enclosing(lines: list[str], row: int, indent: int, name: str) -> str | None
         parts.append(header.group(2))
         indent = level
     return ".".join(reversed(parts))
+
+
+def target_fingerprint(target: Target) -> str | None:
+    """The fingerprint of ``target``'s code in the installed upstream file (no import, whatever is
+    patched): equal to :func:`kvpatch.engine.fingerprint` of the unpatched object."""
+    path = _module_file(target.module)
+    source = _read(path) if path is not None else None
+    if not source:
+        return None
+    found = _definitions(source, frozenset([target.attribute])).get(target.qualname)
+    return found[0] if found else None
 
 
 def _module_file(name: str) -> Path | None:
@@ -488,6 +500,11 @@ def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
                 _state.hooked.add(name)
 
             def patch_module(module: types.ModuleType, _engine: Engine = engine) -> None:
+                if getattr(getattr(module, "__spec__", None), "_initializing", False):
+                    # still executing (its own imports activated kvpatch): its classes are not there yet;
+                    # kvpatch.vendored.apply() patches it once the import is done
+                    log.info("kvpatch: %s is still being imported; call kvpatch.vendored.apply()", module.__name__)
+                    return
                 apply(_engine, modules=[module.__name__], force=True)
 
             wrapt.register_post_import_hook(patch_module, name)
