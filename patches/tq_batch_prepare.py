@@ -156,9 +156,9 @@ def run_rows(model: Any, rows: list[list[int]], *, mixed: bool) -> tuple[list[li
         kwargs.update(right_pad_per_row=[width - len(r) for r in rows], suffix_lens=[len(r) for r in rows])
     accepted = inspect.signature(cls).parameters
     batch = cls(model, **{k: v for k, v in kwargs.items() if k in accepted})
-    while batch.needs_processing():
-        if not batch.prompt_step():
-            break
+    # One forward over the whole right-padded batch (generate() straight away): what the cache's prepare /
+    # finalize must get right. Chunked prefill (prompt_step) is left out on purpose: mlx-vlm 0.6.x-0.7.0 pick
+    # a padded row's first-token logits from the last chunk only (fixed in 0.7.2), for every cache class.
     generation = batch.generate(lambda logprobs: mx.argmax(logprobs, axis=-1), lambda token: False)
     tokens: dict[int, list[int]] = {uid: [] for uid in range(len(rows))}
     for _ in range(8):
