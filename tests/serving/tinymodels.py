@@ -48,6 +48,38 @@ KINDS: dict[str, dict[str, Any]] = {
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
     },
+    # Hybrid: LFM2's short convolutions (ArraysCache state) with one attention layer.
+    "lfm2": {
+        "model_type": "lfm2",
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "block_ff_dim": 128,
+        "full_attn_idxs": [1],
+    },
+    # Sliding window: cohere2's first layer keeps an 8-token window (RotatingKVCache), the second is global.
+    "cohere2": {
+        "model_type": "cohere2",
+        "hidden_size": 64,
+        "head_dim": 32,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": VOCAB,
+        "sliding_window": 8,
+        "sliding_window_pattern": 2,
+    },
     # NoPE layers: SmolLM3 leaves RoPE out of every 4th layer (no_rope_layers[i] == 0): those layers never
     # read the cache offset, which is where offset-detach's lazy chain grows.
     "smollm3": {
@@ -56,7 +88,7 @@ KINDS: dict[str, dict[str, Any]] = {
         "num_hidden_layers": 4,
         "intermediate_size": 128,
         "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": 1,  # a small KV cache (0.5 KB per token and row), so other growth shows
         "rms_norm_eps": 1e-5,
         "vocab_size": VOCAB,
         "rope_theta": 10000.0,
