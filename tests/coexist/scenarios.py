@@ -138,17 +138,25 @@ def lookup(module: str, path: str) -> Any:
     return obj
 
 
+SERVER_ATTRS: dict[str, str] = {}  # what the server put on each shared attribute, right after it patched
+
+
 def prepare(server: str, order: str) -> Any:
     """Import upstream, apply the server's patches and kvpatch in ``order``; return kvpatch."""
+
+    def server_patches() -> None:
+        SERVER_PATCHES[server]()
+        SERVER_ATTRS.update({f"{m}.{p}": qualified(lookup(m, p)) for m, p, _ in SHARED[server]})
+
     if order == "kvpatch-first":
         kvpatch = activate_kvpatch()
         importlib.import_module("mlx_lm.generate")
         importlib.import_module("mlx_lm.models.base")
-        SERVER_PATCHES[server]()
+        server_patches()
     else:
         importlib.import_module("mlx_lm.generate")
         importlib.import_module("mlx_lm.models.base")
-        SERVER_PATCHES[server]()
+        server_patches()
         kvpatch = activate_kvpatch()
     return kvpatch
 
@@ -198,7 +206,7 @@ def scenario_restore(order: str, server: str, operation: str) -> dict[str, Any]:
     else:
         raise SystemExit(f"unknown operation {operation}")
     after = {f"{m}.{p}": qualified(lookup(m, p)) for m, p, _ in shared}
-    result: dict[str, Any] = {"before": before, "inside": inside, "after": after}
+    result: dict[str, Any] = {"server": dict(SERVER_ATTRS), "before": before, "inside": inside, "after": after}
     if server == "rapid-mlx":
         result["mixed_batch_error"] = mixed_batch_crashes()
     return result

@@ -62,6 +62,19 @@ def test_restore_leaves_server_wrappers_in_place(server, operation):
         assert r["mixed_batch_error"] is None, r
 
 
+@pytest.mark.parametrize("server", ["vllm-mlx", "rapid-mlx"])
+def test_deactivate_after_late_activation_gives_back_the_server_function(server):
+    """The other order: kvpatch activated late, on top of the server's functions; deactivate() must put the
+    server's functions back (not upstream's)."""
+    needs(server)
+    r = run_scenario("restore", server, "deactivate", order="server-first")
+    for attribute, function in r["server"].items():
+        assert "kvpatch" not in function, r
+        assert r["after"][attribute] == function, f"deactivate() left {r['after'][attribute]} on {attribute}: {r}"
+    if server == "rapid-mlx":
+        assert r["mixed_batch_error"] is None, r
+
+
 # -- items 3 and 4 ---------------------------------------------------------------------------------
 def _advice_for(r: dict, patch_id: str) -> list[str]:
     return [reason for reason in r["reasons"] if reason.startswith(f"{patch_id}:")]
