@@ -92,13 +92,12 @@ COPY_RELEASES = {"mlx_lm": ("0.28.0", "0.32.2"), "mlx_vlm": ("0.6.4", "0.7.10")}
 
 @pytest.mark.parametrize("package", ["mlx_lm", "mlx_vlm"])
 def test_vendored_copy_found_and_patched_on_request(run_py, tmp_path, package):
+    import importlib.metadata
     import os
 
     import kvpatch
     from kvpatch.gate import Action
     from kvpatch.testing import natural_decision
-
-    import importlib.metadata
 
     if importlib.util.find_spec(package) is None:
         pytest.skip(f"{package} is not installed here")
