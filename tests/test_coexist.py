@@ -16,7 +16,10 @@ import pytest
 from matrix import COEXIST_BUCKETS
 from support import REPO, child_env
 
-from kvpatch.envs import bucket_environ, build
+try:
+    from kvpatch.maint.envs import bucket_environ, build
+except ImportError:  # older layout
+    from kvpatch.envs import bucket_environ, build  # type: ignore[no-redef]
 
 LEVEL = os.environ.get("KVPATCH_COEXIST", "").strip().lower()
 if LEVEL in ("", "0", "off", "no", "none"):

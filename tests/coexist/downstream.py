@@ -21,7 +21,10 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvpatch.envs import cache_dir
+try:  # kvpatch.maint.envs from the maintainer-subpackage move on; kvpatch.envs before it
+    from kvpatch.maint.envs import cache_dir
+except ImportError:  # pragma: no cover - older layout
+    from kvpatch.envs import cache_dir  # type: ignore[no-redef]
 
 #: Test files run by default (KVPATCH_COEXIST=1): the ones aimed at the attributes both the server and
 #: kvpatch patch. KVPATCH_COEXIST=full runs every test file that touches mlx-lm / mlx-vlm caches,

@@ -85,7 +85,10 @@ class Server:
         cmd = [sys.executable, "-m", module, "--model", str(self.model), "--host", HOST, "--port", str(self.port)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **self.env}
         if self.kind == "vlm":
-            from kvpatch.envs import layer
+            try:
+                from kvpatch.maint.envs import layer
+            except ImportError:  # older layout
+                from kvpatch.envs import layer  # type: ignore[no-redef]
 
             extra = [str(layer(req)) for req in VLM_SERVER_LAYERS]
             env["PYTHONPATH"] = os.pathsep.join([env.get("PYTHONPATH", ""), *extra]).strip(os.pathsep)
