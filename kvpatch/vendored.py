@@ -498,13 +498,14 @@ def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
                 if name in _state.hooked:
                     continue
                 _state.hooked.add(name)
+            current = sys.modules.get(name)
+            if current is not None and getattr(getattr(current, "__spec__", None), "_initializing", False):
+                # Activation came from inside this module's own import (it imports upstream): its classes
+                # are not defined yet and wrapt would call the hook now, never again. Left to apply().
+                log.info("kvpatch: %s is still being imported; call kvpatch.vendored.apply()", name)
+                continue
 
             def patch_module(module: types.ModuleType, _engine: Engine = engine) -> None:
-                if getattr(getattr(module, "__spec__", None), "_initializing", False):
-                    # still executing (its own imports activated kvpatch): its classes are not there yet;
-                    # kvpatch.vendored.apply() patches it once the import is done
-                    log.info("kvpatch: %s is still being imported; call kvpatch.vendored.apply()", module.__name__)
-                    return
                 apply(_engine, modules=[module.__name__], force=True)
 
             wrapt.register_post_import_hook(patch_module, name)
