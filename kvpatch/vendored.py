@@ -110,6 +110,8 @@ class _Installed:
     had_own: bool
     raw: Any
     replacement: Any
+    #: The engine's restore record (``kvpatch.surgery.Change``) where this kvpatch has the surgery module.
+    change: Any = None
 
 
 @dataclass
@@ -411,18 +413,50 @@ def _install(engine: Engine, copy: Copy) -> None:
         # Someone replaced the copy after import: their code is not what the fingerprint matched.
         copy.state = "not patched: the attribute is no longer the copy's own code (replaced after import)"
         return
+    own = vars(owner)
+    had_own = name in own
+    raw = own[name] if had_own else _MISSING
+    surgery = _surgery()
+    if surgery is not None:
+        # The engine's own rules: the replacement carries the original's metadata and kvpatch's mark, and
+        # restore puts back only what is still kvpatch's (foreign wrappers stay, wrapt proxies get a splice).
+        if surgery.carries(static, copy.patch_id):
+            copy.state = "patched"
+            return
+        where = Target(copy.module, copy.qualname)
+        function = surgery.prepare(copy.patch_id, where, owner, original, patch.builders[target])
+        if function is original:
+            copy.state = "not patched: the patch's builder declined for this copy"
+            return
+        stored = wrapper(function) if wrapper is not None else function
+        setattr(owner, name, stored)
+        change = surgery.Change(
+            patch_id=copy.patch_id, target=where, owner=owner, name=name, had_own=had_own,
+            raw_original=raw if raw is not _MISSING else surgery.MISSING, original=original, stored=stored,
+            function=function,
+        )  # fmt: skip
+        _state.installed.append(_Installed(copy, owner, name, had_own, raw, stored, change))
+        copy.state = "patched"
+        return
     replacement = patch.builders[target](original)
     if replacement is original:
         copy.state = "not patched: the patch's builder declined for this copy"
         return
     if wrapper is not None:
         replacement = wrapper(replacement)
-    own = vars(owner)
-    had_own = name in own
-    raw = own[name] if had_own else _MISSING
     setattr(owner, name, replacement)
     _state.installed.append(_Installed(copy, owner, name, had_own, raw, replacement))
     copy.state = "patched"
+
+
+def _surgery() -> Any:
+    """The engine's surgery module where this kvpatch has one (install/restore rules shared with upstream
+    targets), else None (this module's own restore records are used)."""
+    try:
+        from . import surgery  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        return None
+    return surgery
 
 
 def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> list[Copy]:
@@ -469,6 +503,15 @@ def restore() -> list[str]:
     restored = []
     with _state.lock:
         for item in reversed(_state.installed):
+            if item.change is not None:
+                surgery = _surgery()
+                note = surgery.restore(item.change) if surgery is not None else None
+                if note:
+                    log.warning("kvpatch: vendored copy: %s", note)
+                    continue
+                item.copy.state = "found"
+                restored.append(item.copy.path)
+                continue
             current = vars(item.owner).get(item.name, _MISSING)
             if current is not item.replacement:
                 log.warning("kvpatch: %s was replaced after kvpatch patched it; left as it is", item.copy.path)

@@ -70,6 +70,6 @@ def test_vendored_copies_patched_only_when_opted_in(order):
     for patch_id, path in EXPECTED:
         assert on["copies"][f"{patch_id} {path}"] == "patched", on
     assert on["edges"]["60"] == on["edges"]["10"], f"offset-detach's fix did not reach the copy: {on}"
-    assert on["function"].startswith("kvpatch."), on
-    assert on["restored"] == f"{MODULE}.BatchKVCache.update_and_fetch", on  # deactivate() put the copy back
+    assert "kvpatch" in on["function"], on  # the code that runs is kvpatch's delta
+    assert on["restored"].endswith("rapid_mlx/models/mlx_vlm_vendored/cache.py"), on  # deactivate() put it back
     assert all(state.startswith("found") for state in on["after"].values()), on
