@@ -177,6 +177,19 @@ def scenario_make_cache(order: str) -> dict[str, Any]:
     }
 
 
+def scenario_liveness(order: str, server: str) -> dict[str, Any]:
+    """Item 1, the other way round: a server wrapper on top of kvpatch's replacement that calls it (Rapid-MLX's
+    slot guard and quantized-SDPA wrapper hold it in their closure; no ``__wrapped__``). The fix still runs."""
+    prepare(server, order)
+    result: dict[str, Any] = {
+        "status": {pid: status_of(pid) for _, _, pid in SHARED[server]},
+        "require_applied": require_applied(),
+    }
+    if server == "rapid-mlx":
+        result["mixed_batch_error"] = mixed_batch_crashes()
+    return result
+
+
 def scenario_restore(order: str, server: str, operation: str) -> dict[str, Any]:
     """Item 2: kvpatch's restore paths (deactivate, suspend/resume, testing.without, in-process verify)
     must leave a server's wrappers where the server put them."""

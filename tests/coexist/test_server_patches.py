@@ -46,6 +46,18 @@ def test_status_tells_whether_the_fix_is_still_reached(order):
     assert (st["state"] == "applied") == r["bounded"], r
 
 
+def test_status_counts_a_wrapper_that_calls_the_fix_through_its_closure():
+    """Rapid-MLX wraps kvpatch's replacements (kvpatch first) and calls them from a closure, with no
+    ``__wrapped__``: the fix still runs (the mixed batch decodes), so the patch is not "overridden" and
+    ``require_applied()`` passes. (A ``__wrapped__``-only check reports both patches overridden.)"""
+    needs("rapid-mlx")
+    r = run_scenario("liveness", "rapid-mlx", order="kvpatch-first")
+    assert r["mixed_batch_error"] is None, r
+    for patch_id, st in r["status"].items():
+        assert st["state"] == "applied", f"{patch_id}: the fix is reached through the server's closure: {r}"
+    assert r["require_applied"] is None, r
+
+
 # -- item 2 ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("operation", ["deactivate", "suspend", "without", "verify"])
 @pytest.mark.parametrize("server", ["vllm-mlx", "rapid-mlx"])
