@@ -103,6 +103,7 @@ def run_tests(tree: Path, files: list[str], env: dict[str, str], timeout: int = 
         xml = Path(tmp) / "junit.xml"
         subprocess.run(
             [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+             "--continue-on-collection-errors",
              f"--junitxml={xml}", "-o", "junit_family=xunit2"],
             cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
