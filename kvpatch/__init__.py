@@ -11,6 +11,8 @@ tiny ``.pth`` bootstrap that costs nothing to processes that never import them).
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 from ._warn import emit as _emit
@@ -71,6 +73,10 @@ def activate() -> Engine | None:
         engine = get_engine()
         if engine.config.enabled:
             engine.activate()
+            if os.environ.get("KVPATCH_VENDORED"):  # opt-in: patch vendored copies (kvpatch.vendored)
+                from . import vendored
+
+                vendored.hook(engine)
         return engine
     except Exception as exc:  # kvpatch must never break the user's program
         _emit(f"kvpatch could not activate: {type(exc).__name__}: {exc}", key="activate")
@@ -81,6 +87,9 @@ def deactivate() -> None:
     """Restore every patched original in this process."""
     if _engine is not None:
         _engine.deactivate()
+    vendored = sys.modules.get(f"{__name__}.vendored")
+    if vendored is not None:
+        vendored.restore()
 
 
 def records() -> list[PatchStatus]:

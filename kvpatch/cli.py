@@ -1,6 +1,6 @@
 """Command line: the ``kvpatch`` console script (also ``python -m kvpatch``).
 
-status [-v] [--json] [--check] [--verify]   audit what is applied and why
+status [-v] [--json] [--check] [--verify] [--scan] audit what is applied and why
 verify [--json] [--missing]             measure and cache the verdicts this environment's imports read
 run -m MODULE [ARGS...] | run SCRIPT [ARGS...]   run a program with kvpatch active
 compat [--write | --check]              print, write or check COMPAT.md from the registry (maintainers)
@@ -104,12 +104,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from .status import build_report, format_text
 
-    report = build_report(_engine(), verify=args.verify, settle=not args.no_settle, fresh=args.fresh)
+    engine = _engine()
+    report = build_report(engine, verify=args.verify, settle=not args.no_settle, fresh=args.fresh)
+    copies = None
+    if args.scan:
+        from .vendored import format_copies, scan
+
+        copies = scan(engine, installed=True)
+        report.data["vendored"] = [c.as_dict() for c in copies]
     code = report.exit_code if (args.check or args.verify) else EXIT_CLEAN
     if args.json:
         _emit(json.dumps(report.data, indent=2, sort_keys=False))
     else:
         _emit(format_text(report, verbose=args.verbose, width=_terminal_width()))
+        if copies is not None:
+            _emit(format_copies(copies))
     return code
 
 
@@ -224,6 +233,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--no-settle", action="store_true", help="predictions only: read package metadata, import nothing of upstream"
+    )
+    p.add_argument(
+        "--scan",
+        action="store_true",
+        help="also list vendored copies of patched upstream code in installed servers (reads files only)",
     )
     p.set_defaults(func=cmd_status)
 

@@ -14,15 +14,15 @@ import subprocess
 import sys
 
 from kvpatch.maint.envs import bucket_environ
-from kvpatch.maint.matrix import BUCKETS
+from kvpatch.maint.matrix import BUCKETS, COEXIST_BUCKETS
 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        names = ", ".join(b.name for b in BUCKETS)
+        names = ", ".join(b.name for b in BUCKETS + COEXIST_BUCKETS)
         print(f"usage: in_bucket.py BUCKET -- COMMAND [ARGS...]\nbuckets: {names}", file=sys.stderr)
         return 2
-    by_name = {b.name: b for b in BUCKETS}
+    by_name = {b.name: b for b in BUCKETS + COEXIST_BUCKETS}
     if argv[0] not in by_name:
         print(f"unknown bucket {argv[0]!r}; known: {', '.join(by_name)}", file=sys.stderr)
         return 2

@@ -136,6 +136,44 @@ BUCKETS: tuple[Bucket, ...] = LM_BUCKETS + VLM_BUCKETS
 
 BY_NAME: dict[str, Bucket] = {b.name: b for b in BUCKETS}
 
+# Coexistence: downstream servers that carry their own monkey patches on the attributes kvpatch patches,
+# with the mlx-lm / mlx-vlm releases their newest wheels pin (read from each wheel's METADATA):
+#   vllm-mlx 0.6.0: mlx-lm>=0.31.3,<0.32.0 (so 0.31.3), mlx-vlm>=0.6.5 (pip picks the newest, 0.7.10,
+#     which needs mlx>=0.32.4 and no longer imports mlx-lm), mlx>=0.29.0.
+#   rapid-mlx 0.16.10: mlx-lm>=0.31.3,<0.32 (0.31.3), mlx-vlm==0.7.2 (needs mlx>=0.32.2), mlx>=0.32.1,<0.33.
+# Both wheels ship a package named ``vllm_mlx`` (Rapid-MLX is a fork), so they cannot share a bucket.
+# Not part of BUCKETS: tests/test_coexist.py runs tests/coexist in them when KVPATCH_COEXIST asks for it.
+# What the servers' own test files import beyond the shared base (their FastAPI apps, JSON-schema
+# validation of tool calls); without them 5 of vllm-mlx's and 13 of Rapid-MLX's overlapping test files do
+# not even collect.
+_COEXIST_EXTRA = (
+    "fastapi==0.165.0",
+    "starlette==1.10.0",
+    "uvicorn==0.54.0",
+    "h11==0.16.0",
+    "opentelemetry-api==1.45.2",
+    "python-multipart==0.0.34",
+    "jsonschema==4.26.0",
+    "jsonschema-specifications==2025.9.1",
+    "referencing==0.37.0",
+    "rpds-py==2026.9.1",
+    "attrs==26.1.0",
+)
+COEXIST_BUCKETS: tuple[Bucket, ...] = (
+    Bucket(
+        "coexist-vllm-mlx",
+        ("mlx[cpu]==0.32.4", "mlx-lm==0.31.3", "mlx-vlm==0.7.10", "vllm-mlx==0.6.0"),
+        _COEXIST_EXTRA,
+    ),
+    Bucket(
+        "coexist-rapid-mlx",
+        ("mlx[cpu]==0.32.4", "mlx-lm==0.31.3", "mlx-vlm==0.7.2", "rapid-mlx==0.16.10"),
+        _COEXIST_EXTRA,
+    ),
+)
+
+COEXIST_BY_NAME: dict[str, Bucket] = {b.name: b for b in COEXIST_BUCKETS}
+
 
 def _releases(buckets: tuple[Bucket, ...], distribution: str) -> tuple[str, ...]:
     out = []

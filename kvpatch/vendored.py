@@ -1,0 +1,567 @@
+"""Vendored copies of patched upstream code: found on demand, patched only when asked.
+
+Servers copy upstream files into their own packages (Rapid-MLX 0.16.10 ships
+``rapid_mlx/models/mlx_vlm_vendored/cache.py``, mlx-vlm 0.7.2's cache module with three hunks of its
+own). Such a copy carries the same bugs kvpatch fixes in ``mlx_vlm.models.cache``, but kvpatch patches
+upstream's classes only: ``status`` says the fix is applied while the server runs the unpatched copy.
+
+:func:`scan` finds them. For every replaced target of a patch, the source fingerprint of the *upstream*
+code (:func:`kvpatch.engine.fingerprint`'s normalisation, computed from the upstream file's text, so
+neither kvpatch's replacement nor anybody else's wrapper is looked at) is compared with every function of
+the same name in the source files of modules already imported outside ``mlx_lm`` / ``mlx_vlm`` /
+``kvpatch`` and the standard library. Cheap: a file is parsed only when its text contains ``def <name>``
+for a target's name (about 0.1 s for the ~1,500 modules a server imports), and nothing is imported or
+executed. Equal fingerprints mean the copy's code is the code the patch's decision was taken on.
+
+``KVPATCH_VENDORED=1`` (opt-in) patches the copies with the same fix: a patch's builders are deltas
+that receive the original, so the vendored original goes in and the replacement goes onto the vendored
+owner. Only patches applied to the installed upstream in this process are used (same code, same
+decision), only where the copy's fingerprint equals the installed upstream's, and never over an
+attribute someone else replaced after import. :func:`apply` does it for the modules imported so far;
+``KVPATCH_VENDORED=1`` also hooks the copies kvpatch knows of (:data:`KNOWN`) and
+``KVPATCH_VENDORED=module,module`` hooks the named modules, so they are patched as they are imported.
+:func:`restore` (also run by ``kvpatch.deactivate()``) takes the replacements out where they are still
+kvpatch's. A builder that inspects upstream's own classes (not the original it receives) declines or
+gates on upstream's state as it does there; such a target stays unpatched in the copy, and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+import re
+import sys
+import threading
+import types
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .record import DISTRIBUTIONS, Kind, Target
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = [
+    "KNOWN",
+    "VARIABLE",
+    "Copy",
+    "apply",
+    "fingerprint_source",
+    "format_copies",
+    "hook",
+    "restore",
+    "scan",
+    "setting",
+    "target_fingerprint",
+]
+
+log = logging.getLogger(__name__)
+
+#: The environment variable: ``1`` patches copies (and hooks :data:`KNOWN`); a comma-separated list of
+#: module names hooks those modules too. Unset, ``0`` or ``off``: copies are only reported.
+VARIABLE = "KVPATCH_VENDORED"
+#: Modules known to hold vendored copies of patched upstream code (hooked when KVPATCH_VENDORED=1).
+KNOWN: tuple[str, ...] = ("rapid_mlx.models.mlx_vlm_vendored.cache",)
+_OFF = frozenset({"", "0", "off", "false", "no"})
+_ON = frozenset({"1", "on", "true", "yes", "all"})
+_SKIP_TOP = frozenset({*DISTRIBUTIONS.values(), "kvpatch", "_kvpatch_boot", "kvpatch_pytest"})
+_MISSING = object()
+#: Same code under another qualified name counts only when it has at least this many lines.
+MIN_LINES = 4
+OTHER_OWNER = "found (other owner: not patched)"
+
+
+@dataclass
+class Copy:
+    """One vendored copy of one patched upstream target."""
+
+    patch_id: str
+    target: str  # the upstream target, "module.Qual.name"
+    module: str  # the module holding the copy
+    qualname: str  # the copy's qualified name inside it
+    fingerprint: str
+    #: "found" (reported only), "patched", or "not patched: <why>".
+    state: str = "found"
+
+    @property
+    def path(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "patch": self.patch_id,
+            "target": self.target,
+            "copy": self.path,
+            "fingerprint": self.fingerprint,
+            "state": self.state,
+        }
+
+
+@dataclass
+class _Installed:
+    copy: Copy
+    owner: Any
+    name: str
+    had_own: bool
+    raw: Any
+    replacement: Any
+    #: The engine's restore record (``kvpatch.surgery.Change``) where this kvpatch has the surgery module.
+    change: Any = None
+
+
+@dataclass
+class _State:
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    installed: list[_Installed] = field(default_factory=list)
+    hooked: set[str] = field(default_factory=set)
+    #: The last state :func:`apply` gave each (patch id, copy path) that it did not patch.
+    notes: dict[tuple[str, str], str] = field(default_factory=dict)
+
+
+_state = _State()
+
+
+def setting(environ: Mapping[str, str] | None = None) -> tuple[bool, tuple[str, ...]]:
+    """(patch copies?, modules to hook) from ``KVPATCH_VENDORED``."""
+    raw = (os.environ if environ is None else environ).get(VARIABLE, "").strip()
+    if raw.lower() in _OFF:
+        return False, ()
+    if raw.lower() in _ON:
+        return True, KNOWN
+    names = tuple(n.strip() for n in raw.split(",") if n.strip() and n.strip().lower() not in _ON)
+    return True, tuple(dict.fromkeys([*KNOWN, *names]))
+
+
+# -- fingerprints from source text ----------------------------------------------------------------
+def fingerprint_source(text: str) -> str:
+    """:func:`kvpatch.engine.fingerprint`'s hash of a definition's source text."""
+    lines = [line.strip() for line in text.splitlines()]
+    body = "\n".join(line for line in lines if line and not line.startswith("#"))
+    return hashlib.sha256(body.encode()).hexdigest()[:12]
+
+
+def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
+    """``{qualname: (fingerprint, first line, lines)}`` of every function named in ``names`` defined in
+    ``source`` at module level or inside classes (any depth), found by indentation, not by parsing: a
+    third of the time of ``ast.parse`` on the large cache modules, with the same block ``inspect.getsource``
+    gives for ordinary code (a block it reads differently only misses a copy, it never invents one)."""
+    if not names:
+        return {}
+    pattern = re.compile(
+        r"^([ \t]*)(?:async[ \t]+)?def[ \t]+(" + "|".join(sorted(map(re.escape, names))) + r")[ \t]*\(", re.M
+    )
+    lines = source.split("\n")
+    found: dict[str, tuple[str, str, int]] = {}
+    row, position = 0, 0
+    for match in pattern.finditer(source):
+        row += source.count("\n", position, match.start())
+        position = match.start()
+        indent = len(match.group(1).expandtabs())
+        qualname = _enclosing(lines, row, indent, match.group(2))
+        if qualname is None:
+            continue
+        first = row
+        while first > 0 and lines[first - 1].strip().startswith("@"):
+            first -= 1
+        end = row + 1
+        last = row
+        while end < len(lines):
+            text = lines[end]
+            if text.strip():
+                if len(text) - len(text.lstrip()) <= indent and not text.lstrip().startswith(("#", ")")):
+                    break
+                last = end
+            end += 1
+        block = "\n".join(lines[first : last + 1])
+        kept = [line.strip() for line in block.splitlines() if line.strip() and not line.strip().startswith("#")]
+        found[qualname] = (fingerprint_source(block), kept[0], len(kept))
+    return found
+
+
+def _enclosing(lines: list[str], row: int, indent: int, name: str) -> str | None:
+    """The qualified name of a ``def`` at ``row``: its enclosing classes, or None inside a function."""
+    parts = [name]
+    for index in range(row - 1, -1, -1):
+        if indent == 0:
+            break
+        text = lines[index]
+        stripped = text.lstrip()
+        if not stripped or stripped.startswith(("#", "@", ")")):
+            continue
+        level = len(text) - len(stripped)
+        if level >= indent:
+            continue
+        header = re.match(r"(class|def|async[ \t]+def)[ \t]+(\w+)", stripped)
+        if header is None:
+            if stripped.startswith(('"', "'")) or text[:1].isspace():
+                continue  # a continuation line or a string inside something
+            return None  # module-level code (if/try) holding the def: not a stable name
+        if header.group(1) != "class":
+            return None  # a function inside a function
+        parts.append(header.group(2))
+        indent = level
+    return ".".join(reversed(parts))
+
+
+def target_fingerprint(target: Target) -> str | None:
+    """The fingerprint of ``target``'s code in the installed upstream file (no import, whatever is
+    patched): equal to :func:`kvpatch.engine.fingerprint` of the unpatched object."""
+    path = _module_file(target.module)
+    source = _read(path) if path is not None else None
+    if not source:
+        return None
+    found = _definitions(source, frozenset([target.attribute])).get(target.qualname)
+    return found[0] if found else None
+
+
+def _module_file(name: str) -> Path | None:
+    """The ``.py`` file of module ``name``, without importing it (or any package above it)."""
+    module = sys.modules.get(name)
+    origin = getattr(module, "__file__", None) if module is not None else None
+    if origin is None:
+        top, *rest = name.split(".")
+        try:
+            spec = find_spec(top)  # a top-level name: finds, never imports
+        except (ImportError, ValueError):
+            return None
+        if spec is None:
+            return None
+        if not rest:
+            origin = spec.origin
+        else:
+            for base in spec.submodule_search_locations or ():
+                stem = Path(base, *rest)
+                for candidate in (stem.with_suffix(".py"), stem / "__init__.py"):
+                    if candidate.is_file():
+                        return candidate
+            return None
+    if not origin or not origin.endswith(".py"):
+        return None
+    path = Path(origin)
+    return path if path.is_file() else None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+@dataclass(frozen=True)
+class _Upstream:
+    patch_id: str
+    target: Target
+    first_line: str  # the normalised first line (``def ...`` or a decorator): the cheap pre-filter
+    size: int  # normalised lines
+
+
+def _applicable(engine: Engine) -> set[str]:
+    """Patches that apply to the installed upstream here: applied, or decided to apply and waiting for
+    their module (a vendored copy may be imported before upstream's own module)."""
+    out = set()
+    for pid, st in engine.status.items():
+        if st.state.value == "applied" or st.installed:
+            out.add(pid)
+        elif st.decision.action.value == "apply" and st.state.value in ("pending", "overridden"):
+            out.add(pid)
+    return out
+
+
+def _upstream_fingerprints(engine: Engine) -> dict[str, list[_Upstream]]:
+    """``{fingerprint: [upstream target]}`` of every replaced target of a patch that applies here, read
+    from the installed upstream files (the release's own code, whatever is patched in this process)."""
+    applicable = _applicable(engine)
+    out: dict[str, list[_Upstream]] = {}
+    texts: dict[str, dict[str, tuple[str, str, int]]] = {}
+    for patch in engine.patches:
+        if patch.id not in applicable:
+            continue
+        for target in patch.targets:
+            if target.kind is not Kind.REPLACE:
+                continue
+            if target.module not in texts:
+                path = _module_file(target.module)
+                source = _read(path) if path is not None else None
+                wanted = frozenset(t.attribute for p in engine.patches for t in p.targets if t.module == target.module)
+                texts[target.module] = _definitions(source, wanted) if source else {}
+            found = texts[target.module].get(target.qualname)
+            if found is not None:
+                fp, first, size = found
+                out.setdefault(fp, []).append(_Upstream(patch.id, target, first, size))
+    return out
+
+
+def _candidate_modules(modules: Iterable[str] | None) -> list[tuple[str, Path]]:
+    stdlib: frozenset[str] = getattr(sys, "stdlib_module_names", frozenset())
+    names = list(sys.modules) if modules is None else list(modules)
+    out = []
+    for name in names:
+        top = name.split(".")[0]
+        if top in _SKIP_TOP or top in stdlib or name == "__main__":
+            continue
+        path = _module_file(name)
+        if path is not None:
+            out.append((name, path))
+    return out
+
+
+_DEPENDS = re.compile(r"^(mlx|mlx[-_]lm|mlx[-_]vlm)\b", re.I)
+
+
+def _installed_dependents() -> list[tuple[str, Path]]:
+    """``(module name, file)`` of every ``.py`` file of an installed distribution that requires mlx,
+    mlx-lm or mlx-vlm (the only code that can hold a copy that matters: downstream servers), read from
+    the distributions' RECORD files without importing anything."""
+    import importlib.metadata as metadata
+
+    out: list[tuple[str, Path]] = []
+    seen: set[str] = set()
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if not name or name in seen or name in ("mlx", "mlx-lm", "mlx-vlm", "mlx-cpu", "mlx-metal", "kvpatch"):
+            continue
+        seen.add(name)
+        if not any(_DEPENDS.match(req) for req in dist.requires or ()):
+            continue
+        for file in dist.files or ():
+            if file.suffix != ".py" or ".." in file.parts:
+                continue
+            parts = list(file.with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            if not parts or not all(p.isidentifier() for p in parts):
+                continue
+            path = Path(str(dist.locate_file(file)))
+            if path.is_file():
+                out.append((".".join(parts), path))
+    return out
+
+
+def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, installed: bool = False) -> list[Copy]:
+    """Vendored copies of the targets of patches that apply here, among ``modules`` (default: every
+    imported module outside mlx_lm / mlx_vlm / kvpatch and the standard library) and, with ``installed``,
+    the files of every installed distribution that requires mlx / mlx-lm / mlx-vlm (what ``kvpatch
+    status --scan`` looks at: a fresh CLI process has imported no server). Reads source files only.
+
+    A copy is a function whose fingerprint equals an upstream target's and whose qualified name is the
+    target's (same class, same method). The same code under another name (a subclass that copied a
+    method) is reported too, when it is more than a few lines, with state "found (other owner)": such
+    code has the bug as well, but it is not patched.
+    """
+    if engine is None:
+        from . import get_engine
+
+        engine = get_engine()
+    upstream = _upstream_fingerprints(engine)
+    if not upstream:
+        return []
+    names = frozenset(u.target.attribute for entries in upstream.values() for u in entries)
+    needles = re.compile("|".join(sorted(re.escape(u.first_line) for entries in upstream.values() for u in entries)))
+    found: list[Copy] = []
+    with _state.lock:
+        patched = dict(_state.notes)
+        patched.update({(i.copy.patch_id, i.copy.path): i.copy.state for i in _state.installed})
+    candidates = dict(_candidate_modules(modules))
+    if installed:
+        for module, path in _installed_dependents():
+            candidates.setdefault(module, path)
+    for module, path in candidates.items():
+        source = _read(path)
+        if not source or needles.search(source) is None:
+            continue
+        for qualname, (fp, _, size) in _definitions(source, names).items():
+            for entry in upstream.get(fp, []):
+                if qualname.rsplit(".", 1)[-1] != entry.target.attribute:
+                    continue
+                same_name = qualname == entry.target.qualname
+                if not same_name and size < MIN_LINES:
+                    continue  # a trivial body (``return True``) says nothing about where it came from
+                copy = Copy(entry.patch_id, entry.target.path, module, qualname, fp)
+                copy.state = patched.get((entry.patch_id, copy.path), "found" if same_name else OTHER_OWNER)
+                found.append(copy)
+    return found
+
+
+# -- patching copies (KVPATCH_VENDORED=1) ----------------------------------------------------------
+def _owner(copy: Copy) -> tuple[Any, str]:
+    owner: Any = sys.modules[copy.module]
+    *parts, name = copy.qualname.split(".")
+    for part in parts:
+        owner = vars(owner).get(part, _MISSING) if isinstance(owner, types.ModuleType) else getattr(owner, part)
+        if owner is _MISSING:
+            raise LookupError(f"{copy.path}: {part} is not a module-level name")
+    return owner, name
+
+
+def _install(engine: Engine, copy: Copy) -> None:
+    patch = next(p for p in engine.patches if p.id == copy.patch_id)
+    target = next(t for t in patch.targets if t.path == copy.target)
+    owner, name = _owner(copy)
+    static = inspect.getattr_static(owner, name)
+    wrapper = type(static) if isinstance(static, (classmethod, staticmethod)) else None
+    original = static.__func__ if wrapper else getattr(owner, name)
+    ours = any(i.owner is owner and i.name == name and i.replacement is static for i in _state.installed)
+    code = getattr(inspect.unwrap(original), "__code__", None)
+    home = _module_file(copy.module)
+    if not ours and (code is None or home is None or Path(code.co_filename).resolve() != home.resolve()):
+        # Someone replaced the copy after import: their code is not what the fingerprint matched.
+        copy.state = "not patched: the attribute is no longer the copy's own code (replaced after import)"
+        return
+    own = vars(owner)
+    had_own = name in own
+    raw = own[name] if had_own else _MISSING
+    surgery = _surgery()
+    if surgery is not None:
+        # The engine's own rules: the replacement carries the original's metadata and kvpatch's mark, and
+        # restore puts back only what is still kvpatch's (foreign wrappers stay, wrapt proxies get a splice).
+        if surgery.carries(static, copy.patch_id):
+            copy.state = "patched"
+            return
+        where = Target(copy.module, copy.qualname)
+        function = surgery.prepare(copy.patch_id, where, owner, original, patch.builders[target])
+        if function is original:
+            copy.state = "not patched: the patch's builder declined for this copy"
+            return
+        stored = wrapper(function) if wrapper is not None else function
+        setattr(owner, name, stored)
+        change = surgery.Change(
+            patch_id=copy.patch_id, target=where, owner=owner, name=name, had_own=had_own,
+            raw_original=raw if raw is not _MISSING else surgery.MISSING, original=original, stored=stored,
+            function=function,
+        )  # fmt: skip
+        _state.installed.append(_Installed(copy, owner, name, had_own, raw, stored, change))
+        copy.state = "patched"
+        return
+    replacement = patch.builders[target](original)
+    if replacement is original:
+        copy.state = "not patched: the patch's builder declined for this copy"
+        return
+    if wrapper is not None:
+        replacement = wrapper(replacement)
+    setattr(owner, name, replacement)
+    _state.installed.append(_Installed(copy, owner, name, had_own, raw, replacement))
+    copy.state = "patched"
+
+
+def _surgery() -> Any:
+    """The engine's surgery module where this kvpatch has one (install/restore rules shared with upstream
+    targets), else None (this module's own restore records are used)."""
+    try:
+        from . import surgery  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        return None
+    return surgery
+
+
+def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> list[Copy]:
+    """Patch the vendored copies found among ``modules`` (default: all imported) with the fixes applied to
+    the installed upstream. Does nothing unless ``KVPATCH_VENDORED`` is on or ``force``. Idempotent;
+    never raises (a copy that cannot be patched says why in its ``state``). Returns the copies."""
+    on, _ = setting()
+    if not (on or force):
+        return []
+    try:
+        if engine is None:
+            from . import get_engine
+
+            engine = get_engine()
+        copies = scan(engine, modules=modules)
+        applied = _applicable(engine)
+        with _state.lock:
+            done = {(i.copy.patch_id, i.copy.path) for i in _state.installed}
+            for copy in copies:
+                if copy.state == OTHER_OWNER:
+                    continue
+                if (copy.patch_id, copy.path) in done:
+                    copy.state = "patched"
+                    continue
+                if copy.patch_id not in applied:
+                    copy.state = f"not patched: {copy.patch_id} is not applied to the installed upstream here"
+                    continue
+                try:
+                    _install(engine, copy)  # stacks on a copy kvpatch patched already (engine order)
+                except Exception as exc:
+                    copy.state = f"not patched: {type(exc).__name__}: {exc}"
+                    log.warning("kvpatch: vendored copy %s not patched: %s", copy.path, copy.state)
+                if copy.state != "patched":
+                    _state.notes[(copy.patch_id, copy.path)] = copy.state
+        return copies
+    except Exception as exc:  # kvpatch never raises into its host
+        log.warning("kvpatch: patching vendored copies failed: %s: %s", type(exc).__name__, exc)
+        return []
+
+
+def restore() -> list[str]:
+    """Take kvpatch's replacements out of vendored copies where they are still in place; returns the paths
+    restored. A replacement someone wrapped since is left (with the wrapper) and logged."""
+    restored = []
+    with _state.lock:
+        for item in reversed(_state.installed):
+            if item.change is not None:
+                surgery = _surgery()
+                note = surgery.restore(item.change) if surgery is not None else None
+                if note:
+                    log.warning("kvpatch: vendored copy: %s", note)
+                    continue
+                item.copy.state = "found"
+                restored.append(item.copy.path)
+                continue
+            current = vars(item.owner).get(item.name, _MISSING)
+            if current is not item.replacement:
+                log.warning("kvpatch: %s was replaced after kvpatch patched it; left as it is", item.copy.path)
+                continue
+            if item.had_own:
+                setattr(item.owner, item.name, item.raw)
+            else:
+                delattr(item.owner, item.name)
+            item.copy.state = "found"
+            restored.append(item.copy.path)
+        _state.installed.clear()
+        _state.notes.clear()
+    return restored
+
+
+def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
+    """With ``KVPATCH_VENDORED`` on: patch copies in the modules it names (and :data:`KNOWN`) as they are
+    imported, and in those already imported. Called when kvpatch activates; never raises."""
+    on, names = setting(environ)
+    if not on:
+        return
+    try:
+        import wrapt
+
+        for name in names:
+            with _state.lock:
+                if name in _state.hooked:
+                    continue
+                _state.hooked.add(name)
+            current = sys.modules.get(name)
+            if current is not None and getattr(getattr(current, "__spec__", None), "_initializing", False):
+                # Activation came from inside this module's own import (it imports upstream): its classes
+                # are not defined yet and wrapt would call the hook now, never again. Left to apply().
+                log.info("kvpatch: %s is still being imported; call kvpatch.vendored.apply()", name)
+                continue
+
+            def patch_module(module: types.ModuleType, _engine: Engine = engine) -> None:
+                apply(_engine, modules=[module.__name__], force=True)
+
+            wrapt.register_post_import_hook(patch_module, name)
+    except Exception as exc:
+        log.warning("kvpatch: could not hook vendored modules: %s: %s", type(exc).__name__, exc)
+
+
+def format_copies(copies: list[Copy]) -> str:
+    """The text ``kvpatch status --scan`` prints."""
+    if not copies:
+        return "vendored copies: none found (scanned imported modules and installed mlx dependents)"
+    lines = [f"vendored copies: {len(copies)} (the same code as a patched upstream target; {VARIABLE}=1 patches them)"]
+    width = max(len(c.path) for c in copies)
+    for c in copies:
+        lines.append(f"  {c.path:<{width}}  = {c.target} [{c.patch_id}]  {c.state}")
+    return "\n".join(lines)

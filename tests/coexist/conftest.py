@@ -1,0 +1,8 @@
+"""Coexistence tests (see coexist_support.py): skipped outside the coexist buckets."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,0 +1,136 @@
+"""kvpatch.vendored against the installed upstream (every bucket): fingerprints read from source files
+agree with ``kvpatch.engine.fingerprint``, and a vendored copy of upstream's cache module (made here, in a
+temporary directory, from the installed wheel's file; never committed) is found by the scan and patched
+with ``KVPATCH_VENDORED``. Rapid-MLX's real copy is tested in tests/coexist."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import pytest
+
+CHILD_FINGERPRINTS = """
+import importlib, json, sys
+import kvpatch
+from kvpatch import vendored
+from kvpatch.engine import fingerprint
+from kvpatch.record import Kind
+out = {}
+for patch in kvpatch.get_engine().patches:
+    for t in patch.targets:
+        if t.kind is not Kind.REPLACE:
+            continue
+        try:
+            obj = importlib.import_module(t.module)
+            for part in t.qualname.split("."):
+                obj = vars(obj)[part] if part in vars(obj) else getattr(obj, part)
+        except Exception:
+            continue
+        obj = getattr(obj, "__func__", obj)
+        if getattr(obj, "__module__", "") != t.module or getattr(obj, "__qualname__", "") != t.qualname:
+            continue  # inherited (a mixin's method) or re-exported: not defined under this name in the file
+        out[t.path] = [fingerprint(obj), vendored.target_fingerprint(t)]
+print(json.dumps(out))
+"""
+
+
+def test_source_fingerprints_match_engine_fingerprint(run_py):
+    if importlib.util.find_spec("mlx_lm") is None and importlib.util.find_spec("mlx_vlm") is None:
+        pytest.skip("no upstream here")
+    pairs = json.loads(run_py(CHILD_FINGERPRINTS, env={"KVPATCH": "off"}).strip().splitlines()[-1])
+    assert pairs, "no target resolved"
+    differ = {path: fp for path, fp in pairs.items() if fp[0] != fp[1]}
+    assert not differ, differ
+
+
+CHILD_COPY = """
+import importlib, io, json, sys
+import mlx.core as mx
+import {package}.models.cache  # kvpatch activates (the copy imports upstream modules itself)
+from kvpatch import vendored
+copy = importlib.import_module("kvpatch_test_vendor.cache")
+if {apply}:
+    vendored.apply()
+found = {{f"{{c.patch_id}} {{c.qualname}}": c.state for c in vendored.scan(modules=["kvpatch_test_vendor.cache"])}}
+edges = None
+cls = getattr(copy, "BatchKVCache", None)
+if cls is not None:
+    def count(a):
+        buf = io.StringIO(); mx.export_to_dot(buf, a); return buf.getvalue().count("->")
+    cache = cls([2, 0])
+    x = mx.random.normal((2, 2, 3, 16), key=mx.random.key(0))
+    mx.eval(cache.update_and_fetch(x, x + 1))
+    edges = []
+    for i in range(30):
+        s = mx.random.normal((2, 2, 1, 16), key=mx.random.key(i + 1))
+        mx.eval(cache.update_and_fetch(s, s + 1))
+        if i + 1 in (5, 30):
+            edges.append(count(cache.offset))
+print(json.dumps({{"found": found, "edges": edges}}))
+"""
+
+
+def _make_copy(tmp_path, package: str) -> None:
+    """kvpatch_test_vendor/cache.py: the installed <package>/models/cache.py, relative imports made absolute."""
+    spec = importlib.util.find_spec(package)
+    source = (spec.submodule_search_locations[0] + "/models/cache.py") if spec else None
+    text = open(source, encoding="utf-8").read()
+    text = re.sub(r"^from \.\.(\w*)", lambda m: f"from {package}.{m.group(1)}".rstrip("."), text, flags=re.M)
+    text = re.sub(r"^from \.(\w+)", lambda m: f"from {package}.models.{m.group(1)}", text, flags=re.M)
+    pkg = tmp_path / "vendor" / "kvpatch_test_vendor"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cache.py").write_text(text)
+
+
+#: Releases the copy test runs on (the two ends of each line's offset-detach range): enough to pin the
+#: behaviour without a child process per bucket for all 29 buckets.
+COPY_RELEASES = {"mlx_lm": ("0.28.0", "0.32.2"), "mlx_vlm": ("0.6.4", "0.7.10")}
+
+
+@pytest.mark.parametrize("package", ["mlx_lm", "mlx_vlm"])
+def test_vendored_copy_found_and_patched_on_request(run_py, tmp_path, package):
+    import importlib.metadata
+    import os
+
+    import kvpatch
+    from kvpatch.gate import Action
+    from kvpatch.testing import natural_decision
+
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed here")
+    if importlib.metadata.version(package.replace("_", "-")) not in COPY_RELEASES[package]:
+        pytest.skip(f"the copy test runs on {package} {', '.join(COPY_RELEASES[package])}")
+    engine = kvpatch.get_engine()
+    module = f"{package}.models.cache"
+    expected = set()
+    for patch in engine.patches:
+        if natural_decision(patch).action is not Action.APPLY or patch.opt_in:
+            continue
+        for t in patch.targets:
+            if t.module == module and t.kind.value == "replace":
+                from kvpatch.vendored import target_fingerprint
+
+                if target_fingerprint(t) is not None:
+                    expected.add(f"{patch.id} {t.qualname}")
+    if not expected:
+        pytest.skip(f"no patch applies to {module} here")
+    _make_copy(tmp_path, package)
+    path = str(tmp_path / "vendor") + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = {"PYTHONPATH": path}
+    off = json.loads(run_py(CHILD_COPY.format(package=package, apply=False), env=env).strip().splitlines()[-1])
+    assert expected <= set(off["found"]), (sorted(expected), off)
+    assert all(s.startswith("found") for s in off["found"].values()), off
+    on = json.loads(
+        run_py(CHILD_COPY.format(package=package, apply=True), env={**env, "KVPATCH_VENDORED": "1"})
+        .strip()
+        .splitlines()[-1]
+    )
+    for key in expected:
+        assert on["found"][key] == "patched", on
+    patched_offset = {"offset-detach BatchKVCache.update_and_fetch", "offset-detach-vlm BatchKVCache.update_and_fetch"}
+    if patched_offset & expected and on["edges"] is not None:
+        assert off["edges"][1] > off["edges"][0], off  # the copy has the bug
+        assert on["edges"][1] == on["edges"][0], on  # and the fix reached it
