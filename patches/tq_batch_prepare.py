@@ -47,6 +47,7 @@ PATCH = Patch(
     distribution="mlx-vlm",
     affected=">=0.5.0,<=0.7.10",
     checked_through="0.7.10",
+    catalogue="N13 (issue 11 item 8)",
     reference="not reported upstream",
     expiry=Expiry(
         "retire when mlx-vlm's BatchTurboQuantKVCache implements prepare()/finalize()",
