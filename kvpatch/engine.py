@@ -112,6 +112,10 @@ def fingerprint(obj: Any) -> str | None:
     ``None`` when the source cannot be read. kvpatch's own replacements are looked through
     (``__wrapped__``), so a patched target has its upstream fingerprint.
     """
+    if isinstance(obj, property):
+        # A property is fingerprinted by its setter (else its getter), as scripts/record_fingerprints.py's ast
+        # method finds it (the last ``def`` of that name). Known limit: a change to the getter alone is not drift.
+        obj = obj.fset or obj.fget
     func = inspect.unwrap(obj) if callable(obj) else obj
     func = getattr(func, "__func__", func)
     try:

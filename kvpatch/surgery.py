@@ -59,6 +59,8 @@ _MAX_CHAIN = 64  # a __wrapped__ chain longer than this is a cycle or a patholog
 #: is the visible mark, but ``functools.wraps`` copies ``__dict__`` (mark included) onto a foreign wrapper,
 #: so only this registry says which functions are really kvpatch's. Kept across ``importlib.reload``.
 _OURS: weakref.WeakKeyDictionary[Any, str] = globals().get("_OURS") or weakref.WeakKeyDictionary()
+#: The same for replacements that are properties (a patched ``meta_state`` setter): id -> (property, patch id).
+_OURS_PROPERTIES: dict[int, tuple[Any, str]] = globals().get("_OURS_PROPERTIES") or {}
 
 
 @dataclass
@@ -113,6 +115,9 @@ def carries(obj: Any, patch_id: str) -> bool:
 def mark_of(obj: Any) -> str | None:
     # Only a real function carries kvpatch's mark: a proxy (wrapt, OpenTelemetry...) forwards attribute
     # reads to what it wraps and would otherwise pass for kvpatch's own replacement.
+    if type(obj) is property:
+        entry = _OURS_PROPERTIES.get(id(obj))
+        return entry[1] if entry is not None and entry[0] is obj else None
     if type(obj) is not types.FunctionType:
         return None
     return _OURS.get(obj)
@@ -145,6 +150,10 @@ def prepare(
     function = build(original)
     if function is original:
         return original
+    if type(function) is property and type(original) is property:
+        # A property replaced by a property (a fixed setter around the original's getter): no metadata to copy.
+        _OURS_PROPERTIES[id(function)] = (function, patch_id)
+        return function
     if type(function) is not types.FunctionType:
         raise TypeError(f"{patch_id}: builder for {target.path} returned {function!r}, not a plain function")
     if original is not None:
