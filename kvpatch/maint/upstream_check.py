@@ -556,7 +556,7 @@ def child_main(argv: Sequence[str]) -> int:
             missing, exists, deps = _missing_targets(patch)
             out["missing"], out["exists"], out["deps"] = missing, exists, deps
             if engine is not None:
-                from .testing import import_targets
+                from ..testing import import_targets
 
                 with contextlib.suppress(ImportError):
                     import_targets(patch)
