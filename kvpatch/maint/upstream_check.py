@@ -835,7 +835,7 @@ def _patched_text(result: dict[str, Any] | None, failure: str | None) -> tuple[s
     if result.get("deps"):
         return f"could not run: missing dependency: {'; '.join(result['deps'])}", None
     if "error" in result:
-        return f"could not run: {result['error']}", False
+        return f"could not run: {result['error']}", None  # no finding: never advice to rework the patch
     finding = result["finding"]
     state = result.get("state", "?")
     if finding["skipped"]:
