@@ -59,8 +59,9 @@ _MAX_CHAIN = 64  # a __wrapped__ chain longer than this is a cycle or a patholog
 #: is the visible mark, but ``functools.wraps`` copies ``__dict__`` (mark included) onto a foreign wrapper,
 #: so only this registry says which functions are really kvpatch's. Kept across ``importlib.reload``.
 _OURS: weakref.WeakKeyDictionary[Any, str] = globals().get("_OURS") or weakref.WeakKeyDictionary()
-#: The same for replacements that are properties (a patched ``meta_state`` setter): id -> (property, patch id).
-_OURS_PROPERTIES: dict[int, tuple[Any, str]] = globals().get("_OURS_PROPERTIES") or {}
+#: The same for replacements that are properties (a patched ``meta_state`` setter), which carry no attributes:
+#: id -> (property, patch id, the original property it replaced).
+_OURS_PROPERTIES: dict[int, tuple[Any, str, Any]] = globals().get("_OURS_PROPERTIES") or {}
 
 
 @dataclass
@@ -91,6 +92,14 @@ def _plain(obj: Any) -> Any:
     return obj.__func__ if type(obj) in (classmethod, staticmethod) else obj
 
 
+def _inner(obj: Any) -> Any:
+    """What ``obj`` wraps: its ``__wrapped__``, or the original of a property kvpatch replaced."""
+    if type(obj) is property:
+        entry = _OURS_PROPERTIES.get(id(obj))
+        return entry[2] if entry is not None and entry[0] is obj else None
+    return getattr(obj, "__wrapped__", None)
+
+
 def chain(obj: Any) -> Iterator[Any]:
     """``obj`` and everything it wraps, following ``__wrapped__`` (classmethod/staticmethod unwrapped)."""
     seen: set[int] = set()
@@ -101,7 +110,7 @@ def chain(obj: Any) -> Iterator[Any]:
         seen.add(id(current))
         yield current
         try:
-            current = _plain(getattr(current, "__wrapped__", None))
+            current = _plain(_inner(current))
         except Exception:  # a proxy whose __wrapped__ raises
             return
 
@@ -152,7 +161,7 @@ def prepare(
         return original
     if type(function) is property and type(original) is property:
         # A property replaced by a property (a fixed setter around the original's getter): no metadata to copy.
-        _OURS_PROPERTIES[id(function)] = (function, patch_id)
+        _OURS_PROPERTIES[id(function)] = (function, patch_id, original)
         return function
     if type(function) is not types.FunctionType:
         raise TypeError(f"{patch_id}: builder for {target.path} returned {function!r}, not a plain function")
@@ -193,7 +202,7 @@ def _walk(obj: Any) -> Iterator[tuple[Any, Any]]:
         if above is None and mark_of(current) is None:
             above = current
         try:
-            inner = getattr(current, "__wrapped__", None)
+            inner = _inner(current)
         except Exception:  # a proxy whose __wrapped__ raises
             inner = None
         if inner is not None:

@@ -149,6 +149,8 @@ def test_import_runs_no_reproduction_and_keeps_random_state(tmp_path, kind):
     if kind in ("archive", "editable", "directory", "git", "newer"):
         # whatever the reproduction decides is left pending, never measured in the user's import
         for pid, (state, _, reason) in decided.items():
+            if state == "not needed" and "the patch declined this backend" in reason:
+                continue  # its builders decline here (e.g. a CUDA-only fix on the CPU): no verdict is needed
             assert state in ("pending verification", "pending"), (pid, state, reason)
             if state == "pending verification":
                 assert "KVPATCH_VERIFY=never" in reason and "kvpatch verify" in reason, reason
