@@ -133,4 +133,8 @@ def test_vendored_copy_found_and_patched_on_request(run_py, tmp_path, package):
     patched_offset = {"offset-detach BatchKVCache.update_and_fetch", "offset-detach-vlm BatchKVCache.update_and_fetch"}
     if patched_offset & expected and on["edges"] is not None:
         assert off["edges"][1] > off["edges"][0], off  # the copy has the bug
-        assert on["edges"][1] == on["edges"][0], on  # and the fix reached it
+        # and the fix reached it: the offset's graph stays bounded (ties every _lazy.EVERY steps, so it need
+        # not be constant between checkpoints), far below the unpatched copy's
+        from kvpatch.patches._lazy import MAX_EDGES
+
+        assert max(on["edges"]) <= MAX_EDGES < off["edges"][1], (on, off, MAX_EDGES)
