@@ -572,7 +572,7 @@ class Engine:
         for obj in surgery.chain(static):  # look through kvpatch replacements installed by another engine
             if surgery.mark_of(obj) is None:
                 return obj
-        return static
+        return _MISSING  # only kvpatch's own objects (an attribute a patch added): no upstream code to compare
 
     def _uninstall(self, st: PatchStatus) -> None:
         """Remove one patch's changes, keeping patches stacked above it on the same attributes.
