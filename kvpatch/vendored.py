@@ -407,7 +407,11 @@ def _install(engine: Engine, copy: Copy) -> None:
     wrapper = type(static) if isinstance(static, (classmethod, staticmethod)) else None
     original = static.__func__ if wrapper else getattr(owner, name)
     ours = any(i.owner is owner and i.name == name and i.replacement is static for i in _state.installed)
-    code = getattr(inspect.unwrap(original), "__code__", None)
+    marks = _surgery()
+    if not ours and marks is not None:  # stacked on another kvpatch replacement of the copy (or an added attribute)
+        ours = any(marks.mark_of(node) is not None for node in marks.chain(static))
+    probe: Any = (original.fset or original.fget) if isinstance(original, property) else original
+    code = getattr(inspect.unwrap(probe), "__code__", None)
     home = _module_file(copy.module)
     if not ours and (code is None or home is None or Path(code.co_filename).resolve() != home.resolve()):
         # Someone replaced the copy after import: their code is not what the fingerprint matched.
