@@ -315,6 +315,7 @@ _GROUPS: tuple[tuple[str, str], ...] = (
     ("drifted", "DRIFTED: the target's code is not what the patch was validated on"),
     ("inconclusive", "INCONCLUSIVE: the reproduction could not tell"),
     ("pending (verify)", "pending verification: the reproduction decides"),
+    ("pending verification", "pending verification: the reproduction decides"),
     ("overridden", "overridden"),
     ("opt-in", "opt-in available: off unless KVPATCH_ENABLE names it"),
     ("disabled", "disabled"),
