@@ -91,6 +91,8 @@ def live(target):
         value = inspect.getattr_static(owner, target.qualname.split(".")[-1])
     except AttributeError:
         return False
+    if isinstance(value, property):  # a replaced property: its fixed setter (or getter) is kvpatch's code
+        value = value.fset or value.fget
     code = getattr(getattr(value, "__func__", value), "__code__", None)
     return code is not None and code.co_filename.startswith(PATCHES)
 
