@@ -9,8 +9,10 @@ pending. It returns the status of every applicable patch (possibly empty: nothin
 
     kvpatch.require_applied()   # at server start-up, after importing mlx_lm / mlx_vlm
 
-The gate's decision is taken with the environment's switches ignored (the *natural* decision), so a
-patch turned off by ``KVPATCH_DISABLE`` still counts as applicable and makes the assertion fail.
+The gate's decision is taken with the environment's off switches ignored (the *natural* decision), so
+a patch turned off by ``KVPATCH_DISABLE`` still counts as applicable and makes the assertion fail. An
+opt-in patch counts only where it was opted in (``KVPATCH_ENABLE``): then it is applicable like any
+other, and a server that replaced it without calling it fails the assertion.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ class NotApplied(RuntimeError):
 
 def _natural(engine: Engine, st: PatchStatus) -> Action:
     upstream = engine.upstream.get(st.patch.distribution) or Upstream(st.patch.distribution, None)
+    opted = engine.config.enabled_ids
+    config = Config(enabled_ids=opted, enable_all=engine.config.enable_all)
     try:
-        return decide(st.patch, upstream, Config()).action
+        return decide(st.patch, upstream, config).action
     except Exception:
         return Action.APPLY  # a gate that raises on this record: the engine failed it, report that
 

@@ -99,6 +99,8 @@ class PatchStatus:
     notes: list[str] = field(default_factory=list)
     #: Targets where kvpatch's replacement is reached only through someone else's wrapper.
     wrapped: list[str] = field(default_factory=list)
+    #: Targets that hold another library's replacement (not upstream's code, no link to it).
+    foreign: list[str] = field(default_factory=list)
 
     @property
     def needs_verify(self) -> bool:
@@ -333,6 +335,26 @@ class Engine:
             st.fingerprinted.add(target)  # once per target per process
             fp = verdicts.fingerprint_cached(original, fingerprint)
             if fp not in recorded:
+                owner_module = getattr(original, "__module__", None)
+                top = target.module.split(".", 1)[0]
+                if isinstance(owner_module, str) and owner_module.split(".", 1)[0] != top:
+                    inner = [
+                        node
+                        for node in surgery.reachable(original)
+                        if surgery.mark_of(node) is None
+                        and str(getattr(node, "__module__", "")).split(".", 1)[0] == top
+                    ]
+                    if inner and verdicts.fingerprint_cached(inner[0], fingerprint) in recorded:
+                        continue  # another library's wrapper around upstream code kvpatch validated
+                    # Another library replaced upstream's code before kvpatch came (and does not reach it):
+                    # a verdict measures upstream's code in a clean process, so none can vouch for this.
+                    where = f"{owner_module}.{getattr(original, '__qualname__', '?')}"
+                    st.foreign.append(target.path)
+                    st.drift.append(
+                        f"{target.path} is {where}, another library's replacement of {patch.distribution}'s "
+                        "code (installed before kvpatch and not calling upstream's)"
+                    )
+                    continue
                 st.drift.append(
                     f"{target.path} has source fingerprint {fp}, none of the {len(recorded)} recorded for "
                     f"{patch.distribution} releases in {patch.affected}"
@@ -351,6 +373,14 @@ class Engine:
         why = "; ".join(st.drift) or st.decision.reason
         if self._declined(st):
             return  # nothing would change here (e.g. a CUDA-only fix on the CPU): no verdict needed
+        if st.foreign:
+            st.state = State.DRIFTED
+            st.reason = (
+                f"{why}: kvpatch's fix was validated on {patch.distribution}'s code and a verdict measures that "
+                "code, not this replacement: not applied"
+            )
+            self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
+            return
         verdict_key = verdicts.key(patch, self.upstream)
         found = None if verdicts.remeasure() else verdicts.lookup(verdict_key)
         by = verdicts.measuring()

@@ -115,6 +115,12 @@ def chain(obj: Any) -> Iterator[Any]:
             return
 
 
+def reachable(obj: Any) -> Iterator[Any]:
+    """``obj`` and everything it reaches through ``__wrapped__`` and its closure's functions (see :func:`_walk`)."""
+    for node, _ in _walk(obj):
+        yield node
+
+
 def carries(obj: Any, patch_id: str) -> bool:
     """True when kvpatch's replacement for ``patch_id`` is ``obj`` or reachable under it (``__wrapped__`` or a
     closure: see :func:`_walk`)."""
