@@ -63,8 +63,8 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
 
     Applicable: the natural decision is APPLY. A problem: an applicable patch that is failed, drifted,
     disabled, or pending although one of its target modules is imported (``imported``, default
-    ``sys.modules``); or a VERIFY patch whose verification failed or drifted; or a patch module that
-    could not be loaded.
+    ``sys.modules``); or a VERIFY patch that failed, drifted, was overridden or inconclusive, or is still
+    pending verification with a target module imported; or a patch module that could not be loaded.
     """
     loaded = set(sys.modules if imported is None else imported)
     engine.refresh()  # "applied" means reachable now, not installed once
@@ -80,12 +80,12 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
             if st.state is State.PENDING and not any(m in loaded for m in patch.modules):
                 continue  # its modules were never imported: nothing to patch yet
             found.append(Problem(patch.id, st.state.value, st.error or st.reason))
-        elif action is Action.VERIFY and st.state in (
-            State.FAILED,
-            State.DRIFTED,
-            State.TARGET_MISSING,
-            State.OVERRIDDEN,
+        elif action is Action.VERIFY and (
+            st.state in (State.FAILED, State.DRIFTED, State.TARGET_MISSING, State.OVERRIDDEN, State.INCONCLUSIVE)
+            or (st.state is State.UNVERIFIED and any(m in loaded for m in patch.modules))
         ):
+            # pending verification with its modules imported: the fix may be needed and is not in
+            # (``kvpatch verify`` settles it); inconclusive: nobody knows whether it is needed
             found.append(Problem(patch.id, st.state.value, st.error or st.reason))
     for module, error in engine.broken.items():
         found.append(Problem(module, "broken", error))

@@ -230,6 +230,24 @@ def test_problems(version, config, imported, state, expect):
     assert [s.patch.id for s in applicable] == (["p"] if version == "0.23.2" else [])
 
 
+@pytest.mark.parametrize(
+    ("state", "imported", "expect"),
+    [
+        (State.UNVERIFIED, ["mlx_lm.models.base"], ["v: pending verification"]),  # may be needed, not in
+        (State.UNVERIFIED, [], []),  # its modules never imported: nothing to patch yet
+        (State.INCONCLUSIVE, [], ["v: inconclusive"]),
+        (State.NOT_NEEDED, ["mlx_lm.models.base"], []),  # the verdict says upstream is fine
+        (State.APPLIED, ["mlx_lm.models.base"], []),
+    ],
+)
+def test_problems_of_a_patch_left_to_its_verdict(state, imported, expect):
+    patch = _patch("v", affected=">=0.28.0,<=0.30.0", fixed_in=None, checked="0.30.0")
+    engine = Engine([patch], upstream={"mlx-lm": Upstream("mlx-lm", "0.31.0")})  # newer than checked_through
+    engine.status["v"].state = state
+    _, found = problems(engine, imported=imported)
+    assert [f"{p.patch_id}: {p.state}" for p in found] == expect
+
+
 def test_verify_that_failed_is_a_problem_and_broken_units_too():
     with pytest.warns(UserWarning, match="could not be loaded"):
         engine = _broken_engine()

@@ -143,7 +143,9 @@ def test_import_runs_no_reproduction_and_keeps_random_state(tmp_path, kind):
     on = _run(_program(), _env(tmp_path, kind, KVPATCH_VERIFY="never"), tmp_path)
     assert not off["kvpatch"]
     assert on["kvpatch"], "the .pth bootstrap did not activate kvpatch"
-    print(f"{kind}: with kvpatch {on['numbers']}, KVPATCH=off {off['numbers']}; reproductions run: {on['reproductions']}")
+    print(
+        f"{kind}: with kvpatch {on['numbers']}, KVPATCH=off {off['numbers']}; reproductions run: {on['reproductions']}"
+    )
     assert on["numbers"] == off["numbers"], (kind, on["numbers"], off["numbers"])
     assert on["reproductions"] == [], f"reproductions ran inside the import: {on['reproductions']}"
     decided = {pid: s for pid, s in on["states"].items() if s[1] == "verify"}
