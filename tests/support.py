@@ -3,7 +3,9 @@ tests/upstream has a conftest of its own)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -24,7 +26,11 @@ def verdicts_dir() -> str:
     """A verdict cache for this test session (kvpatch.verdicts): tests never read or write the environment's."""
     global _VERDICTS
     if _VERDICTS is None:
-        _VERDICTS = os.environ.get("KVPATCH_VERDICTS") or tempfile.mkdtemp(prefix="kvpatch-test-verdicts-")
+        _VERDICTS = os.environ.get("KVPATCH_VERDICTS")
+        if not _VERDICTS:
+            _VERDICTS = tempfile.mkdtemp(prefix="kvpatch-test-verdicts-")
+            # the process that made it removes it (children and matrix buckets inherit it through the env)
+            atexit.register(shutil.rmtree, _VERDICTS, ignore_errors=True)
     return _VERDICTS
 
 
