@@ -21,6 +21,16 @@ from kvpatch.record import Finding
 CALLS = "_kvpatch_advances"
 
 
+def vlm_own_arrays_cache() -> Any:
+    """mlx-vlm's own ArraysCache class (0.6.4+), or None where ``mlx_vlm.models.cache`` has mlx-lm's."""
+    import mlx_vlm.models.cache as vlm_cache
+
+    cls = getattr(vlm_cache, "ArraysCache", None)
+    if cls is None or not cls.__module__.startswith("mlx_vlm."):
+        return None
+    return cls
+
+
 def tie_advance(original: Any) -> Any:
     """``ArraysCache.advance`` that ties the decremented metadata into the first stored state entry.
 

@@ -51,19 +51,9 @@ PATCH = Patch(
 )
 
 
-def _own_arrays_cache() -> Any:
-    """mlx-vlm's own ArraysCache class (0.6.4+), or None where ``mlx_vlm.models.cache`` has mlx-lm's."""
-    import mlx_vlm.models.cache as vlm_cache
-
-    cls = getattr(vlm_cache, "ArraysCache", None)
-    if cls is None or not cls.__module__.startswith("mlx_vlm."):
-        return None
-    return cls
-
-
 @PATCH.replace("mlx_vlm.models.cache", "ArraysCache.advance")
 def _build(original: Any) -> Any:
-    if _own_arrays_cache() is None:
+    if _arrays.vlm_own_arrays_cache() is None:
         return original  # mlx-lm's class: arrays-advance-detach's business, left as it is
     return _arrays.tie_advance(original)
 
@@ -77,7 +67,7 @@ def reproduce() -> Finding:
         if not upstream_missing(exc):
             raise
         return Finding(False, "this mlx-vlm has no mlx_vlm.models.cache: nothing to fix")
-    cls = _own_arrays_cache()
+    cls = _arrays.vlm_own_arrays_cache()
     if cls is None:
         return Finding(False, "this mlx-vlm has no ArraysCache of its own (mlx-lm's class: arrays-advance-detach)")
     return _arrays.advance_growth(cls)

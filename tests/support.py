@@ -44,3 +44,30 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["KVPATCH_VERIFY"] = "never"
     env.update(extra or {})
     return env
+
+
+def arrays_state_error(
+    model, arrays_cache: type, batch: list[list[int]], left_padding, lengths, row: int, alone
+) -> float:
+    """Largest difference between row ``row``'s recurrent state after a padded batch prefill and ``alone``'s
+    state prefilled by itself (every ``arrays_cache`` of ``model``'s cache, every array it holds)."""
+    import mlx.core as mx
+
+    def prefill(tokens, left_padding, lengths):
+        cache = model.make_cache()
+        for c in cache:
+            if isinstance(c, arrays_cache):
+                if left_padding is not None:
+                    c.left_padding = mx.array(left_padding)
+                if lengths is not None:
+                    c.prepare(lengths=lengths)
+        model(mx.array(tokens), cache=cache)
+        return [c for c in cache if isinstance(c, arrays_cache)]
+
+    batched = prefill(batch, left_padding, lengths)
+    single = prefill([alone], None, None)
+    return max(
+        mx.abs(b[row] - a[0]).max().item()
+        for cb, ca in zip(batched, single, strict=True)
+        for b, a in zip(cb.cache, ca.cache, strict=True)
+    )

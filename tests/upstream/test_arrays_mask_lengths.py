@@ -13,6 +13,7 @@ import importlib.metadata
 import pytest
 from kvpatch.patches.arrays_mask_lengths import PATCH
 from packaging.version import Version
+from support import arrays_state_error
 
 import kvpatch
 from kvpatch.gate import Action
@@ -71,27 +72,10 @@ def _tiny_qwen3_next():
 
 def _state_error(model) -> float:
     """Row 1 of a right-padded batch ([10, 11] + 6 pads, left_padding 0) against [10, 11] alone."""
-    import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache
 
-    def prefill(tokens, left_padding, lengths):
-        cache = model.make_cache()
-        for c in cache:
-            if isinstance(c, ArraysCache):
-                if left_padding is not None:
-                    c.left_padding = mx.array(left_padding)
-                if lengths is not None:
-                    c.prepare(lengths=lengths)
-        model(mx.array(tokens), cache=cache)
-        return [c for c in cache if isinstance(c, ArraysCache)]
-
-    batch = prefill([[1, 2, 3, 4, 5, 6, 7, 8], [10, 11, 0, 0, 0, 0, 0, 0]], [0, 0], [8, 2])
-    alone = prefill([[10, 11]], None, None)
-    return max(
-        mx.abs(b[1] - a[0]).max().item()
-        for cb, ca in zip(batch, alone, strict=True)
-        for b, a in zip(cb.cache, ca.cache, strict=True)
-    )
+    batch = [[1, 2, 3, 4, 5, 6, 7, 8], [10, 11, 0, 0, 0, 0, 0, 0]]
+    return arrays_state_error(model, ArraysCache, batch, [0, 0], [8, 2], 1, [10, 11])
 
 
 def test_recurrent_state_ignores_right_padding():

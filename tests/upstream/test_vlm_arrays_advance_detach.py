@@ -6,8 +6,9 @@ unpatched."""
 from __future__ import annotations
 
 import pytest
+from kvpatch.patches import _arrays
 from kvpatch.patches._lazy import graph_edges
-from kvpatch.patches.vlm_arrays_advance_detach import PATCH, _own_arrays_cache
+from kvpatch.patches.vlm_arrays_advance_detach import PATCH
 
 import kvpatch
 from kvpatch.gate import Action
@@ -20,7 +21,7 @@ def _in_range():
     if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE, Action.NOT_NEEDED):
         pytest.skip(f"{PATCH.id}: {decision.reason}")
     import_targets(PATCH)
-    if _own_arrays_cache() is None:
+    if _arrays.vlm_own_arrays_cache() is None:
         pytest.skip("this mlx-vlm has no ArraysCache of its own")
 
 

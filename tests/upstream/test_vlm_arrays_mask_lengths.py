@@ -10,7 +10,9 @@ row real left padding.)
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.vlm_arrays_mask_lengths import PATCH, _own_arrays_cache
+from kvpatch.patches import _arrays
+from kvpatch.patches.vlm_arrays_mask_lengths import PATCH
+from support import arrays_state_error
 
 import kvpatch
 from kvpatch.gate import Action
@@ -23,7 +25,7 @@ def _in_range():
     if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
         pytest.skip(f"{PATCH.id}: {decision.reason}")
     import_targets(PATCH)
-    if _own_arrays_cache() is None:
+    if _arrays.vlm_own_arrays_cache() is None:
         pytest.skip("this mlx-vlm has no ArraysCache of its own")
 
 
@@ -69,27 +71,10 @@ def _tiny_qwen3_5():
 
 def _state_error(model) -> float:
     """Row 1 of a batch ([pad, 10, 11] + 5 pads: left padding 1, length 3) against [10, 11] alone."""
-    import mlx.core as mx
     from mlx_vlm.models.cache import ArraysCache
 
-    def prefill(tokens, left_padding, lengths):
-        cache = model.make_cache()
-        for c in cache:
-            if isinstance(c, ArraysCache):
-                if left_padding is not None:
-                    c.left_padding = mx.array(left_padding)
-                if lengths is not None:
-                    c.prepare(lengths=lengths)
-        model(mx.array(tokens), cache=cache)
-        return [c for c in cache if isinstance(c, ArraysCache)]
-
-    batch = prefill([[1, 2, 3, 4, 5, 6, 7, 8], [0, 10, 11, 0, 0, 0, 0, 0]], [0, 1], [8, 3])
-    alone = prefill([[10, 11]], None, None)
-    return max(
-        mx.abs(b[1] - a[0]).max().item()
-        for cb, ca in zip(batch, alone, strict=True)
-        for b, a in zip(cb.cache, ca.cache, strict=True)
-    )
+    batch = [[1, 2, 3, 4, 5, 6, 7, 8], [0, 10, 11, 0, 0, 0, 0, 0]]
+    return arrays_state_error(model, ArraysCache, batch, [0, 1], [8, 3], 1, [10, 11])
 
 
 def test_recurrent_state_ignores_right_padding():
