@@ -106,6 +106,16 @@ def environment_key(engine: Engine) -> str:
             st = None
         parts.append((module, path, st.st_size if st else None, st.st_mtime_ns if st else None))
     parts.append(sorted(p.id for p in engine.patches))
+    # the verdicts decide too: a `kvpatch verify` (or a background verification) since the last settle changes
+    # what an import does, so the settled outcome must not outlive it
+    from . import verdicts
+
+    for directory in verdicts.cache_dirs():
+        try:
+            st = os.stat(directory / verdicts.FILE)
+            parts.append((str(directory), st.st_size, st.st_mtime_ns))
+        except OSError:
+            parts.append((str(directory), None))
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 

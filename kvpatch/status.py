@@ -84,12 +84,15 @@ def _finding(f: Finding | None) -> dict[str, Any] | None:
 
 
 def _sharing(engine: Engine, patch: Patch) -> list[str]:
-    """Ids of installed patches that change one of ``patch``'s targets (itself included)."""
+    """Ids of installed patches that change one of ``patch``'s targets (itself included), less the enablers
+    (:attr:`kvpatch.record.Patch.enabler`: without them the reproduction cannot run on this backend)."""
     mine = {(t.module, t.qualname) for t in patch.targets}
     return [
         other.id
         for other in engine.patches
-        if engine.status[other.id].installed and mine & {(t.module, t.qualname) for t in other.targets}
+        if engine.status[other.id].installed
+        and (other is patch or not other.enabler)
+        and mine & {(t.module, t.qualname) for t in other.targets}
     ]
 
 

@@ -64,6 +64,7 @@ PATCH = Patch(
     checked_through="0.32.2",
     reference="not reported upstream (mlx CUDA backend, mlx 0.32.4)",
     hot_path=True,
+    enabler=True,
     order=90,
     expiry=Expiry(
         "retire when mlx's CUDA quantized_matmul takes strided and broadcast quantized operands, or mlx-lm's "

@@ -35,6 +35,7 @@ PATCH = Patch(
     checked_through="0.7.10",
     reference="not reported upstream (mlx CUDA backend, mlx 0.32.4; mlx-lm twin: qsdpa-cuda-shapes)",
     hot_path=True,
+    enabler=True,
     order=90,
     expiry=Expiry(
         "retire when mlx's CUDA quantized_matmul takes strided and broadcast quantized operands, or mlx-vlm's "

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from support import MATRIX_RESULTS, MATRIX_SELECTED, child_env, verdicts_dir
@@ -38,6 +39,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             + (f", {len(failed)} failed ({', '.join(failed)})" if failed else "")
             + f"; inside them: {inside}"
         )
+    verified = config.stash.get(VERIFIED, None)
+    if verified:
+        lines.append(f"verdicts: {verified}")
     if not HAS_MLX:
         lines.append(
             "tests/upstream: not collected here (no mlx in this environment); it runs inside each matrix bucket "
@@ -73,3 +77,43 @@ def run_py(tmp_path):
         return proc.stdout + ("" if check else proc.stderr)
 
     return run
+
+
+def pytest_configure(config):
+    """Where the installed upstream leaves patches to their verdicts (an archive, editable or git install, as the
+    GPU machine's wheel files are; a release newer than checked_through), the session settles them as a user
+    does: one ``python -m kvpatch verify`` into the session's verdict cache, before any test imports upstream.
+    (Under xdist the controller does it once; the workers inherit the cache and the marker.)"""
+    if importlib.util.find_spec("mlx") is None or os.environ.get("KVPATCH_TEST_VERIFIED"):
+        return
+    from kvpatch import registry
+    from kvpatch.config import Config
+    from kvpatch.detect import detect
+    from kvpatch.gate import Action, decide
+
+    upstream = detect()
+    left = [
+        p.id
+        for p in registry.load().patches
+        if p.distribution in upstream
+        and decide(p, upstream[p.distribution], Config(enable_all=True)).action is Action.VERIFY
+    ]
+    os.environ["KVPATCH_TEST_VERIFIED"] = "1"
+    if not left:
+        return
+    env = {**os.environ, "KVPATCH_ENABLE": "*", "KVPATCH_VERIFY": "never"}
+    proc = subprocess.run(  # from a neutral directory: the checkout's kvpatch/ must not shadow the installed one
+        [sys.executable, "-m", "kvpatch", "verify"],
+        env=env,
+        cwd=tempfile.gettempdir(),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    config.stash[VERIFIED] = (
+        f"{len(left)} patches left to verdicts here; `kvpatch verify` exit {proc.returncode}: {summary}"
+    )
+
+
+VERIFIED = pytest.StashKey[str]()

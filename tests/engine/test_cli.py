@@ -231,3 +231,17 @@ def test_maintainer_commands_still_load_their_modules(tmp_path):
 def test_status_help_mentions_the_schema(tmp_path):
     proc = _run(["status", "--help"], cwd=tmp_path)
     assert "status.schema.json" in proc.stdout
+
+
+def test_settled_outcome_does_not_outlive_a_verification(tmp_path, monkeypatch):
+    """``status`` caches its settled outcome per environment; a ``kvpatch verify`` since then (new verdicts)
+    changes what an import does, so it must change the cache key (it did not: status went on saying
+    "pending verification" after a successful verify)."""
+    from kvpatch import settle, verdicts
+    from kvpatch.engine import Engine
+
+    monkeypatch.setenv("KVPATCH_VERDICTS", str(tmp_path))
+    engine = Engine([], upstream={})
+    before = settle.environment_key(engine)
+    (tmp_path / verdicts.FILE).write_text('{"verdicts": {}}')
+    assert settle.environment_key(engine) != before

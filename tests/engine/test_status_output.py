@@ -164,3 +164,33 @@ def test_validator_catches_violations():
     assert any("check.exit" in e for e in errors)
     assert any("missing required key 'state'" in e for e in errors)
     assert any("source.kind" in e for e in errors)
+
+
+def test_verify_without_run_keeps_enablers_of_the_same_target():
+    """``status --verify`` takes every kvpatch patch on a target out for a patch's "without" run, except the
+    enablers (qsdpa-cuda-shapes: without it CUDA has no kernel, and the reproduction could not run at all),
+    which only their own verify takes out."""
+    from kvpatch import status
+    from kvpatch.record import Expiry, Patch, Target
+
+    def make(pid: str, enabler: bool) -> Patch:
+        p = Patch(
+            id=pid,
+            summary="synthetic",
+            distribution="mlx-lm",
+            affected=">=0.22.0,<=0.32.2",
+            checked_through="0.32.2",
+            reference="not reported upstream",
+            expiry=Expiry("test"),
+            enabler=enabler,
+        )
+        p.replace("mlx_lm.models.base", "quantized_scaled_dot_product_attention")(lambda original: original)
+        return p
+
+    fix, route, other = make("fix", False), make("route", True), make("other", False)
+    engine = Engine([fix, route, other], upstream={"mlx-lm": Upstream("mlx-lm", "0.32.2")}, config=Config())
+    target = Target("mlx_lm.models.base", "quantized_scaled_dot_product_attention")
+    for p in (fix, route, other):
+        engine.status[p.id].installed = [target]
+    assert set(status._sharing(engine, fix)) == {"fix", "other"}
+    assert set(status._sharing(engine, route)) == {"fix", "route", "other"}
