@@ -107,15 +107,10 @@ def environment_key(engine: Engine) -> str:
         parts.append((module, path, st.st_size if st else None, st.st_mtime_ns if st else None))
     parts.append(sorted(p.id for p in engine.patches))
     # the verdicts decide too: a `kvpatch verify` (or a background verification) since the last settle changes
-    # what an import does, so the settled outcome must not outlive it
+    # what an import does, so the settled outcome must not outlive it (fingerprints stored beside them do not count)
     from . import verdicts
 
-    for directory in verdicts.cache_dirs():
-        try:
-            st = os.stat(directory / verdicts.FILE)
-            parts.append((str(directory), st.st_size, st.st_mtime_ns))
-        except OSError:
-            parts.append((str(directory), None))
+    parts.append(verdicts.digest())
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 

@@ -313,6 +313,16 @@ def _tables() -> dict[str, Any]:
     return _loaded
 
 
+def digest() -> str:
+    """A short hash of the stored verdicts (not the fingerprints or attempts beside them): what a settled
+    ``status`` outcome depends on. Never raises."""
+    try:
+        table = _tables()["verdicts"]
+        return hashlib.sha256(json.dumps(table, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    except Exception:
+        return ""
+
+
 def _forget() -> None:
     global _loaded
     _loaded = None

@@ -243,5 +243,7 @@ def test_settled_outcome_does_not_outlive_a_verification(tmp_path, monkeypatch):
     monkeypatch.setenv("KVPATCH_VERDICTS", str(tmp_path))
     engine = Engine([], upstream={})
     before = settle.environment_key(engine)
-    (tmp_path / verdicts.FILE).write_text('{"verdicts": {}}')
+    entry = {"patch": "p", "outcome": "fixed", "detail": "", "at": 0, "by": "verify"}
+    (tmp_path / verdicts.FILE).write_text(json.dumps({"schema": verdicts.SCHEMA, "verdicts": {"k": entry}}))
+    verdicts._forget()
     assert settle.environment_key(engine) != before
