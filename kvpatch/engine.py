@@ -338,13 +338,16 @@ class Engine:
                 owner_module = getattr(original, "__module__", None)
                 top = target.module.split(".", 1)[0]
                 if isinstance(owner_module, str) and owner_module.split(".", 1)[0] != top:
-                    inner = [
-                        node
-                        for node in surgery.reachable(original)
-                        if surgery.mark_of(node) is None
-                        and str(getattr(node, "__module__", "")).split(".", 1)[0] == top
-                    ]
-                    if inner and verdicts.fingerprint_cached(inner[0], fingerprint) in recorded:
+                    inner = next(
+                        (
+                            node
+                            for node in surgery.reachable(original)
+                            if surgery.mark_of(node) is None
+                            and str(getattr(node, "__module__", "")).split(".", 1)[0] == top
+                        ),
+                        None,
+                    )
+                    if inner is not None and verdicts.fingerprint_cached(inner, fingerprint) in recorded:
                         continue  # another library's wrapper around upstream code kvpatch validated
                     # Another library replaced upstream's code before kvpatch came (and does not reach it):
                     # a verdict measures upstream's code in a clean process, so none can vouch for this.

@@ -12,7 +12,8 @@ environment is unchanged. The key holds everything that decides the outcome:
 * kvpatch's version and the location of its package,
 * the interpreter (``sys.prefix``, version) and ``KVPATCH``, ``KVPATCH_DISABLE``, ``KVPATCH_ENABLE``,
 * each watched distribution's version and install source (PEP 610),
-* size and modification time of every target module's source file, found without importing it.
+* size and modification time of every target module's source file, found without importing it,
+* the stored verdicts (:func:`kvpatch.verdicts.digest`): a verification since the last settle counts.
 
 The cache lives in ``$KVPATCH_CACHE`` (default ``$XDG_CACHE_HOME/kvpatch`` or ``~/.cache/kvpatch``)
 under ``state/<hash of sys.prefix>/settled.json``, written atomically; a missing, unreadable or
@@ -33,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from . import verdicts
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -108,8 +111,6 @@ def environment_key(engine: Engine) -> str:
     parts.append(sorted(p.id for p in engine.patches))
     # the verdicts decide too: a `kvpatch verify` (or a background verification) since the last settle changes
     # what an import does, so the settled outcome must not outlive it (fingerprints stored beside them do not count)
-    from . import verdicts
-
     parts.append(verdicts.digest())
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 

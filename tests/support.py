@@ -71,3 +71,32 @@ def arrays_state_error(
         for cb, ca in zip(batched, single, strict=True)
         for b, a in zip(cb.cache, ca.cache, strict=True)
     )
+
+
+def synthetic_patch(
+    pid: str,
+    *,
+    affected: str = ">=0.22.0,<0.24.0",
+    fixed_in: str | None = "0.24.0",
+    checked: str | None = None,
+    target: tuple[str, str] = ("mlx_lm.models.base", "fake_target"),
+    **fields,
+):
+    """A record no registry holds (for gate, status and problem-finder tests): one replace target whose builder
+    returns the original, and a reproduction that finds nothing."""
+    from kvpatch.record import Expiry, Finding, Patch
+
+    p = Patch(
+        id=pid,
+        summary="synthetic",
+        distribution="mlx-lm",
+        affected=affected,
+        fixed_in=fixed_in,
+        checked_through=checked,
+        reference="not reported upstream",
+        expiry=Expiry("test"),
+        **fields,
+    )
+    p.replace(*target)(lambda original: original)
+    p.reproduce(lambda: Finding(False))
+    return p

@@ -14,12 +14,13 @@ import sys
 
 import pytest
 from matrix import BY_NAME
+from support import synthetic_patch
 
 from kvpatch.assertions import NotApplied, problems
 from kvpatch.config import Config
 from kvpatch.detect import Upstream
 from kvpatch.engine import Engine, State
-from kvpatch.record import Expiry, Finding, Patch
+from kvpatch.record import Patch
 
 pytest_plugins = ["pytester"]
 
@@ -191,19 +192,7 @@ def test_require_applied_at_server_start(upstream_env):
 def _patch(
     pid: str, affected: str = ">=0.22.0,<0.24.0", fixed_in: str | None = "0.24.0", checked: str | None = None
 ) -> Patch:
-    p = Patch(
-        id=pid,
-        summary="synthetic",
-        distribution="mlx-lm",
-        affected=affected,
-        fixed_in=fixed_in,
-        checked_through=checked,
-        reference="not reported upstream",
-        expiry=Expiry("test"),
-    )
-    p.replace("mlx_lm.models.base", "fake_target")(lambda original: original)
-    p.reproduce(lambda: Finding(False))
-    return p
+    return synthetic_patch(pid, affected=affected, fixed_in=fixed_in, checked=checked)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from schema_lite import unsupported, validate
-from support import child_env
+from support import child_env, synthetic_patch
 
 from kvpatch import registry
 from kvpatch.config import Config, read_config
@@ -171,25 +171,22 @@ def test_verify_without_run_keeps_enablers_of_the_same_target():
     enablers (qsdpa-cuda-shapes: without it CUDA has no kernel, and the reproduction could not run at all),
     which only their own verify takes out."""
     from kvpatch import status
-    from kvpatch.record import Expiry, Patch, Target
+    from kvpatch.record import Target
 
-    def make(pid: str, enabler: bool) -> Patch:
-        p = Patch(
-            id=pid,
-            summary="synthetic",
-            distribution="mlx-lm",
+    target = Target("mlx_lm.models.base", "quantized_scaled_dot_product_attention")
+
+    def make(pid: str, enabler: bool):
+        return synthetic_patch(
+            pid,
             affected=">=0.22.0,<=0.32.2",
-            checked_through="0.32.2",
-            reference="not reported upstream",
-            expiry=Expiry("test"),
+            fixed_in=None,
+            checked="0.32.2",
+            target=(target.module, target.qualname),
             enabler=enabler,
         )
-        p.replace("mlx_lm.models.base", "quantized_scaled_dot_product_attention")(lambda original: original)
-        return p
 
     fix, route, other = make("fix", False), make("route", True), make("other", False)
     engine = Engine([fix, route, other], upstream={"mlx-lm": Upstream("mlx-lm", "0.32.2")}, config=Config())
-    target = Target("mlx_lm.models.base", "quantized_scaled_dot_product_attention")
     for p in (fix, route, other):
         engine.status[p.id].installed = [target]
     assert set(status._sharing(engine, fix)) == {"fix", "other"}
