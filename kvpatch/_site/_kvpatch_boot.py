@@ -10,7 +10,8 @@ import os
 import sys
 
 _impl = None
-_startup_path = ()
+_OFF = ("off", "0", "false", "no", "disable", "disabled")
+_startup_path = None  # the start-up sys.path entries that stay trusted (None: not recorded yet)
 
 
 class KvpatchBootstrapFinder:
@@ -42,7 +43,7 @@ def hooks():
                 KvpatchBootstrapFinder.find_spec = staticmethod(lambda name, path=None, target=None: None)
                 sys.stderr.write(f"kvpatch: bootstrap disabled ({type(exc).__name__}: {exc})\n")
                 return None
-        module._setup(KvpatchBootstrapFinder, _startup_path or tuple(sys.path), __file__)
+        module._setup(KvpatchBootstrapFinder, tuple(sys.path) if _startup_path is None else _startup_path, __file__)
         _impl = module
     return _impl
 
@@ -50,21 +51,40 @@ def hooks():
 def install(force=False):
     """Put the finder first on sys.meta_path (idempotent); nothing with KVPATCH=off unless forced."""
     global _startup_path
-    off = ("off", "0", "false", "no", "disable", "disabled")
-    if not force and os.environ.get("KVPATCH", "").strip().lower() in off:
+    if not force and os.environ.get("KVPATCH", "").strip().lower() in _OFF:
         return
-    if not _startup_path:
+    if _startup_path is None:
         _startup_path = tuple(sys.path)  # before the interpreter adds the script's or working directory
     if not any(getattr(f, "__name__", "") == "KvpatchBootstrapFinder" for f in sys.meta_path):
         sys.meta_path.insert(0, KvpatchBootstrapFinder)
 
 
-def from_shim(name, path, target, startup_path):
-    """Take over from kvpatch.pth's stand-in finder (in place: threads iterating sys.meta_path skip nothing)."""
+def from_shim(name, path=None, target=None, startup_path=None):
+    """Take over from kvpatch.pth's stand-in finder: the first stand-in becomes this finder and any
+    duplicate goes (one slice assignment: threads iterating sys.meta_path meanwhile skip nothing).
+    With KVPATCH=off every stand-in goes and nothing is installed."""
     global _startup_path
-    _startup_path = _startup_path or tuple(startup_path)
+    if os.environ.get("KVPATCH", "").strip().lower() in _OFF:
+        sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
+        return None
+    if _startup_path is None:
+        _startup_path = tuple(startup_path) if startup_path is not None else _explicit_path()
     meta_path = sys.meta_path
-    for i, finder in enumerate(meta_path):
-        if finder is not KvpatchBootstrapFinder and getattr(finder, "__name__", "") == "KvpatchBootstrapFinder":
-            meta_path[i] = KvpatchBootstrapFinder
+    kept, seen = [], False
+    for finder in meta_path:
+        if finder is KvpatchBootstrapFinder or getattr(finder, "__name__", "") == "KvpatchBootstrapFinder":
+            if seen:
+                continue
+            finder, seen = KvpatchBootstrapFinder, True
+        kept.append(finder)
+    if len(kept) != len(meta_path) or any(a is not b for a, b in zip(kept, meta_path, strict=True)):
+        meta_path[:] = kept
     return KvpatchBootstrapFinder.find_spec(name, path, target)
+
+
+def _explicit_path():
+    """The sys.path entries a user named at start-up (PYTHONPATH), which stay trusted even where they
+    are the working or script directory; the stand-in itself records nothing, to start faster."""
+    if sys.flags.ignore_environment:
+        return ()
+    return tuple(os.path.abspath(e) for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -271,6 +272,66 @@ def test_pep_829_start_file(tmp_path, mode):
     proc = _run(["-S", "-c", code, str(SITE), mode], cwd=tmp_path, env={"PYTHONPATH": _trigger_dir(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"finders": 1, "kvpatch": True}
+
+
+# The .pth line as site runs it (exec with ``sitedir`` in scope), ``times`` times, from a copy of the
+# site directory whose _kvpatch_boot.py the test may replace.
+RUN_PTH_LINE = textwrap.dedent(
+    """
+    import json, os, sys
+    sitedir, times = sys.argv[1], int(sys.argv[2])
+    sys.path.append(sitedir)
+    line = [x for x in open(os.path.join(sitedir, "kvpatch.pth")) if x.startswith("import ")][0]
+    for _ in range(times):
+        exec(line)
+    stand_in = sys.meta_path[0]
+    import mlx_lm
+    import mlx_lm
+    finders = [f for f in sys.meta_path if getattr(f, "__name__", "") == "KvpatchBootstrapFinder"]
+    print(json.dumps({
+        "finders": [type(f).__name__ for f in finders],
+        "kvpatch": "kvpatch" in sys.modules,
+        "site_globals": stand_in.__globals__ is globals(),
+    }))
+    """
+)
+
+
+def _site_copy(tmp_path, boot: str | None = None) -> Path:
+    site = tmp_path / "site"
+    site.mkdir()
+    for name in ("kvpatch.pth", "_kvpatch_boot.py", "_kvpatch_hooks.py"):
+        (site / name).write_bytes((SITE / name).read_bytes())
+    if boot is not None:
+        (site / "_kvpatch_boot.py").write_text(boot)
+    return site
+
+
+def test_stand_in_is_taken_over_once_even_when_installed_twice(tmp_path):
+    """Two stand-ins (a .pth processed twice) become one bootstrap finder; the stand-in keeps a
+    globals dict of its own (not the module that ran the line: cheaper interpreter exit)."""
+    site = _site_copy(tmp_path)
+    path = os.pathsep.join([_trigger_dir(tmp_path), str(SITE)])  # SITE: the kvpatch package itself
+    proc = _run(["-S", "-c", RUN_PTH_LINE, str(site), "2"], cwd=tmp_path, env={"PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "finders": ["type"],
+        "kvpatch": True,
+        "site_globals": False,
+    }
+
+
+@pytest.mark.parametrize("warnings", [[], ["-W", "error"]])
+def test_broken_bootstrap_never_breaks_imports(tmp_path, warnings):
+    """A _kvpatch_boot.py that raises: the user's imports still work, the failure is reported once on
+    stderr, and the stand-in stays inert (no second attempt, no second message)."""
+    site = _site_copy(tmp_path, boot="raise RuntimeError('boom')\n")
+    path = os.pathsep.join([_trigger_dir(tmp_path), str(SITE)])
+    proc = _run([*warnings, "-S", "-c", RUN_PTH_LINE, str(site), "1"], cwd=tmp_path, env={"PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("kvpatch: bootstrap disabled (RuntimeError: boom)") == 1, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["kvpatch"] is False
 
 
 def test_pep_829_on_a_real_interpreter(tmp_path):
