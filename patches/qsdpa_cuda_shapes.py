@@ -65,11 +65,6 @@ PATCH = Patch(
     reference="not reported upstream (mlx CUDA backend, mlx 0.32.4)",
     hot_path=True,
     enabler=True,
-    # Opt-in until fixed: on the H100 (mlx 0.32.4 CUDA, archive install) the routed call disagrees with the
-    # float reference for one-token queries (decode: batch 3, 4 query / 2 KV heads, L=1, S=12: max error
-    # 1.2 to 3.6 or NaN, every mask kind; the L=5 and L=3 geometries agree). Upstream raises there; a
-    # silently wrong decode is worse, so this stays off unless KVPATCH_ENABLE names it.
-    opt_in=True,
     order=90,
     expiry=Expiry(
         "retire when mlx's CUDA quantized_matmul takes strided and broadcast quantized operands, or mlx-lm's "
@@ -85,7 +80,7 @@ def _build(original: Any) -> Any:
 
     if not _cuda.on_cuda(mx):
         return original  # CPU and Metal compute every layout: nothing to route
-    return _cuda.routing(original)
+    return _cuda.routing(original, _cuda.upstream_align(original))
 
 
 @PATCH.reproduce
