@@ -147,7 +147,7 @@ def _detect_one(name: str) -> Upstream:
     version: str | None = None
     if dist is not None:
         try:
-            raw = dist.version
+            raw = _header_version(dist) or dist.version
         except Exception as exc:  # a METADATA that is not UTF-8 raises UnicodeDecodeError here
             problem = f"METADATA unreadable: {_err(exc)}"
         else:
@@ -171,6 +171,21 @@ def _detect_one(name: str) -> Upstream:
     if dist is None:
         source = Source(kind="unknown", error=problem)
     return Upstream(name, None, source, location or where, version_unknown=problem)
+
+
+def _header_version(dist: metadata.Distribution) -> str | None:
+    """The ``Version:`` header of ``METADATA``, read up to the end of the headers only.
+
+    ``dist.version`` parses the whole file with the email parser, long description included (most of the
+    time kvpatch spends detecting); ``None`` leaves it to ``dist.version`` (no METADATA, no such header).
+    """
+    text = dist.read_text("METADATA")
+    for line in (text or "").splitlines():
+        if not line.strip():
+            break  # the headers end at the first blank line; the description follows
+        if line[:8].lower() == "version:":
+            return line[8:].strip()
+    return None
 
 
 def _source(dist: metadata.Distribution) -> Source:

@@ -35,6 +35,7 @@ from .config import Config, read_config
 from .detect import Upstream, detect
 from .gate import Action, Decision, decide
 from .record import DISTRIBUTIONS, Finding, Kind, Patch, Target
+from .registry import Stub
 from .surgery import MISSING as _MISSING
 from .surgery import Change
 
@@ -157,10 +158,22 @@ class Engine:
         self._active = False
         for problem in self.config.problems:
             self.warn(problem, key=f"config:{problem}")
+        for patch in list(self.patches):
+            st = self._decide(patch)
+            if isinstance(patch, Stub) and st.state is State.PENDING:
+                # Known from the unit index so far: this one may be installed, so its unit is imported now
+                # (units whose gate settles them stay unimported: see kvpatch.registry.index).
+                try:
+                    record = patch.resolve()
+                except Exception as exc:
+                    self.broken[patch.module] = f"{type(exc).__name__}: {exc}"
+                    self.patches.remove(patch)
+                    continue
+                self.patches[self.patches.index(patch)] = record
+                st = self._decide(record)
+            self.status[patch.id] = st
         for module, error in self.broken.items():
             self.warn(f"patch module {module} could not be loaded: {error}", key=f"broken:{module}")
-        for patch in self.patches:
-            self.status[patch.id] = self._decide(patch)
 
     # -- decisions ---------------------------------------------------------------------------------
     def _decide(self, patch: Patch) -> PatchStatus:

@@ -3,24 +3,49 @@
 In an installed kvpatch the units live in the ``kvpatch.patches`` package (the wheel maps the
 repository's top-level ``patches/`` folder there). In a source checkout or an editable install the
 same folder is found beside the ``kvpatch`` package and loaded under the same name.
+
+:func:`load` imports every unit (``status``, ``verify``, tests). Auto-activation, which runs inside the
+user's ``import mlx_lm``, uses :func:`index` instead: the gate's facts of every unit come from the shipped
+index ``kvpatch/data/units.json`` (written by ``python -m kvpatch.maint.units --write`` and checked against
+the units by ``tests/engine/test_unit_index.py``), and the engine imports only the units whose gate says
+apply or verify (:class:`Stub`). An index that does not list exactly the units on disk (a checkout where a
+unit was added, renamed or removed) is not used: every unit is imported, as :func:`load` does.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import pkgutil
 import sys
-from collections.abc import Iterator
-from functools import lru_cache
+from collections.abc import Iterable, Iterator
+from functools import cached_property, lru_cache
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from .record import Patch
+from .record import DISTRIBUTIONS, Patch
 
-__all__ = ["Registry", "load"]
+if TYPE_CHECKING:
+    from packaging.specifiers import SpecifierSet
+
+__all__ = ["Registry", "Stub", "index", "load"]
 
 PACKAGE = "kvpatch.patches"
+INDEX = "units.json"
+#: The record fields the gate and the engine's ordering read, as the unit index stores them.
+INDEXED = (
+    "id",
+    "distribution",
+    "affected",
+    "fixed_in",
+    "fixed_commit",
+    "introduced_commit",
+    "checked_through",
+    "order",
+    "opt_in",
+)
 
 
 class Registry:
@@ -60,6 +85,23 @@ def _patches_package() -> ModuleType:
     return module
 
 
+def _unit(name: str) -> Patch:
+    """Import the unit ``name`` (a full module name) and return its checked record."""
+    module = importlib.import_module(name)
+    patch = module.PATCH
+    if not isinstance(patch, Patch):
+        raise TypeError(f"{name}.PATCH is {type(patch).__name__}, not a Patch")
+    if patch.reproduction is None:
+        raise TypeError(f"{name}: patch {patch.id} has no reproduction")
+    patch.module = name
+    return patch
+
+
+def _unit_names(package: ModuleType) -> list[str]:
+    """The unit modules of ``package`` (underscore modules are shared helpers, not units), sorted."""
+    return sorted(f"{PACKAGE}.{info.name}" for info in pkgutil.iter_modules(package.__path__) if info.name[0] != "_")
+
+
 @lru_cache(maxsize=1)
 def load() -> Registry:
     """Import every patch unit; a unit that fails to import is recorded, never raised."""
@@ -70,23 +112,75 @@ def load() -> Registry:
     except Exception as exc:
         return Registry([], {PACKAGE: f"{type(exc).__name__}: {exc}"})
     seen: dict[str, str] = {}
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
-            continue
-        name = f"{PACKAGE}.{info.name}"
+    for name in _unit_names(package):
         try:
-            module = importlib.import_module(name)
-            patch = module.PATCH
-            if not isinstance(patch, Patch):
-                raise TypeError(f"{name}.PATCH is {type(patch).__name__}, not a Patch")
-            if patch.reproduction is None:
-                raise TypeError(f"{name}: patch {patch.id} has no reproduction")
+            patch = _unit(name)
             if patch.id in seen:
                 raise ValueError(f"patch id {patch.id!r} is used by {seen[patch.id]} too")
         except Exception as exc:
             broken[name] = f"{type(exc).__name__}: {exc}"
             continue
-        patch.module = name
         seen[patch.id] = name
         patches.append(patch)
     return Registry(patches, broken)
+
+
+class Stub:
+    """A patch known from the unit index, its unit not imported yet.
+
+    It carries the :data:`INDEXED` fields (and ``specifier``, ``import_name``), which is all the gate and
+    the engine's ordering read. Any other attribute imports the unit and is read from the real record;
+    the engine swaps a stub for its record before it installs or verifies anything (:meth:`resolve`).
+    """
+
+    def __init__(self, module: str, fields: dict[str, Any]) -> None:
+        self.module = module
+        for name in INDEXED:
+            setattr(self, name, fields[name])
+        self._record: Patch | None = None
+
+    @cached_property
+    def specifier(self) -> SpecifierSet:
+        from packaging.specifiers import SpecifierSet
+
+        return SpecifierSet(self.affected)
+
+    @property
+    def import_name(self) -> str:
+        return DISTRIBUTIONS[self.distribution]
+
+    def resolve(self) -> Patch:
+        """The unit's record (imported on first use); raises what importing it raises."""
+        if self._record is None:
+            record = _unit(self.module)
+            if record.id != self.id:
+                raise ValueError(f"{self.module} defines {record.id!r}, the unit index says {self.id!r}")
+            self._record = record
+        return self._record
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.resolve(), name)
+
+    def __repr__(self) -> str:
+        return f"Stub({self.id!r}, {self.module})"
+
+
+def entries(patches: Iterable[Patch]) -> dict[str, dict[str, Any]]:
+    """The unit index of ``patches``: unit module name -> the :data:`INDEXED` fields (what ``units.json`` holds)."""
+    return {p.module: {name: getattr(p, name) for name in INDEXED} for p in sorted(patches, key=lambda p: p.module)}
+
+
+def index() -> list[Stub] | None:
+    """A :class:`Stub` per unit from the shipped index, or ``None`` when the index is missing, unreadable or
+    does not list exactly the units on disk (then :func:`load` is the way). Never raises."""
+    try:
+        package = _patches_package()
+        data = json.loads((Path(__file__).parent / "data" / INDEX).read_text(encoding="utf-8"))
+        units = data["units"]
+        if sorted(units) != _unit_names(package):
+            return None
+        return [Stub(name, fields) for name, fields in units.items()]
+    except Exception:
+        return None

@@ -5,17 +5,19 @@ Broken: from 0.6.4 mlx-vlm has its own copy of the quantized SDPA (``mlx_vlm.mod
 copy in ``mlx_vlm.models.text_models.base``), called by every mlx-vlm model whose cache is a
 ``QuantizedKVCache`` / ``BatchQuantizedKVCache`` (``--kv-bits``, continuous batching with quantized caches). It
 hands CUDA's ``quantized_matmul`` the same operands as mlx-lm's: strided views of the cache buffers and the
-5-axis grouped-query layout. On an H100 (mlx 0.32.4, mlx-vlm 0.7.10) every such call raises, e.g.
+5-axis grouped-query layout, and where a kernel exists it computes wrong scores. On an H100 (mlx 0.32.4,
+mlx-vlm 0.7.10) such calls raise, e.g.
 ``[quantized_matmul] No implementation for problem shape: 7x7x64x12, transpose: true, activation: bfloat16,
 bits: 4`` (a pixtral language model, batch 3, 4 query / 2 KV heads) or ``3x6x64x8`` (float32, GQA, fresh
-contiguous keys with head dim == group size). Measured shapes and the reason: see
-``patches/qsdpa_cuda_shapes.py``. mlx-vlm 0.6.3 and older use mlx-lm's function (qsdpa-cuda-shapes covers them).
+contiguous keys with head dim == group size), or return garbage. Measured shapes, results and the reason:
+see ``patches/qsdpa_cuda_shapes.py``. mlx-vlm 0.6.3 and older use mlx-lm's function (qsdpa-cuda-shapes covers them).
 TurboQuant caches do not go through this function (they dequantize or use their own kernels) and run on CUDA.
 
-Fix: the same routing as qsdpa-cuda-shapes (``patches/_cuda.py``), CUDA only, decided when the patch is built.
-Composition: order 90, outermost; ``vlm-qsdpa-batch-mask`` (order 10, 0.6.4-0.6.5) then sees plain multi-head
-attention and leaves the (already folded) mask alone; upstream's ``align_attention_mask_to_scores`` sees a mask
-of the scores' rank.
+Fix: the same as qsdpa-cuda-shapes (``patches/_cuda.py``): dequantized keys/values through
+``mx.fast.scaled_dot_product_attention``, CUDA only, decided when the patch is built. Masks are first put through
+the module's own ``align_attention_mask_to_scores`` where it has one (it reads a 3-axis mask as ``(B, L, S)``).
+Composition: order 90, outermost, and it does not call inward (``vlm-qsdpa-batch-mask`` fixes arithmetic this
+path does not use).
 """
 
 from __future__ import annotations

@@ -9,6 +9,15 @@ one line per failing case with mlx's message, then the same cases through mlx-lm
 and on. Run with kvpatch installed; ``KVPATCH`` must not be ``off`` (the script takes patches out itself)::
 
     USE_TORCH=0 python scripts/probe_quantized_sdpa.py [--quick]
+
+``--numbers`` checks what the products *compute* rather than whether they raise: each
+``mx.quantized_matmul`` against the same product over the dequantized operands (float32), over query rows M,
+key counts S, batch x heads, bits and dtype, one line per case (OK / BAD with the max error / ERR). Kernels
+compile on first use, so one dtype and direction per process runs them side by side::
+
+    for t in 1 0; do for d in float32 bfloat16; do
+      python scripts/probe_quantized_sdpa.py --numbers --transpose $t --dtype $d > numbers-$t-$d.txt &
+    done; done; wait
 """
 
 from __future__ import annotations
@@ -71,6 +80,36 @@ def _sdpa(mx: Any, fn: Any, geom: tuple[int, ...], dtype: Any, bits: int, gs: in
     return None
 
 
+def _numbers(mx: Any, transpose: bool, dtype_name: str) -> int:
+    """Both attention products through ``mx.quantized_matmul`` against the dequantized float product."""
+    dtype, gs, D = getattr(mx, dtype_name), 64, 64
+    bad = 0
+    for bits, M, S, (B, H) in itertools.product((8, 4), (1, 2, 4, 8), (12, 39, 64, 256), ((1, 1), (1, 2), (3, 2))):
+        if bits == 4 and M > 2:
+            continue
+        if transpose:  # scores: queries (B, H, M, D) x keys (B, H, S, D)^T
+            x = mx.random.normal((B, H, M, D), key=mx.random.key(1)).astype(dtype)
+        else:  # output: attention weights (B, H, M, S) x values (B, H, S, D)
+            x = mx.softmax(mx.random.normal((B, H, M, S), key=mx.random.key(1)), axis=-1).astype(dtype)
+        w = _quantized(mx, (B, H, S, D), dtype, bits, gs, False, 2)
+        dense = mx.dequantize(*w, group_size=gs, bits=bits).astype(mx.float32)
+        ref = x.astype(mx.float32) @ (dense.swapaxes(-1, -2) if transpose else dense)
+        scale = max(mx.abs(ref).max().item(), 1.0)
+        what = f"transpose={int(transpose)} {dtype_name} bits={bits} M={M} S={S} BxH={B}x{H}"
+        try:
+            out = mx.quantized_matmul(x, *w, transpose=transpose, group_size=gs, bits=bits)
+            err = mx.abs(out.astype(mx.float32) - ref).max().item()
+        except (RuntimeError, ValueError) as exc:
+            bad += 1
+            print(f"ERR {what}: {exc}", flush=True)
+            continue
+        ok = err <= 2e-2 * scale  # NaN fails too
+        bad += not ok
+        print(f"{'OK ' if ok else 'BAD'} {what} max error {err:.3g} (reference max {scale:.3g})", flush=True)
+    print(f"{bad} wrong or raising", flush=True)
+    return 0
+
+
 def _e2e(mx: Any, engine: Any) -> int:
     """generate_step with a quantized KV cache on random bf16 llamas, with kvpatch's patches and without."""
     from mlx_lm.generate import generate_step
@@ -113,6 +152,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="bfloat16 and float32, group size 64 only")
     parser.add_argument("--e2e", action="store_true", help="only generate_step with kv_bits, kvpatch on and off")
+    parser.add_argument("--numbers", action="store_true", help="only: are the products' results right")
+    parser.add_argument("--transpose", type=int, default=1, choices=(0, 1), help="--numbers: which product")
+    parser.add_argument("--dtype", default="float32", help="--numbers: float32, bfloat16 or float16")
     args = parser.parse_args()
 
     import mlx.core as mx
@@ -121,6 +163,8 @@ def main() -> int:
     import kvpatch
 
     print(f"mlx {mx.__version__}, device {mx.default_device()}", flush=True)
+    if args.numbers:
+        return _numbers(mx, bool(args.transpose), args.dtype)
     if args.e2e:
         return _e2e(mx, kvpatch.get_engine())
     dtypes = [mx.bfloat16, mx.float32] + ([] if args.quick else [mx.float16])

@@ -62,8 +62,11 @@ def _explicit(mask, L: int, S: int):
 @pytest.mark.parametrize("patch_id", ["qsdpa-cuda-shapes", "vlm-qsdpa-cuda-shapes"])
 def test_routing_matches_reference(patch_id, geometry, mask_kind, sliced):
     function = _function(patch_id)
-    # the installed routing where it is in (on CUDA, with KVPATCH_ENABLE), else the routing built around upstream
-    routed = function if getattr(function, "__kvpatch__", None) else _cuda.routing(function, _cuda.upstream_align(function))
+    # the installed replacement where it is in (CUDA), else the same replacement built around upstream
+    if getattr(function, "__kvpatch__", None):
+        routed = function
+    else:
+        routed = _cuda.routing(function, _cuda.upstream_align(function))
     B, n_q, n_kv, L, S = geometry
     D, gs, bits = 64, 64, 8
     queries = mx.random.normal((B, n_q, L, D), key=mx.random.key(1))
