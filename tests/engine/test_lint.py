@@ -28,3 +28,13 @@ def test_mypy_engine():
     """kvpatch ships py.typed: its engine type-checks."""
     proc = subprocess.run([MYPY], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_test_modules_have_distinct_names():
+    """pytest imports test modules by basename (rootdir-relative folders without ``__init__.py``): two test files
+    of the same name cannot be collected in one session, which is what a host with mlx installed runs
+    (tests/upstream and tests/coexist next to tests/engine)."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
