@@ -20,6 +20,13 @@ from support import MATRIX_RESULTS, MATRIX_SELECTED, child_env, verdicts_dir
 HAS_MLX = importlib.util.find_spec("mlx") is not None
 #: tests/upstream runs inside matrix buckets (tests/test_matrix.py), or wherever mlx is installed.
 collect_ignore = [] if HAS_MLX else ["upstream"]
+if HAS_MLX:
+    # Opt-in patches (behaviour changes such as max-kv-size-ignored) are tested in tests/upstream like every other
+    # patch; that they stay off by default is tested in child processes, which do not inherit this
+    # (support.child_env). Set here, not in tests/upstream/conftest.py: importing kvpatch builds the process's
+    # engine, which reads KVPATCH_ENABLE once, and in a session over all of tests/ the modules collected before
+    # tests/upstream (tests/engine, ...) import kvpatch before that folder's conftest is loaded.
+    os.environ.setdefault("KVPATCH_ENABLE", "*")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -5,11 +5,6 @@ installed; elsewhere they are skipped."""
 from __future__ import annotations
 
 import importlib.util
-import os
-
-# Opt-in patches (behaviour changes such as max-kv-size-ignored) are tested like every other patch here; that
-# they stay off by default is tested in child processes, which do not inherit this (tests/support.child_env).
-os.environ.setdefault("KVPATCH_ENABLE", "*")
 from pathlib import Path
 
 import pytest
