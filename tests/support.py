@@ -100,3 +100,34 @@ def synthetic_patch(
     p.replace(*target)(lambda original: original)
     p.reproduce(lambda: Finding(False))
     return p
+
+
+#: How pip says it could not reach a package index at all (name resolution, no route, refused, proxy), as opposed
+#: to an index that answered without the release.
+_NO_INDEX_MARKS = (
+    "Failed to establish a new connection",
+    "Temporary failure in name resolution",
+    "Name or service not known",
+    "Network is unreachable",
+    "No route to host",
+    "Connection refused",
+    "ProxyError",
+)
+
+
+def in_ci() -> bool:
+    """True where the environment variable ``CI`` is set (to anything but empty, 0 or false): CI has a package
+    index, so there a build that cannot reach one is a failure, never a skip."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
+
+
+def skip_if_no_index(error: str, what: str) -> None:
+    """Skip the test when ``error`` (an ``EnvBuildError``'s text, or pip's output) says that pip could not reach a
+    package index (an offline host, e.g. the GPU machine, with the layer not cached); do nothing otherwise (the
+    caller fails), and nothing under CI."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    network = next((line for line in lines if any(mark in line for mark in _NO_INDEX_MARKS)), None)
+    if in_ci() or network is None:
+        return
+    said = dict.fromkeys([lines[0], network, *(line for line in lines[1:] if line.startswith("ERROR:"))])
+    pytest.skip(f"{what} needs a package index and none is reachable here: " + " | ".join(said))

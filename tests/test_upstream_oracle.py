@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from support import REPO, child_env
+from support import REPO, child_env, skip_if_no_index
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +30,9 @@ def test_upstream_tests_unchanged_by_kvpatch(release):
         text=True,
         timeout=1200,
     )
+    if proc.returncode == 2:  # a run could not be set up: building the release's layers or fetching its sdist
+        for result in json.loads(proc.stdout or "[]"):
+            skip_if_no_index(result.get("error", ""), f"the oracle for mlx-lm {release} (layers and sdist from PyPI)")
     assert proc.returncode in (0, 1), f"oracle could not run (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     [result] = json.loads(proc.stdout)
     print(json.dumps({k: result[k] for k in ("off", "active", "applied", "network", "seconds")}, indent=1))

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 from matrix import BY_NAME
-from support import synthetic_patch
+from support import skip_if_no_index, synthetic_patch
 
 from kvpatch.assertions import NotApplied, problems
 from kvpatch.config import Config
@@ -65,7 +65,8 @@ def upstream_env(clean_env):
     try:
         layers = build(BUCKET)
     except EnvBuildError as exc:  # pragma: no cover - no index reachable
-        pytest.skip(f"cannot build {BUCKET.name}: {exc}")
+        skip_if_no_index(str(exc), f"bucket {BUCKET.name}")
+        raise
     kvpatch_root = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["kvpatch"].__file__)))
     paths = (
         [str(p) for p in layers] + [kvpatch_root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -110,6 +110,24 @@ def _needs(config: Config) -> None:
     lm_bucket = _version("mlx-lm") == LM_RELEASE and _version("mlx-vlm") is None
     if (config.server == "lm" and not lm_bucket) or (config.server == "vlm" and _version("mlx-vlm") != VLM_RELEASE):
         pytest.skip(f"serving tests run in buckets lm-{LM_RELEASE} and vlm-{VLM_RELEASE}")
+    if config.server == "vlm":
+        _vlm_server_layers()
+
+
+def _vlm_server_layers() -> None:
+    """Build (or find cached) the layers mlx_vlm.server needs beyond the bucket; skip on a host that has no
+    package index and has not cached them (never under CI)."""
+    from harness import VLM_SERVER_LAYERS
+    from support import skip_if_no_index
+
+    from kvpatch.maint.envs import EnvBuildError, layer
+
+    for req in VLM_SERVER_LAYERS:
+        try:
+            layer(req)
+        except EnvBuildError as exc:
+            skip_if_no_index(str(exc), "the mlx_vlm.server test (layers of tests/serving/harness.py)")
+            raise
 
 
 @pytest.fixture(scope="module")
