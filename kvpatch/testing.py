@@ -133,11 +133,20 @@ def tolerance(dtype: object = None, scale: float = 1.0) -> float:
     return max(1e-4, 8 * _UNIT_ROUNDOFF[matmul_precision(dtype)] * max(1.0, scale))
 
 
-def error_and_tolerance(got: object, want: object, dtype: object = None) -> tuple[float, float]:
-    """(max absolute difference, :func:`tolerance` for the magnitude of ``want``) of two mlx arrays."""
+def error_and_tolerance(
+    got: object, want: object, dtype: object = None, *, shift_free: bool = False
+) -> tuple[float, float]:
+    """(max absolute difference, :func:`tolerance` for the magnitude of ``want``) of two mlx arrays.
+
+    ``shift_free``: the magnitude of ``want`` less its mean along the last axis, for log-probabilities (logits
+    less their logsumexp: the shift makes them large, of order log(vocabulary), while their rounding errors
+    are the logits'), as :func:`same_greedy` measures scores.
+    """
     import mlx.core as mx
 
     err = mx.abs(got - want).max().item()  # type: ignore[operator]
+    if shift_free:
+        want = want - mx.mean(want, axis=-1, keepdims=True)  # type: ignore[operator]
     return err, tolerance(dtype, mx.abs(want).max().item())
 
 

@@ -17,7 +17,7 @@ from support import arrays_state_error
 
 import kvpatch
 from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision, without
+from kvpatch.testing import error_and_tolerance, import_targets, natural_decision, without
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17]]
 
@@ -86,7 +86,8 @@ def test_recurrent_state_ignores_right_padding():
             assert _state_error(model) > 1e-3  # measured 0.038 on 0.30.4-0.31.3
 
 
-def _logprob_errors(model) -> list[float]:
+def _logprob_errors(model) -> list[tuple[float, float]]:
+    """Per prompt, (max |batched - alone| log-probability over the generated steps, its tolerance)."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
@@ -102,14 +103,17 @@ def _logprob_errors(model) -> list[float]:
 
     batched = generate(PROMPTS)
     alone = [generate([p])[0] for p in PROMPTS]
-    return [mx.abs(b - a).max().item() for b, a in zip(batched, alone, strict=True)]
+    return [error_and_tolerance(b, a, shift_free=True) for b, a in zip(batched, alone, strict=True)]
 
 
 def test_batch_generator_rows_match_alone():
     model = _tiny_qwen3_next()
-    assert max(_logprob_errors(model)) <= 1e-4
+    errors = _logprob_errors(model)
+    assert all(err <= tol for err, tol in errors), errors
     # Only 0.31.3's BatchGenerator gives fresh ArraysCaches left_padding=zeros before its right-padded
     # prompt step (0.30.4-0.31.2 leave left_padding None there, so their batches match either way).
     if _patched() and Version(importlib.metadata.version("mlx-lm")) >= Version("0.31.3"):
         with without(PATCH.id):
-            assert max(_logprob_errors(model)) > 1e-3  # measured 0.024 on 0.31.3
+            errors = _logprob_errors(model)
+            # measured 0.024 on 0.31.3 (CPU); beyond the tolerance, and at least 1e-3 as this test always asked
+            assert any(err > max(tol, 1e-3) for err, tol in errors), errors
