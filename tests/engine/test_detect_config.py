@@ -194,14 +194,27 @@ def test_long_values_are_never_echoed_in_full(variable):
     assert "100000 characters" in problem
 
 
-def test_status_does_not_import_mlx(run_py):
-    out = run_py(
-        "import sys, kvpatch\n"
-        "from kvpatch.status import build_report\n"
-        "build_report(kvpatch.get_engine())\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'mlx_vlm')))"
-    )
+_STATUS_IMPORTS = (
+    "import sys, kvpatch\n"
+    "from kvpatch.status import build_report\n"
+    "build_report(kvpatch.get_engine(){args})\n"
+    "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'mlx_vlm')))"
+)
+
+
+def test_status_without_settling_does_not_import_mlx(run_py, tmp_path):
+    """``status --no-settle`` reads package metadata only, whatever the install source and cache."""
+    out = run_py(_STATUS_IMPORTS.format(args=", settle=False"), env={"KVPATCH_CACHE": str(tmp_path / "cache")})
     assert out.strip() == "[]"
+
+
+def test_settled_status_is_reused_without_importing_mlx(run_py, tmp_path):
+    """``status`` settles outcomes by importing what an import would patch (README, "What status says"), once
+    per environment: the next ``status`` reads the cached outcome and imports nothing of upstream. (The first
+    may import upstream where it is installed: that is the settling, so it is not asserted on.)"""
+    env = {"KVPATCH_CACHE": str(tmp_path / "cache")}
+    run_py(_STATUS_IMPORTS.format(args=""), env=env)
+    assert run_py(_STATUS_IMPORTS.format(args=""), env=env).strip() == "[]"
 
 
 def test_garbage_environment_never_crashes(run_py):
