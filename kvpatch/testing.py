@@ -170,7 +170,7 @@ def error_and_tolerance(
 
     err = mx.abs(got - want).max().item()  # type: ignore[operator]
     if shift_free:
-        want = want - mx.mean(want, axis=-1, keepdims=True)  # type: ignore[operator]
+        want = want - mx.mean(want, axis=-1, keepdims=True)
     return err, tolerance(dtype, mx.abs(want).max().item())
 
 
