@@ -235,14 +235,18 @@ def test_drifted_target_is_judged_by_the_reproduction(run_py, tmp_path):
         run_py(
             _prelude()
             + """
-import contextlib, copy
+import contextlib, copy, dataclasses
 from kvpatch import registry, verdicts
 from kvpatch.config import Config
+from kvpatch.detect import Source, detect
 from kvpatch.engine import Engine, REPRODUCTIONS_RUN, fingerprint
-from kvpatch.gate import Action
-from kvpatch.testing import natural_decision
+from kvpatch.gate import Action, decide
+# As from a package index, whatever the install source: an archive or editable install leaves every in-range patch
+# to its reproduction, fingerprints or not, and this test is about what a fingerprint that does not match changes.
+upstream = {k: dataclasses.replace(v, source=Source()) for k, v in detect().items()}
 candidates = [p for p in registry.load().patches
-              if natural_decision(p).action is Action.APPLY and not p.metal_only
+              if p.distribution in upstream and not p.metal_only and not p.opt_in
+              and decide(p, upstream[p.distribution], Config()).action is Action.APPLY
               and any(t.kind.value == "replace" and not t.optional for t in p.targets)]
 if not candidates:
     print(json.dumps(None)); raise SystemExit
@@ -264,7 +268,7 @@ for label, validated, measure in (("drifted", frozenset({"000000000000"}), False
         validated = frozenset(fps)
     probe.validated = validated
     runs = len(REPRODUCTIONS_RUN)
-    eng = Engine([probe], config=Config())
+    eng = Engine([probe], upstream=upstream, config=Config())
     with verdicts.measuring_as("test", remeasure=True) if measure else contextlib.nullcontext():
         eng.activate()
         import_all(list(real.modules))
@@ -278,7 +282,7 @@ print(json.dumps(result))
         )
     )
     if out is None:
-        pytest.skip("no patch applies to this upstream release")
+        pytest.skip("no patch applies to this upstream release (as an index install)")
     assert out["drifted"] == {"state": "pending verification", "drift": True, "verified": "", "reproductions": 0}, out
     assert out["drifted, verifying"] == {
         "state": "applied",
