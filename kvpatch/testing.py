@@ -226,6 +226,29 @@ def require_affected(patch: Patch) -> Decision:
     return decision
 
 
+def require_applies(patch: Patch) -> Decision:
+    """For tests of a patch's fixed behaviour: skip unless the patch applies to the installed upstream; import its
+    targets. It applies by version (an index install in the affected range) or, where the reproduction decides
+    (archive, editable, directory and unknown git installs), by this environment's verdict: skipped then while
+    there is none, or it is inconclusive, or it says the bug is absent. A patch that applies but is switched off
+    (``KVPATCH_DISABLE``) is not skipped: the test then shows what goes wrong without it.
+    """
+    import pytest
+
+    from .engine import State
+    from .gate import Action
+
+    decision = natural_decision(patch)
+    if decision.action not in (Action.APPLY, Action.VERIFY):
+        pytest.skip(f"{patch.id}: {decision.reason}")
+    import_target_modules(patch)
+    if decision.action is Action.VERIFY:
+        st = get_engine().status[patch.id]
+        if st.state in (State.UNVERIFIED, State.INCONCLUSIVE, State.NOT_NEEDED):
+            pytest.skip(f"{patch.id}: the reproduction decides here, and this environment's verdict: {st.reason}")
+    return decision
+
+
 def tiny_llama(*, seed: int = 0, heads: int = 4, kv_heads: int = 2, vocab: int = 64, dtype: object = None) -> object:
     """A random-weight mlx-lm llama (hidden 64, 2 layers): the test model. No downloads."""
     import mlx.core as mx

@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.batch_trim_capped import PATCH
 
-from kvpatch.gate import Action
-from kvpatch.testing import error_and_tolerance, natural_decision, require_affected, tiny_llama
+from kvpatch.testing import error_and_tolerance, require_affected, require_applies, tiny_llama
 
 SHORT, LONG = [9], [7, 3, 22, 41, 8]
 STEPS = [[11, 12], [30, 31], [40, 41]]
@@ -83,7 +82,6 @@ def test_ordinary_rollback_unchanged(model):
 def test_no_host_sync():
     from mlx_lm.models.cache import BatchKVCache
 
-    if natural_decision(PATCH).action is not Action.APPLY:
-        pytest.skip(f"{PATCH.id}: {natural_decision(PATCH).reason}")
+    require_applies(PATCH)
     names = set(BatchKVCache.trim.__code__.co_names)
     assert not names & {"item", "tolist", "eval", "async_eval"}, names

@@ -13,18 +13,14 @@ import importlib
 import pytest
 from kvpatch.patches.max_kv_size_ignored import PATCH, _layout, _tiny_cohere2
 
-from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision
+from kvpatch.testing import require_applies
 
 mx = pytest.importorskip("mlx.core")
 
 
 @pytest.fixture(scope="module")
 def applied():
-    decision = natural_decision(PATCH)
-    if decision.action is not Action.APPLY:
-        pytest.skip(decision.reason)
-    import_targets(PATCH)
+    require_applies(PATCH)
     return importlib.import_module("mlx_lm.models.cache")
 
 

@@ -13,18 +13,14 @@ import importlib
 import pytest
 from kvpatch.patches.speculative_stale_cache import PATCH, _LinkedCacheList, _tiny_llama
 
-from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision, without
+from kvpatch.testing import require_applies, without
 
 mx = pytest.importorskip("mlx.core")
 
 
 @pytest.fixture(scope="module")
 def applied():
-    decision = natural_decision(PATCH)
-    if decision.action is not Action.APPLY:
-        pytest.skip(decision.reason)
-    import_targets(PATCH)
+    require_applies(PATCH)
 
 
 class _Tokenizer:
