@@ -191,10 +191,10 @@ class Patch:
     #: True when the fix changes documented upstream behaviour (a policy, not a bug fix): the patch is
     #: off unless ``KVPATCH_ENABLE`` names it (see :mod:`kvpatch.config`).
     opt_in: bool = False
-    #: True for a patch that only makes the target run on a backend (routes to layouts the backend has
-    #: kernels for) and changes no result: another patch's "without" run in ``status --verify`` keeps it
-    #: in place, since without it that reproduction cannot run at all there (its own verify still takes it
-    #: out). Example: qsdpa-cuda-shapes.
+    #: True for a patch that only makes the target compute on a backend (the same result by a path the
+    #: backend computes correctly): another patch's "without" run in ``status --verify`` keeps it in place,
+    #: since without it that reproduction cannot run at all there (its own verify still takes it out).
+    #: Example: qsdpa-cuda-shapes (dequantized attention where CUDA's quantized products fail).
     enabler: bool = False
     targets: list[Target] = field(default_factory=list)
     builders: dict[Target, Builder] = field(default_factory=dict, repr=False)
