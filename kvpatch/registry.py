@@ -172,12 +172,17 @@ def entries(patches: Iterable[Patch]) -> dict[str, dict[str, Any]]:
     return {p.module: {name: getattr(p, name) for name in INDEXED} for p in sorted(patches, key=lambda p: p.module)}
 
 
+def index_path() -> Path:
+    """Where the shipped unit index lives (``kvpatch/data/units.json``)."""
+    return Path(__file__).parent / "data" / INDEX
+
+
 def index() -> list[Stub] | None:
     """A :class:`Stub` per unit from the shipped index, or ``None`` when the index is missing, unreadable or
     does not list exactly the units on disk (then :func:`load` is the way). Never raises."""
     try:
         package = _patches_package()
-        data = json.loads((Path(__file__).parent / "data" / INDEX).read_text(encoding="utf-8"))
+        data = json.loads(index_path().read_text(encoding="utf-8"))
         units = data["units"]
         if sorted(units) != _unit_names(package):
             return None

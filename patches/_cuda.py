@@ -1,5 +1,5 @@
 """Shared by qsdpa-cuda-shapes (mlx-lm) and vlm-qsdpa-cuda-shapes (mlx-vlm): quantized attention on MLX's CUDA
-backend, routed to the operand layouts its ``quantized_matmul`` kernels accept.
+backend, computed from dequantized keys and values (its transposed ``quantized_matmul`` is wrong or missing there).
 
 Not a patch unit (the registry skips modules whose name starts with ``_``). Imports mlx lazily.
 """
@@ -38,19 +38,19 @@ def backend(mx: Any) -> str:
     return "CPU"
 
 
-def routing(original: Any, align: Any = None) -> Any:
-    """Quantized attention that CUDA computes correctly, in place of ``original`` (upstream's signature).
+def dequantized_attention(align: Any = None) -> Any:
+    """Quantized attention with upstream's signature that CUDA computes correctly (replaces upstream's function).
 
     mlx 0.32.4's CUDA ``quantized_matmul`` with ``transpose=True`` (the scores product, queries x keys^T) is
     wrong or raises for the operands attention hands it (measured on an H100 with ``scripts/probe_quantized_sdpa.py
     --numbers``: head dim 64, group size 64, bits 4 and 8, float32 and bfloat16): with more than one query row or
     more than one batch x head, and a key count of 12, 64 or 256, the result is garbage (max error 16 to 1e38,
-    or NaN; bfloat16 also prints "Failed to initialize the TMA descriptor", its Hopper kernel needs 16-byte
-    aligned scale rows and a KV cache with head dim <= 8 x group size has 2 to 16 bytes per row); where no kernel
+    or NaN; bfloat16 also prints "Failed to initialize the TMA descriptor" for descriptors whose scale rows are 2
+    bytes apart, likely below the 16-byte alignment Hopper's TMA needs); where no kernel
     was built it raises "No implementation for problem shape" instead. A key count of 39, and one query row of one
     head, were exact. The ``transpose=False`` product was right in all 144 cases probed.
 
-    So on CUDA this does not call ``original``: keys and values are dequantized (``mx.dequantize``, the data the
+    So on CUDA upstream's function is not called: keys and values are dequantized (``mx.dequantize``, the data the
     quantized products read) and ``mx.fast.scaled_dot_product_attention`` computes the attention, grouped-query
     heads included. Masks mean what upstream means by them: ``"causal"`` is the last ``L`` of ``S`` positions
     (upstream's own boolean mask), a boolean mask keeps ``True``, an additive one is added; ``align`` is
@@ -145,7 +145,9 @@ def check(function: Any, where: str) -> Finding:
             # ``queries + 0``: upstream scales its queries in place.
             out = function(queries + 0, q_keys, q_values, scale=D**-0.5, mask=mask, group_size=gs, bits=bits)
             ref = reference(mx, queries, q_keys, q_values, D**-0.5, mask, gs, bits)
-            err = mx.abs(out - ref).max().item() if out.shape == ref.shape else float("inf")
+            if out.shape != ref.shape:
+                return Finding(False, inconclusive=f"{where}: {what}: output shape {out.shape}, expected {ref.shape}")
+            err = mx.abs(out - ref).max().item()
         except RuntimeError as exc:
             problems.append(f"{what}: {symptom(exc, NO_KERNEL)}")
             continue

@@ -14,8 +14,9 @@ CUDA's kernels do not compute the first one for the operands attention has:
   --numbers`` (head dim 64, group size 64, bits 4 and 8, float32 and bfloat16, contiguous keys), 48 of 72
   scores products per dtype were off by 16 to 1e38 or NaN: every case with more than one query row, or more
   than one batch x head, at 12, 64 or 256 keys; 39 keys and the single-row single-head case were exact.
-  bfloat16 also printed ``Failed to initialize the TMA descriptor`` (the Hopper kernel wants 16-byte aligned
-  scale rows; a KV cache has ``head_dim / group_size`` scales per row, 2 to 4 bytes). The weights x values
+  bfloat16 also printed ``Failed to initialize the TMA descriptor`` for descriptors whose scale rows were 2
+  bytes apart (a KV cache has ``head_dim / group_size`` scales per row; likely below the 16-byte alignment
+  Hopper's TMA needs, not confirmed). The weights x values
   product was right in all 144 cases. That host had ``nvidia-cuda-crt`` installed; without it the same
   kernels fail to compile (``crt/mma.h``), so the call raises instead.
 
@@ -29,7 +30,7 @@ replacement does not call the transposed ``quantized_matmul`` at all. It dequant
 query heads, boolean, additive and ``"causal"`` masks as upstream means them; ``patches/_cuda.py``). Same
 attention, no host synchronisation; the cost is one layer's keys and values in floating point while that layer
 runs. Composition: order 90, outermost, and it does not call inward: ``qsdpa-gqa-batch-mask`` and ``mask-fill``
-fix upstream's arithmetic, which this path does not use (on CUDA both reproductions then find no bug).
+fix upstream's arithmetic, which this path does not use.
 
 Checked on the H100 (mlx 0.32.4, mlx-lm 0.32.2, mlx-vlm 0.7.10, archive install, 2026-11-25):
 ``tests/upstream/test_qsdpa_cuda_shapes.py`` 130 passed (the installed replacement against a float reference:
@@ -57,8 +58,8 @@ PATCH = Patch(
     enabler=True,
     order=90,
     expiry=Expiry(
-        "retire when mlx's CUDA quantized_matmul takes strided and broadcast quantized operands, or mlx-lm's "
-        "quantized SDPA stops producing them",
+        "retire when mlx's CUDA quantized_matmul computes attention's scores product (transpose=True) right for "
+        "strided, broadcast and small-group-count quantized keys, or mlx-lm's quantized SDPA stops using it",
         review_by=_dt.date(2027, 3, 1),
     ),
 )
@@ -70,7 +71,7 @@ def _build(original: Any) -> Any:
 
     if not _cuda.on_cuda(mx):
         return original  # CPU and Metal compute every layout: nothing to route
-    return _cuda.routing(original, _cuda.upstream_align(original))
+    return _cuda.dequantized_attention(_cuda.upstream_align(original))
 
 
 @PATCH.reproduce

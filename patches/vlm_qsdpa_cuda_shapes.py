@@ -40,8 +40,8 @@ PATCH = Patch(
     enabler=True,
     order=90,
     expiry=Expiry(
-        "retire when mlx's CUDA quantized_matmul takes strided and broadcast quantized operands, or mlx-vlm's "
-        "quantized SDPA stops producing them",
+        "retire when mlx's CUDA quantized_matmul computes attention's scores product (transpose=True) right for "
+        "strided, broadcast and small-group-count quantized keys, or mlx-vlm's quantized SDPA stops using it",
         review_by=_dt.date(2027, 3, 1),
     ),
 )
@@ -56,7 +56,7 @@ def _build(original: Any) -> Any:
 
     if not _cuda.on_cuda(mx):
         return original  # CPU and Metal compute every layout: nothing to route
-    return _cuda.routing(original, _cuda.upstream_align(original))
+    return _cuda.dequantized_attention(_cuda.upstream_align(original))
 
 
 @PATCH.reproduce

@@ -10,14 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from kvpatch import registry
-
-
-def path() -> Path:
-    return Path(registry.__file__).parent / "data" / registry.INDEX
 
 
 def expected() -> dict[str, Any]:
@@ -36,16 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpatch.maint.units", description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite the index from the units")
     args = parser.parse_args(argv)
-    text = render(expected())
+    data = expected()
+    text, path = render(data), registry.index_path()
     if args.write:
-        path().write_text(text, encoding="utf-8")
-        print(f"wrote {path()} ({len(expected()['units'])} units)")
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path} ({len(data['units'])} units)")
         return 0
-    current = path().read_text(encoding="utf-8") if path().is_file() else ""
+    current = path.read_text(encoding="utf-8") if path.is_file() else ""
     if current != text:
-        print(f"{path()} is stale: run python -m kvpatch.maint.units --write", file=sys.stderr)
+        print(f"{path} is stale: run python -m kvpatch.maint.units --write", file=sys.stderr)
         return 1
-    print(f"{path()}: up to date")
+    print(f"{path}: up to date")
     return 0
 
 

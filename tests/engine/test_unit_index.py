@@ -25,7 +25,7 @@ _SOURCES = (Source(), Source(kind="archive", url="file:///w.whl"), Source(kind="
 
 
 def test_index_says_what_the_units_say():
-    current = units.path().read_text(encoding="utf-8")
+    current = registry.index_path().read_text(encoding="utf-8")
     assert current == units.render(units.expected()), "stale: run python -m kvpatch.maint.units --write"
 
 

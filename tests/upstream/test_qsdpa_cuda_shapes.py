@@ -1,7 +1,7 @@
-"""qsdpa-cuda-shapes / vlm-qsdpa-cuda-shapes: the routing is the same attention, on every backend.
+"""qsdpa-cuda-shapes / vlm-qsdpa-cuda-shapes: the replacement is the same attention, on every backend.
 
-The patches install the routing only on CUDA, but what it computes can be checked anywhere: built explicitly
-around the installed upstream function, it must match a float reference over every mask form callers pass
+The patches install the replacement only on CUDA, but what it computes can be checked anywhere: built explicitly
+(with the upstream module's own mask alignment), it must match a float reference over every mask form callers pass
 (none, ``"causal"``, boolean and additive, shared by all heads or one per query head, 2 to 4 axes), grouped-query
 and plain multi-head attention, strided (cache-like) and contiguous keys, one row and several. On CUDA the
 installed function itself is checked the same way (that it no longer raises is the reproduction's part).
@@ -60,13 +60,13 @@ def _explicit(mask, L: int, S: int):
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "B{}-{}q{}kv-L{}-S{}".format(*g))
 @pytest.mark.parametrize("patch_id", ["qsdpa-cuda-shapes", "vlm-qsdpa-cuda-shapes"])
-def test_routing_matches_reference(patch_id, geometry, mask_kind, sliced):
+def test_replacement_matches_reference(patch_id, geometry, mask_kind, sliced):
     function = _function(patch_id)
     # the installed replacement where it is in (CUDA), else the same replacement built around upstream
     if getattr(function, "__kvpatch__", None):
         routed = function
     else:
-        routed = _cuda.routing(function, _cuda.upstream_align(function))
+        routed = _cuda.dequantized_attention(_cuda.upstream_align(function))
     B, n_q, n_kv, L, S = geometry
     D, gs, bits = 64, 64, 8
     queries = mx.random.normal((B, n_q, L, D), key=mx.random.key(1))
@@ -85,7 +85,7 @@ def test_routing_matches_reference(patch_id, geometry, mask_kind, sliced):
 
 
 def test_builder_declines_off_cuda():
-    """Off CUDA nothing is installed; on CUDA the installed function is the routing (a replacement)."""
+    """Off CUDA nothing is installed; on CUDA the installed function is the replacement."""
     for patch_id in ("qsdpa-cuda-shapes", "vlm-qsdpa-cuda-shapes"):
         patch = PATCHES[patch_id]
         target = next(t for t in patch.targets if not t.optional)
@@ -95,9 +95,9 @@ def test_builder_declines_off_cuda():
 
 
 def test_caller_queries_untouched():
-    """Upstream scales its queries in place (``queries *= scale``); the routed call works on a reshaped copy."""
+    """Upstream scales its queries in place (``queries *= scale``); the replacement leaves them alone."""
     function = _function("qsdpa-cuda-shapes")
-    routed = _cuda.routing(function)
+    routed = _cuda.dequantized_attention(_cuda.upstream_align(function))
     queries = mx.random.normal((1, 4, 2, 64), key=mx.random.key(1))
     before = mx.array(queries)
     q = mx.quantize(mx.random.normal((1, 2, 5, 64), key=mx.random.key(2)), group_size=64, bits=8)
