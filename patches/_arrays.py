@@ -1,7 +1,7 @@
 """Shared by the ArraysCache patches of mlx-lm and mlx-vlm's own copy (mlx-vlm 0.6.4+): one bug, two classes.
 
-* ``tie_advance``: ``advance`` decrements ``left_padding`` / ``lengths`` lazily and nothing evaluates them
-  (arrays-advance-detach, vlm-arrays-advance-detach); ``advance_growth`` measures it.
+* ``rebase_advance`` (arrays-advance-detach) and ``tie_advance`` (vlm-arrays-advance-detach): ``advance``
+  decrements ``left_padding`` / ``lengths`` lazily and nothing evaluates them; ``advance_growth`` measures it.
 * ``combined_make_mask``: ``make_mask`` returns only the left-padding mask when both ``left_padding`` and
   ``lengths`` are set (arrays-mask-lengths, vlm-arrays-mask-lengths); ``mask_drops_lengths`` measures it.
 
@@ -19,6 +19,10 @@ from kvpatch.record import Finding
 
 #: The per-instance count of ``advance`` calls since the last tie (an attribute only kvpatch uses).
 CALLS = "_kvpatch_advances"
+#: ``rebase_advance``'s per-instance book (an attribute only kvpatch uses): [the replacement that wrote it, calls
+#: and steps advanced since the last rebase, {attribute name: (the handle on the cache, kvpatch's own handle)}].
+BOOK = "_kvpatch_rebase"
+_METADATA = ("left_padding", "lengths")
 
 
 def vlm_own_arrays_cache() -> Any:
@@ -62,6 +66,69 @@ def tie_advance(original: Any) -> Any:
             if entry is not None:
                 entries[i] = tie(entry, deps)
                 break
+        return result
+
+    return advance
+
+
+def rebase_advance(original: Any) -> Any:
+    """``ArraysCache.advance`` whose metadata never holds more than ``_lazy.EVERY`` pending decrements, with one
+    subtraction evaluated per ``EVERY`` calls instead of all of them.
+
+    The original decrements ``left_padding`` and ``lengths`` in place (``-= N``: the Python object on the cache
+    stays the same, its graph grows by one subtraction). Every ``EVERY``-th call of a cache, each of the two
+    that is set is rebased: its pending chain is dropped unevaluated and replaced with ``base - steps``, where
+    ``base`` is kvpatch's own handle on the value at the previous rebase (evaluated since: it is tied into the
+    first stored state entry with ``mx.depends``, which the layer's next step reads) and ``steps`` the Python
+    sum of the ``N`` this replacement saw since then. The cache gets a second handle on the new value
+    (``mx.array(x)`` shares ``x``'s graph node; upstream's next in-place decrement moves that handle only).
+
+    Rebasing is exact only when every decrement since the previous rebase went through this replacement, so it
+    is done only when the attribute still holds the handle kvpatch put there (every other writer of these
+    attributes in mlx-lm 0.30.4-0.32.2 assigns a new array: ``prepare``, ``filter``, ``extend``, ``merge``,
+    ``state``), the book was written by this very replacement (a patch taken out and put back gets a new one:
+    decrements made while it was out are not lost) and every ``N`` was a Python int. Otherwise the current
+    chain itself becomes the new base, as ``tie_advance`` would tie it. What the graph evaluates per ``EVERY``
+    calls: one subtraction per attribute (``tie_advance``: ``EVERY`` of them). No host synchronisation.
+    """
+    import mlx.core as mx
+
+    tie = _lazy.tie(mx)
+    every = _lazy.EVERY
+    handle = mx.array
+
+    def advance(self: Any, N: Any) -> Any:
+        result = original(self, N)
+        state = self.__dict__
+        book = state.get(BOOK)
+        if book is None or book[0] is not advance:
+            book = state[BOOK] = [advance, 0, 0, {}]
+        book[1] += 1
+        book[2] += N
+        if book[1] < every:
+            return result
+        steps, book[1], book[2] = book[2], 0, 0
+        entries = self.cache
+        first = next((i for i, entry in enumerate(entries) if entry is not None), None)
+        if first is None:
+            return result  # nothing to tie into: the chains stay as upstream leaves them
+        held, bases = book[3], []
+        for name in _METADATA:
+            current = getattr(self, name, None)
+            if current is None:
+                held.pop(name, None)
+                continue
+            mine = held.get(name)
+            if mine is not None and mine[0] is current and type(steps) is int:
+                base = mine[1] - steps
+            else:
+                base = handle(current)
+            on_cache = handle(base)
+            setattr(self, name, on_cache)
+            held[name] = (on_cache, base)
+            bases.append(base)
+        if bases:
+            entries[first] = tie(entries[first], bases)
         return result
 
     return advance

@@ -24,15 +24,23 @@ Upstream: partly fixed by 11a6ce75 (#1632), see above; not fixed as of 0.32.2. m
 (closed unmerged) guarded ``ArraysCache.filter``/``extend`` metadata but not ``advance``; ml-explore/mlx-lm#1845
 (open) reports this ``advance`` leak through ``BatchGenerator`` after #1632.
 
-Fix: a delta after the original: every 10th ``advance`` of a cache (``_lazy.EVERY``; the count lives on
-the cache object as ``_kvpatch_advances``), once it has decremented the metadata, the first stored state
-entry is made to depend on it (``mx.depends``), so the layer's next step, which reads that state,
-evaluates the metadata too; at most 10 steps' decrements are ever pending (<= 60 graph edges), and the
-tie's graph node is built once per 10 calls (the others cost a dictionary read and write). ``mx.depends``
-shares the entry's buffer (no copy, no arithmetic, no host synchronisation) and the stored values
-are unchanged. When both are ``None`` (single-sequence generation, mlx-lm <= 0.31.2 BatchGenerator
-after ``finalize``) nothing is tied. On mlx without ``mx.depends`` (0.29.0/0.29.1, below what
-mlx-lm 0.30.4 requires) the entry is multiplied by an exact 1 derived from the metadata instead.
+Fix: a delta after the original (``_arrays.rebase_advance``). Every 10th ``advance`` of a cache
+(``_lazy.EVERY``), once the original has decremented the metadata, each of ``left_padding``/``lengths``
+that is set is rebased: its pending chain of decrements is dropped unevaluated and replaced with one
+subtraction, ``base - steps``, from kvpatch's own handle on the value at the previous rebase and the
+Python sum of the ``N`` seen since; the first stored state entry is made to depend on that new base
+(``mx.depends``), so the layer's next step, which reads the entry, evaluates it. At most 10 steps'
+decrements are ever pending, and the graph evaluates one subtraction per attribute per 10 steps instead
+of every decrement. (The first version tied the whole chain every 10th step; on an H100 a 1.1B LFM2-style
+hybrid then decoded at 0.964-0.981 of its unpatched speed, a 1B llama, which has no ArraysCache, at
+0.993-1.005: the cost of evaluating the chains' tiny subtractions.) The
+rebase is exact only if every decrement went through the replacement: it is done only when the attribute
+still holds the handle kvpatch put there (every other writer in 0.30.4-0.32.2 assigns a new array), the
+book was written by this installation of the patch (decrements made while it was taken out are not lost)
+and every ``N`` was a Python int; otherwise the current chain becomes the base. Stored values are
+unchanged; no host synchronisation. When both are ``None`` (single-sequence generation, mlx-lm <= 0.31.2
+BatchGenerator after ``finalize``) nothing is done. On mlx without ``mx.depends`` (0.29.0/0.29.1, below
+what mlx-lm 0.30.4 requires) the base is multiplied into the entry by an exact 1 instead.
 """
 
 from __future__ import annotations
@@ -64,7 +72,7 @@ PATCH = Patch(
 
 @PATCH.replace("mlx_lm.models.cache", "ArraysCache.advance")
 def _build(original: Any) -> Any:
-    return _arrays.tie_advance(original)
+    return _arrays.rebase_advance(original)
 
 
 @PATCH.reproduce

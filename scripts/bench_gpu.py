@@ -25,6 +25,8 @@ runs. The hot-path patches tie lazy cache metadata or fix edge cases of methods 
 out between steps changes no token here (the outputs are not compared); metadata left untied during an unpatched
 block is tied at the next patched tie. On the CPU (``--small``, hidden 256, vlm-0.7.10 bucket) 140 pairs of
 4-step blocks at batch 1 gave ratio 1.000 [0.994, 1.006] (llama) and 0.995 [0.987, 1.003] (hybrid).
+On an H100 (README, "On Linux with an NVIDIA GPU"): 350-700 pairs per row, ratios 0.991-1.010 with 95% intervals
+2-4% wide.
 """
 
 from __future__ import annotations

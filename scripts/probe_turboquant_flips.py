@@ -1,5 +1,5 @@
 """How far rounding-sized errors in the keys and values a TurboQuant cache quantizes move the logits (a probe,
-run by hand; the measurement behind ``kvpatch.testing.codebook_gap``).
+run by hand; the measurement behind ``kvpatch.testing.quantization_gap``).
 
 ``tests/upstream/test_empty_tq_rows.py`` decodes a batch merged from a prefilled and an empty
 ``BatchTurboQuantKVCache`` and compares each row's logits with the row decoded alone. This runs the same

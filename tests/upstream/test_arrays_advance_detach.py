@@ -152,3 +152,39 @@ def test_batch_generator_tokens_identical():
     assert all(len(t) == 30 for t in patched), patched
     assert patched == unpatched
     assert all(mx.array_equal(a, b, equal_nan=True).item() for a, b in zip(lp, ref_lp, strict=True))
+
+
+def _advance(cache, steps, n=1):
+    """``steps`` decode steps of a recurrent layer: read the state, store a new one, advance, evaluate the state."""
+    import mlx.core as mx
+
+    for _ in range(steps):
+        cache[0] = cache[0] * 0.5 + 1
+        cache.advance(n)
+        mx.eval(cache[0])
+
+
+def test_metadata_exact_when_the_patch_goes_out_and_back_mid_decode():
+    """The rebase counts only what it saw: decrements made while the patch was taken out (and a reassignment
+    by another method) must not be lost when it is put back."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache
+
+    if not _patched():
+        pytest.skip(f"{PATCH.id} is not installed in this process")
+    cache = ArraysCache(1, left_padding=[7, 3])
+    cache.prepare(lengths=[9, 12])
+    cache[0] = mx.zeros((2, 3))
+    mx.eval(cache[0])
+    _advance(cache, 23)
+    with without(PATCH.id):
+        _advance(cache, 13)
+    _advance(cache, 17, n=2)
+    assert cache.left_padding.tolist() == [7 - 70, 3 - 70]
+    assert cache.lengths.tolist() == [9 - 70, 12 - 70]
+    cache.left_padding = mx.array([5, 6])  # as prepare/filter/extend/merge do: a new array
+    _advance(cache, 14)
+    assert cache.left_padding.tolist() == [5 - 14, 6 - 14]
+    assert cache.lengths.tolist() == [9 - 84, 12 - 84]
+    _advance(cache, 40)
+    assert max(graph_edges(cache.left_padding), graph_edges(cache.lengths)) <= MAX_EDGES

@@ -16,6 +16,7 @@ from kvpatch.testing import (
     error_and_tolerance,
     import_targets,
     natural_decision,
+    quantization_gap,
     skip_unless_in_place,
     tiny_pixtral_language_model,
 )
@@ -36,6 +37,9 @@ def _in_range():
 
 
 def _tiny_model():
+    gap = quantization_gap()  # (the rows below are decoded batched and alone through 8-bit affine codes)
+    if gap:
+        pytest.skip(gap)
     # no grouped-query attention: mlx-lm <= 0.31.3's quantized SDPA breaks on it (A3)
     return tiny_pixtral_language_model(head_dim=32, heads=2, kv_heads=2)
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import pytest
 
 import kvpatch
-from kvpatch.testing import agreeing_steps, codebook_gap, same_greedy, tiny_pixtral_language_model, tolerance
+from kvpatch.testing import agreeing_steps, quantization_gap, same_greedy, tiny_pixtral_language_model, tolerance
 
 RELEASES = ("0.5.0", "0.7.10")
 FAMILIES = ("quantized", "turboquant", "plain")
@@ -251,7 +251,7 @@ def test_continuous_batching_rows_match_rows_alone(dtype, model, family):
     server.decode(3)
 
     prompts = {**FIRST, **SECOND, EMPTY_JOIN[0]: EMPTY_JOIN[1]}
-    gap = _codebook_gap(family, dtype)
+    gap = _quantization_gap(family, dtype)
     for name, prompt in prompts.items():
         batched = server.tokens[name]
         tokens, steps = _alone(model, make, prompt, len(batched))
@@ -272,11 +272,11 @@ def test_continuous_batching_rows_match_rows_alone(dtype, model, family):
         pytest.skip(f"tokens and stored dtypes checked; logits not compared: {gap}")
 
 
-def _codebook_gap(family: str, dtype: str) -> str | None:
+def _quantization_gap(family: str, dtype: str) -> str | None:
     """Why this family's rows cannot be compared with the rows alone within the float tolerance here, or None."""
     import mlx.core as mx
 
-    return codebook_gap(getattr(mx, dtype)) if family == "turboquant" else None
+    return quantization_gap(getattr(mx, dtype)) if family in ("turboquant", "quantized") else None
 
 
 # --- a server driving the caches itself: a cancel before the first prefill, an extract mid-prefill ---------------
@@ -304,7 +304,7 @@ def _assert_like_alone(model, make, dtype, family, name, prompt, tokens, first_l
 
     alone, alone_steps = _alone(model, make, prompt, len(tokens))
     assert tokens == alone, f"{family}: row {name!r} generated {tokens}, {alone} alone"
-    if _codebook_gap(family, dtype):
+    if _quantization_gap(family, dtype):
         return  # (the caller skips once every row's tokens are checked)
     pairs = list(zip([first_logits, *steps], alone_steps, strict=True))
     err = max(mx.abs(b - s).max().item() for b, s in pairs)
@@ -335,7 +335,7 @@ def test_server_cancels_a_request_before_its_first_prefill(dtype, model, family)
     tokens, steps = _decode_rows(model, caches, first, 6)
     for row, i in enumerate(keep):
         _assert_like_alone(model, make, dtype, family, names[i], FIRST[names[i]], tokens[row], logits[row], steps[row])
-    gap = _codebook_gap(family, dtype)
+    gap = _quantization_gap(family, dtype)
     if gap:
         pytest.skip(f"tokens checked; logits not compared: {gap}")
 

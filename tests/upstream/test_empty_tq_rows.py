@@ -11,10 +11,10 @@ from kvpatch.patches.empty_tq_rows import PATCH
 
 from kvpatch.gate import Action
 from kvpatch.testing import (
-    codebook_gap,
     error_and_tolerance,
     import_targets,
     natural_decision,
+    quantization_gap,
     skip_unless_in_place,
     tiny_pixtral_language_model,
     tolerance,
@@ -36,7 +36,7 @@ def _in_range():
 
 
 def _tiny_model():
-    gap = codebook_gap()  # (the rows below are decoded batched and alone through TurboQuant codes)
+    gap = quantization_gap()  # (the rows below are decoded batched and alone through TurboQuant codes)
     if gap:
         pytest.skip(gap)
     return tiny_pixtral_language_model(head_dim=32, heads=4, kv_heads=2)

@@ -15,16 +15,15 @@ from kvpatch.patches.vlm_arrays_mask_lengths import PATCH
 from support import arrays_state_error
 
 import kvpatch
-from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision, without
+from kvpatch.testing import require_applies, without
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+    # by version, or where the reproduction decides (archive, editable, git installs: the GPU host's wheel files)
+    # by this environment's verdict; on the H100 a worker of the whole suite once ran this test with the patch not
+    # installed (its error equalled the unpatched 0.339), a rerun with the verdicts in place passed
+    require_applies(PATCH)
     if _arrays.vlm_own_arrays_cache() is None:
         pytest.skip("this mlx-vlm has no ArraysCache of its own")
 
