@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dataclasses import dataclass as struct
+else:  # the same classes, without generating code at import (kvpatch._kvstruct)
+    from ._kvstruct import struct
 
 __all__ = ["OFF_VALUES", "ON_VALUES", "SHOWN", "Config", "read_config"]
 
@@ -30,7 +35,7 @@ OFF_VALUES = frozenset({"off", "0", "false", "no", "disable", "disabled"})
 ON_VALUES = frozenset({"", "on", "1", "true", "yes", "enable", "enabled", "auto"})
 
 
-@dataclass(frozen=True)
+@struct(frozen=True)
 class Config:
     enabled: bool = True
     disabled_ids: frozenset[str] = frozenset()

@@ -15,9 +15,14 @@ found with :class:`importlib.machinery.PathFinder` directly: nothing is imported
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from importlib import metadata
 from importlib.machinery import PathFinder
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dataclasses import dataclass as struct
+else:  # the same classes, without generating code at import (kvpatch._kvstruct)
+    from ._kvstruct import struct
 
 __all__ = ["NOT_INSTALLED", "Source", "Upstream", "detect", "detect_one", "read_source"]
 
@@ -28,7 +33,7 @@ WATCHED = ("mlx", "mlx-lm", "mlx-vlm")
 PROBES: dict[str, str] = {"mlx": "mlx.core", "mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
 
 
-@dataclass(frozen=True)
+@struct(frozen=True)
 class Source:
     """Where a distribution was installed from (PEP 610)."""
 
@@ -60,7 +65,7 @@ class Source:
 NOT_INSTALLED = Source(kind="none")
 
 
-@dataclass(frozen=True)
+@struct(frozen=True)
 class Upstream:
     """One installed (or absent) distribution."""
 

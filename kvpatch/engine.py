@@ -26,8 +26,8 @@ import threading
 import types
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import field
+from typing import TYPE_CHECKING, Any
 
 from . import surgery, verdicts
 from ._warn import KvpatchWarning, emit
@@ -38,6 +38,11 @@ from .record import DISTRIBUTIONS, Finding, Kind, Patch, Target
 from .registry import Stub
 from .surgery import MISSING as _MISSING
 from .surgery import Change
+
+if TYPE_CHECKING:
+    from dataclasses import dataclass as struct
+else:  # the same classes, without generating code at import (kvpatch._kvstruct)
+    from ._kvstruct import struct
 
 __all__ = [
     "Engine",
@@ -79,7 +84,7 @@ _FROM_ACTION = {
 }
 
 
-@dataclass
+@struct
 class PatchStatus:
     """What happened to one patch in this process."""
 

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from packaging.version import InvalidVersion, Version
-
+from . import versions
 from .config import Config
 from .detect import Upstream
 from .record import Patch
+
+if TYPE_CHECKING:
+    from dataclasses import dataclass as struct
+else:  # the same classes, without generating code at import (kvpatch._kvstruct)
+    from ._kvstruct import struct
 
 __all__ = ["Action", "Decision", "decide"]
 
@@ -33,7 +36,7 @@ class Action(enum.Enum):
     OPT_IN = "opt-in"
 
 
-@dataclass(frozen=True)
+@struct(frozen=True)
 class Decision:
     action: Action
     reason: str
@@ -59,11 +62,9 @@ def _default_placer(distribution: str, pinned: str, fixed: str | None, introduce
     return place(distribution, pinned, fixed_commit=fixed, introduced_commit=introduced)
 
 
-def _below(patch: Patch, version: Version) -> bool:
+def _below(patch: Patch, version: object) -> bool:
     """True when ``version`` fails one of the range's lower bounds."""
-    return any(
-        spec.operator in (">=", ">") and not spec.contains(version, prereleases=True) for spec in patch.specifier
-    )
+    return any(spec.operator in (">=", ">") and not spec.contains(version, prereleases=True) for spec in patch.range)
 
 
 def decide(patch: Patch, upstream: Upstream, config: Config, placer: Placer | None = None) -> Decision:
@@ -132,14 +133,16 @@ def _decide_installed(patch: Patch, upstream: Upstream, placer: Placer | None) -
     if upstream.version is None:  # a git pin the commit index could not place
         return _version_unknown(dist, upstream)
     try:
-        version = Version(upstream.version)
-    except InvalidVersion:
+        version = versions.parse(upstream.version)  # a plain release without packaging (kvpatch.versions)
+    except ValueError:  # packaging's InvalidVersion
         return Decision(Action.VERIFY, f"{dist} version {upstream.version!r} is not PEP 440; the reproduction decides")
 
     where = "" if source.kind in ("index", "vcs") else f" ({source.kind} install: its code may differ from the release)"
     local = f" (local build {version})" if version.local else ""
-    public = Version(version.public)
-    fixed = Version(patch.fixed_in) if patch.fixed_in else None
+    public = versions.parse(version.public)
+    fixed = versions.parse(patch.fixed_in) if patch.fixed_in else None
+    if fixed is not None and type(fixed) is not type(public):  # one of them needs packaging: both do
+        public, fixed = versions.full(public), versions.full(fixed)
 
     if fixed is not None and where and public.release == fixed.release:
         # A source tree declares the coming release before the fix has necessarily landed in it.
@@ -155,7 +158,7 @@ def _decide_installed(patch: Patch, upstream: Upstream, placer: Placer | None) -
             Action.VERIFY,
             f"{dist} {version} is a pre-release of {patch.fixed_in} (the fixing release); the reproduction decides",
         )
-    if patch.specifier.contains(public, prereleases=True):
+    if patch.range.contains(public, prereleases=True):
         if where:
             return Decision(Action.VERIFY, f"{dist} {version} is in {patch.affected}{where}; the reproduction decides")
         return Decision(Action.APPLY, f"{dist} {version}{local} is in the affected range {patch.affected}")

@@ -18,11 +18,19 @@ from __future__ import annotations
 import datetime as _dt
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
+from . import versions
+
+if TYPE_CHECKING:
+    from packaging.specifiers import SpecifierSet
+
+if TYPE_CHECKING:
+    from dataclasses import dataclass as struct
+else:  # the same classes, without generating code at import (kvpatch._kvstruct)
+    from ._kvstruct import struct
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -51,7 +59,7 @@ class Kind(enum.Enum):
     ADD = "add"  # the attribute is missing upstream; the builder returns the new attribute
 
 
-@dataclass(frozen=True)
+@struct(frozen=True)
 class Target:
     """One attribute that a patch changes: ``module`` plus a dotted ``qualname`` inside it."""
 
@@ -76,7 +84,7 @@ class Target:
         return self.qualname.rsplit(".", 1)[-1]
 
 
-@dataclass(frozen=True)
+@struct(frozen=True)
 class Finding:
     """What a reproduction observed in the running upstream: present, absent, or inconclusive.
 
@@ -125,7 +133,7 @@ def symptom(exc: BaseException, *fragments: str) -> str:
     raise exc
 
 
-@dataclass(frozen=True)
+@struct(frozen=True)
 class Expiry:
     """When a patch must go.
 
@@ -157,7 +165,7 @@ Builder = Callable[[Any], Any]
 Reproduction = Callable[[], Finding]
 
 
-@dataclass(eq=False)
+@struct(eq=False)
 class Patch:
     """A version-gated fix for one upstream bug in one distribution."""
 
@@ -207,26 +215,41 @@ class Patch:
             raise RecordError(f"bad patch id {self.id!r}: use lower-case, no commas or '*'")
         if self.distribution not in DISTRIBUTIONS:
             raise RecordError(f"{self.id}: unknown distribution {self.distribution!r}")
-        try:
-            self.specifier = SpecifierSet(self.affected)
-        except InvalidSpecifier as exc:
-            raise RecordError(f"{self.id}: bad affected range {self.affected!r}: {exc}") from exc
+        # Plain ranges and versions are checked without packaging (kvpatch.versions: the start-up path imports
+        # every applicable unit); anything else is checked, and later compared, by packaging.
+        plain = versions.parse_range(self.affected)
+        if plain is None:
+            from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+            try:
+                self.range: Any = SpecifierSet(self.affected)
+            except InvalidSpecifier as exc:
+                raise RecordError(f"{self.id}: bad affected range {self.affected!r}: {exc}") from exc
+        else:
+            self.range = plain
         for name in ("fixed_in", "checked_through"):
             value = getattr(self, name)
             if value is not None:
                 try:
-                    Version(value)
-                except InvalidVersion as exc:
+                    versions.parse(value)
+                except ValueError as exc:  # packaging's InvalidVersion
                     raise RecordError(f"{self.id}: bad {name} {value!r}") from exc
-        if self.fixed_in is not None and self.specifier.contains(self.fixed_in, prereleases=True):
+        if self.fixed_in is not None and self.range.contains(self.fixed_in, prereleases=True):
             raise RecordError(f"{self.id}: fixed_in {self.fixed_in} lies inside {self.affected}")
-        if not any(spec.operator in ("<", "<=", "==", "~=", "===") for spec in self.specifier):
+        if not any(spec.operator in ("<", "<=", "==", "~=", "===") for spec in self.range):
             # An open range would apply blindly to every future release: a range ends at the fix, or
             # (unfixed) at the newest release measured, and newer releases go to the reproduction.
             raise RecordError(f"{self.id}: affected range {self.affected!r} has no upper bound")
         if self.fixed_in is None and self.checked_through is None:
             raise RecordError(f"{self.id}: an unfixed bug needs checked_through (the newest release measured)")
         self.validated = frozenset(self.validated)
+
+    @cached_property
+    def specifier(self) -> SpecifierSet:
+        """``affected`` as a ``packaging`` SpecifierSet (maintenance tools; the gate reads :attr:`range`)."""
+        from packaging.specifiers import SpecifierSet
+
+        return SpecifierSet(self.affected)
 
     # -- declaration helpers used by patch modules ------------------------------------------
     def _register(self, target: Target) -> Callable[[Builder], Builder]:

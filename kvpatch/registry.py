@@ -145,6 +145,13 @@ class Stub:
 
         return SpecifierSet(self.affected)
 
+    @cached_property
+    def range(self) -> Any:
+        """What the gate reads (:attr:`kvpatch.record.Patch.range`)."""
+        from . import versions
+
+        return versions.parse_range(self.affected) or self.specifier
+
     @property
     def import_name(self) -> str:
         return DISTRIBUTIONS[self.distribution]

@@ -27,14 +27,21 @@ The rules (the anchors' way, see STYLE.md "Living in someone else's process"):
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import sys
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import field
+from typing import TYPE_CHECKING, Any
 
 from .record import DISTRIBUTIONS, Target
+
+if TYPE_CHECKING:
+    from dataclasses import dataclass as struct
+else:  # the same classes, without generating code at import (kvpatch._kvstruct)
+    from ._kvstruct import struct
 
 __all__ = [
     "MARK",
@@ -64,7 +71,7 @@ _OURS: weakref.WeakKeyDictionary[Any, str] = globals().get("_OURS") or weakref.W
 _OURS_PROPERTIES: dict[int, tuple[Any, str, Any]] = globals().get("_OURS_PROPERTIES") or {}
 
 
-@dataclass
+@struct
 class Change:
     """One attribute changed on one owner, and how to put it back."""
 
@@ -338,6 +345,11 @@ def rebind_aliases(
             namespace = vars(module)
         except TypeError:  # pragma: no cover - a module stand-in without __dict__
             continue
+        try:
+            if not any(map(operator.is_, namespace.values(), itertools.repeat(old))):
+                continue  # the usual case, tested at C speed (a late activation scans every module)
+        except RuntimeError:  # pragma: no cover - the namespace changed size meanwhile: look one by one
+            pass
         for name, value in list(namespace.items()):
             if value is old:
                 try:

@@ -61,7 +61,6 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +72,11 @@ try:  # POSIX; elsewhere there is no background verification and writes are unlo
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from dataclasses import dataclass as struct
+else:  # the same classes, without generating code at import (kvpatch._kvstruct)
+    from ._kvstruct import struct
 
 __all__ = [
     "ABSENT",
@@ -117,7 +121,7 @@ SKIPPED = "skipped"
 OUTCOMES = (FIXED, ABSENT, NOT_FIXED, INCONCLUSIVE, SKIPPED)
 
 
-@dataclass(frozen=True)
+@struct(frozen=True)
 class Verdict:
     """One measured outcome for one patch in one environment (see the module docstring)."""
 

@@ -152,7 +152,7 @@ def test_activation_failure_warns_once_and_import_works(tmp_path):
     code = textwrap.dedent(
         """
         import sys, warnings, json
-        sys.modules["packaging"] = None  # kvpatch needs it: its import fails
+        sys.modules["kvpatch.engine"] = None  # kvpatch cannot import its engine: its import fails
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import mlx_lm

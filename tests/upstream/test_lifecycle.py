@@ -146,8 +146,8 @@ missing.replace(mod, "NoSuchCache.update_and_fetch")(lambda original: original)
 # As from a package index, whatever the install source: an archive or editable install would leave these
 # in-range patches to their reproductions instead of applying them, and this test is about failing builders.
 import dataclasses
-from kvpatch.detect import Source, detect
-upstream = {k: dataclasses.replace(v, source=Source()) for k, v in detect().items()}
+from kvpatch.detect import Source, Upstream, detect
+upstream = {k: Upstream(v.name, v.version, Source(), v.location, v.version_unknown) for k, v in detect().items()}
 eng = Engine([raising, missing], upstream=upstream, config=Config())
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -238,12 +238,12 @@ def test_drifted_target_is_judged_by_the_reproduction(run_py, tmp_path):
 import contextlib, copy, dataclasses
 from kvpatch import registry, verdicts
 from kvpatch.config import Config
-from kvpatch.detect import Source, detect
+from kvpatch.detect import Source, Upstream, detect
 from kvpatch.engine import Engine, REPRODUCTIONS_RUN, fingerprint
 from kvpatch.gate import Action, decide
 # As from a package index, whatever the install source: an archive or editable install leaves every in-range patch
 # to its reproduction, fingerprints or not, and this test is about what a fingerprint that does not match changes.
-upstream = {k: dataclasses.replace(v, source=Source()) for k, v in detect().items()}
+upstream = {k: Upstream(v.name, v.version, Source(), v.location, v.version_unknown) for k, v in detect().items()}
 candidates = [p for p in registry.load().patches
               if p.distribution in upstream and not p.metal_only and not p.opt_in
               and decide(p, upstream[p.distribution], Config()).action is Action.APPLY
