@@ -141,8 +141,10 @@ def _decide_installed(patch: Patch, upstream: Upstream, placer: Placer | None) -
     local = f" (local build {version})" if version.local else ""
     public = versions.parse(version.public)
     fixed = versions.parse(patch.fixed_in) if patch.fixed_in else None
-    if fixed is not None and type(fixed) is not type(public):  # one of them needs packaging: both do
-        public, fixed = versions.full(public), versions.full(fixed)
+    if not isinstance(patch.range, versions.Range) or (fixed is not None and type(fixed) is not type(public)):
+        # one of them needs packaging (a range or version that is not plain): all of them go to packaging
+        public = versions.full(public)
+        fixed = versions.full(fixed) if fixed is not None else None
 
     if fixed is not None and where and public.release == fixed.release:
         # A source tree declares the coming release before the fix has necessarily landed in it.

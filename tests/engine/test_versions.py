@@ -71,3 +71,26 @@ def test_records_and_the_gate_do_not_import_packaging(run_py):
         env={"KVPATCH": "off"},
     )
     assert out.strip() == "[]", out
+
+
+@pytest.mark.parametrize(
+    ("affected", "fixed_in", "installed", "action"),
+    [
+        ("~=0.31.0", "0.32.0", "0.31.3", "APPLY"),  # a range packaging must read, a plain installed release
+        ("~=0.31.0", "0.32.0", "0.30.4", "VERIFY"),  # below ~= is not read as a lower bound (as before)
+        (">=0.31.0,<0.32.0", "0.32.0", "0.31.3", "APPLY"),  # plain both ways
+        (">=0.31.0,<0.32.0", "0.32.0", "0.32.0rc1", "VERIFY"),  # a pre-release of the fix: packaging
+        (">=0.31.0,<0.32.0", "0.32.0", "0.31.3+local", "APPLY"),
+        (">=0.31.0,<0.32.0", "0.32.0", "0.33.0", "NOT_NEEDED"),
+    ],
+)
+def test_gate_mixes_plain_and_packaging(affected, fixed_in, installed, action):
+    from support import synthetic_patch
+
+    from kvpatch.config import Config
+    from kvpatch.detect import Source, Upstream
+    from kvpatch.gate import Action, decide
+
+    patch = synthetic_patch("mixed", affected=affected, fixed_in=fixed_in)
+    decision = decide(patch, Upstream("mlx-lm", installed, Source(), location="/x"), Config())
+    assert decision.action is Action[action], decision
