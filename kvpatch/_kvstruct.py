@@ -15,28 +15,32 @@ gives the same class behaviour from plain functions over the field table instead
 
 Not supported (and not used by kvpatch; :func:`struct` raises on them): inheritance from another struct,
 ``InitVar``, ``ClassVar`` fields, ``field(init=False)``, ``kw_only``, ``order``. ``dataclasses.fields`` and
-``dataclasses.replace`` do not apply. Type checkers see ``dataclasses.dataclass`` (the modules import
-``struct`` from here only at run time). ``tests/engine/test_struct.py`` compares it with ``dataclass``.
+``dataclasses.replace`` do not apply. Type checkers see ``dataclasses.dataclass`` (this module's
+``TYPE_CHECKING`` branch). ``tests/engine/test_struct.py`` compares it with ``dataclass``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["struct"]
 
 _MISSING = dataclasses.MISSING
 
 
-def struct(cls: type | None = None, /, *, frozen: bool = False, eq: bool = True) -> Any:
-    """Class decorator: see the module docstring."""
+if TYPE_CHECKING:  # type checkers read the classes as the dataclasses they behave as
+    from dataclasses import dataclass as struct
+else:
 
-    def wrap(cls: type) -> type:
-        return _build(cls, frozen=frozen, eq=eq)
+    def struct(cls: type | None = None, /, *, frozen: bool = False, eq: bool = True) -> Any:
+        """Class decorator: see the module docstring."""
 
-    return wrap if cls is None else wrap(cls)
+        def wrap(cls: type) -> type:
+            return _build(cls, frozen=frozen, eq=eq)
+
+        return wrap if cls is None else wrap(cls)
 
 
 def _fields(cls: type) -> list[tuple[str, Any, Any, bool]]:

@@ -17,12 +17,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from dataclasses import dataclass as struct
-else:  # the same classes, without generating code at import (kvpatch._kvstruct)
-    from ._kvstruct import struct
+from ._kvstruct import struct
 
 __all__ = ["OFF_VALUES", "ON_VALUES", "SHOWN", "Config", "read_config"]
 

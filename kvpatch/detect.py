@@ -17,12 +17,8 @@ from __future__ import annotations
 import json
 from importlib import metadata
 from importlib.machinery import PathFinder
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from dataclasses import dataclass as struct
-else:  # the same classes, without generating code at import (kvpatch._kvstruct)
-    from ._kvstruct import struct
+from ._kvstruct import struct
 
 __all__ = ["NOT_INSTALLED", "Source", "Upstream", "detect", "detect_one", "read_source"]
 

@@ -27,9 +27,10 @@ import types
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import surgery, verdicts
+from ._kvstruct import struct
 from ._warn import KvpatchWarning, emit
 from .config import Config, read_config
 from .detect import Upstream, detect
@@ -38,11 +39,6 @@ from .record import DISTRIBUTIONS, Finding, Kind, Patch, Target
 from .registry import Stub
 from .surgery import MISSING as _MISSING
 from .surgery import Change
-
-if TYPE_CHECKING:
-    from dataclasses import dataclass as struct
-else:  # the same classes, without generating code at import (kvpatch._kvstruct)
-    from ._kvstruct import struct
 
 __all__ = [
     "Engine",

@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from . import versions
+from ._kvstruct import struct
 from .config import Config
 from .detect import Upstream
 from .record import Patch
-
-if TYPE_CHECKING:
-    from dataclasses import dataclass as struct
-else:  # the same classes, without generating code at import (kvpatch._kvstruct)
-    from ._kvstruct import struct
 
 __all__ = ["Action", "Decision", "decide"]
 

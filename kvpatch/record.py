@@ -23,14 +23,11 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from . import versions
+from ._kvstruct import struct
 
 if TYPE_CHECKING:
     from packaging.specifiers import SpecifierSet
 
-if TYPE_CHECKING:
-    from dataclasses import dataclass as struct
-else:  # the same classes, without generating code at import (kvpatch._kvstruct)
-    from ._kvstruct import struct
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -217,16 +214,10 @@ class Patch:
             raise RecordError(f"{self.id}: unknown distribution {self.distribution!r}")
         # Plain ranges and versions are checked without packaging (kvpatch.versions: the start-up path imports
         # every applicable unit); anything else is checked, and later compared, by packaging.
-        plain = versions.parse_range(self.affected)
-        if plain is None:
-            from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
-            try:
-                self.range: Any = SpecifierSet(self.affected)
-            except InvalidSpecifier as exc:
-                raise RecordError(f"{self.id}: bad affected range {self.affected!r}: {exc}") from exc
-        else:
-            self.range = plain
+        try:
+            self.range: Any = versions.affected_range(self.affected)
+        except ValueError as exc:  # packaging's InvalidSpecifier
+            raise RecordError(f"{self.id}: bad affected range {self.affected!r}: {exc}") from exc
         for name in ("fixed_in", "checked_through"):
             value = getattr(self, name)
             if value is not None:

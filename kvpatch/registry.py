@@ -150,7 +150,7 @@ class Stub:
         """What the gate reads (:attr:`kvpatch.record.Patch.range`)."""
         from . import versions
 
-        return versions.parse_range(self.affected) or self.specifier
+        return versions.affected_range(self.affected)
 
     @property
     def import_name(self) -> str:

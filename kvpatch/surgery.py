@@ -34,14 +34,10 @@ import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ._kvstruct import struct
 from .record import DISTRIBUTIONS, Target
-
-if TYPE_CHECKING:
-    from dataclasses import dataclass as struct
-else:  # the same classes, without generating code at import (kvpatch._kvstruct)
-    from ._kvstruct import struct
 
 __all__ = [
     "MARK",

@@ -64,6 +64,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._kvstruct import struct
+
 if TYPE_CHECKING:
     from .detect import Upstream
     from .record import Finding, Patch
@@ -72,11 +74,6 @@ try:  # POSIX; elsewhere there is no background verification and writes are unlo
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
-
-if TYPE_CHECKING:
-    from dataclasses import dataclass as struct
-else:  # the same classes, without generating code at import (kvpatch._kvstruct)
-    from ._kvstruct import struct
 
 __all__ = [
     "ABSENT",

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Range", "Release", "parse", "parse_range", "release"]
+__all__ = ["Range", "Release", "affected_range", "parse", "parse_range", "release"]
 
 #: A canonical plain release: what ``str(packaging.version.Version(text))`` gives back unchanged.
 _RELEASE = re.compile(r"(?:0|[1-9][0-9]*)(?:\.(?:0|[1-9][0-9]*))*\Z")
@@ -169,3 +169,14 @@ def parse_range(text: str) -> Range | None:
             return None
         clauses.append(_Clause(match.group(1), Release(match.group(2))))
     return Range(text, clauses)
+
+
+def affected_range(text: str) -> Any:
+    """A record's ``affected`` range as the gate reads it: a :class:`Range` when it is plain, else a
+    ``packaging`` SpecifierSet (which raises ``InvalidSpecifier``, a ``ValueError``, for a malformed one)."""
+    plain = parse_range(text)
+    if plain is not None:
+        return plain
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(text)
