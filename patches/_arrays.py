@@ -20,7 +20,8 @@ from kvpatch.record import Finding
 #: The per-instance count of ``advance`` calls since the last tie (an attribute only kvpatch uses).
 CALLS = "_kvpatch_advances"
 #: ``rebase_advance``'s per-instance book (an attribute only kvpatch uses): [the replacement that wrote it, calls
-#: and steps advanced since the last rebase, {attribute name: (the handle on the cache, kvpatch's own handle)}].
+#: and steps advanced since the last rebase, {attribute name: (the array on the cache, kvpatch's anchor, the
+#: steps advanced from the anchor to the last rebase)}].
 BOOK = "_kvpatch_rebase"
 _METADATA = ("left_padding", "lengths")
 
@@ -72,24 +73,25 @@ def tie_advance(original: Any) -> Any:
 
 
 def rebase_advance(original: Any) -> Any:
-    """``ArraysCache.advance`` whose metadata never holds more than ``_lazy.EVERY`` pending decrements, with one
-    subtraction evaluated per ``EVERY`` calls instead of all of them.
+    """``ArraysCache.advance`` whose metadata never holds more than ``_lazy.EVERY`` pending decrements, and
+    whose steady state evaluates nothing.
 
     The original decrements ``left_padding`` and ``lengths`` in place (``-= N``: the Python object on the cache
-    stays the same, its graph grows by one subtraction). Every ``EVERY``-th call of a cache, each of the two
-    that is set is rebased: its pending chain is dropped unevaluated and replaced with ``base - steps``, where
-    ``base`` is kvpatch's own handle on the value at the previous rebase (evaluated since: it is tied into the
-    first stored state entry with ``mx.depends``, which the layer's next step reads) and ``steps`` the Python
-    sum of the ``N`` this replacement saw since then. The cache gets a second handle on the new value
-    (``mx.array(x)`` shares ``x``'s graph node; upstream's next in-place decrement moves that handle only).
+    stays the same, its graph grows by one subtraction). kvpatch keeps, per attribute, an anchor (its own
+    handle on the value at some point, evaluated since) and the Python sum of the ``N`` seen after it. Every
+    ``EVERY``-th call of a cache, each of the two that is set is rebased: its pending chain is dropped
+    unevaluated and replaced with ``anchor - total``, one lazy subtraction that nothing evaluates unless the
+    model reads the attribute (as upstream's chain would be). No node joins the model's graph: the kernels
+    a decode step runs are the ones it runs unpatched.
 
-    Rebasing is exact only when every decrement since the previous rebase went through this replacement, so it
-    is done only when the attribute still holds the handle kvpatch put there (every other writer of these
-    attributes in mlx-lm 0.30.4-0.32.2 assigns a new array: ``prepare``, ``filter``, ``extend``, ``merge``,
-    ``state``), the book was written by this very replacement (a patch taken out and put back gets a new one:
-    decrements made while it was out are not lost) and every ``N`` was a Python int. Otherwise the current
-    chain itself becomes the new base, as ``tie_advance`` would tie it. What the graph evaluates per ``EVERY``
-    calls: one subtraction per attribute (``tie_advance``: ``EVERY`` of them). No host synchronisation.
+    Rebasing is exact only when every decrement since the anchor went through this replacement, so it is done
+    only when the attribute still holds the array kvpatch put there (every other writer of these attributes
+    in mlx-lm 0.30.4-0.32.2 assigns a new array: ``prepare``, ``filter``, ``extend``, ``merge``, ``state``),
+    the book was written by this very replacement (a patch taken out and put back gets a new one: decrements
+    made while it was out are not lost) and every ``N`` was a Python int. Otherwise kvpatch re-anchors: the
+    current chain becomes the anchor and is tied into the first stored state entry with ``mx.depends`` (the
+    layer's next step reads that entry, so it evaluates the anchor once). Re-anchoring happens when a cache
+    is new or another method replaced its metadata, not periodically. No host synchronisation.
     """
     import mlx.core as mx
 
@@ -111,8 +113,8 @@ def rebase_advance(original: Any) -> Any:
         entries = self.cache
         first = next((i for i, entry in enumerate(entries) if entry is not None), None)
         if first is None:
-            return result  # nothing to tie into: the chains stay as upstream leaves them
-        held, bases = book[3], []
+            return result  # nothing to tie an anchor into: the chains stay as upstream leaves them
+        held, anchors = book[3], []
         for name in _METADATA:
             current = getattr(self, name, None)
             if current is None:
@@ -120,15 +122,16 @@ def rebase_advance(original: Any) -> Any:
                 continue
             mine = held.get(name)
             if mine is not None and mine[0] is current and type(steps) is int:
-                base = mine[1] - steps
+                anchor, total = mine[1], mine[2] + steps
+                on_cache = anchor - total
             else:
-                base = handle(current)
-            on_cache = handle(base)
+                anchor, total = handle(current), 0
+                on_cache = handle(anchor)
+                anchors.append(anchor)
             setattr(self, name, on_cache)
-            held[name] = (on_cache, base)
-            bases.append(base)
-        if bases:
-            entries[first] = tie(entries[first], bases)
+            held[name] = (on_cache, anchor, total)
+        if anchors:
+            entries[first] = tie(entries[first], anchors)
         return result
 
     return advance

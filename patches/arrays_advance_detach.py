@@ -24,23 +24,27 @@ Upstream: partly fixed by 11a6ce75 (#1632), see above; not fixed as of 0.32.2. m
 (closed unmerged) guarded ``ArraysCache.filter``/``extend`` metadata but not ``advance``; ml-explore/mlx-lm#1845
 (open) reports this ``advance`` leak through ``BatchGenerator`` after #1632.
 
-Fix: a delta after the original (``_arrays.rebase_advance``). Every 10th ``advance`` of a cache
-(``_lazy.EVERY``), once the original has decremented the metadata, each of ``left_padding``/``lengths``
-that is set is rebased: its pending chain of decrements is dropped unevaluated and replaced with one
-subtraction, ``base - steps``, from kvpatch's own handle on the value at the previous rebase and the
-Python sum of the ``N`` seen since; the first stored state entry is made to depend on that new base
-(``mx.depends``), so the layer's next step, which reads the entry, evaluates it. At most 10 steps'
-decrements are ever pending, and the graph evaluates one subtraction per attribute per 10 steps instead
-of every decrement. (The first version tied the whole chain every 10th step; on an H100 a 1.1B LFM2-style
-hybrid then decoded at 0.964-0.981 of its unpatched speed, a 1B llama, which has no ArraysCache, at
-0.993-1.005: the cost of evaluating the chains' tiny subtractions.) The
+Fix: a delta after the original (``_arrays.rebase_advance``). kvpatch keeps, per cache and attribute, an
+anchor (its own handle on the value when it first saw it, evaluated since) and the Python sum of the ``N``
+advanced after it. Every 10th ``advance`` of a cache (``_lazy.EVERY``), each of ``left_padding``/``lengths``
+that is set is rebased: its pending chain of decrements is dropped unevaluated and replaced with one lazy
+subtraction, ``anchor - total``. At most 10 steps' decrements are ever pending, and in steady decoding nothing
+is evaluated and nothing joins the model's graph. Anchoring (a new cache, or metadata another method
+replaced) ties the anchor into the first stored state entry (``mx.depends``), so the layer's next step
+evaluates it once. History, measured on an H100 with ``scripts/bench_gpu.py`` (1.1B LFM2-style hybrid, bf16,
+BatchGenerator at batch 1/8/32): the first version tied the whole chain every 10th step; the second
+evaluated one subtraction per attribute every 10th step and tied it into the state. With 20-step blocks and 10
+settling steps after each switch (2026-11-25; every hot-path patch toggled) the second decoded at 0.923
+[0.907, 0.940], 0.941 [0.920, 0.963] and 0.947 [0.931, 0.964] of the unpatched speed, far more than its ten
+tiny kernels per ten steps suggest. Not established why; mlx's CUDA backend replays CUDA graphs cached by
+their kernels' topology, and a step whose kernels differ from its neighbours' may miss that cache. The
 rebase is exact only if every decrement went through the replacement: it is done only when the attribute
-still holds the handle kvpatch put there (every other writer in 0.30.4-0.32.2 assigns a new array), the
+still holds the array kvpatch put there (every other writer in 0.30.4-0.32.2 assigns a new array), the
 book was written by this installation of the patch (decrements made while it was taken out are not lost)
-and every ``N`` was a Python int; otherwise the current chain becomes the base. Stored values are
-unchanged; no host synchronisation. When both are ``None`` (single-sequence generation, mlx-lm <= 0.31.2
+and every ``N`` was a Python int; otherwise kvpatch re-anchors. Stored values are unchanged; no host
+synchronisation. When both are ``None`` (single-sequence generation, mlx-lm <= 0.31.2
 BatchGenerator after ``finalize``) nothing is done. On mlx without ``mx.depends`` (0.29.0/0.29.1, below
-what mlx-lm 0.30.4 requires) the base is multiplied into the entry by an exact 1 instead.
+what mlx-lm 0.30.4 requires) the anchor is multiplied into the entry by an exact 1 instead.
 """
 
 from __future__ import annotations

@@ -16,22 +16,26 @@ are added until the 95% confidence interval of the ratio patched / unpatched is 
 ratio with its interval. Usage (any mlx backend; meant for CUDA)::
 
     USE_TORCH=0 python scripts/bench_gpu.py [--models llama,hybrid] [--batches 1,8,32] [--tokens 64]
+    USE_TORCH=0 python scripts/bench_gpu.py --interleave 20 --settle 10 --tokens 512   # the README's figures
 
-``--interleave K`` pairs at a finer grain: inside each generation the patches go out and back in every K decode
-steps (between steps, outside the clock), each block of K steps is timed, and a pair is a patched block and the
-unpatched block next to it (which goes first alternates). Decode speed on a GPU host drifts by 10-15% between
-whole runs; adjacent blocks of one run share that drift, so the interval of the ratio narrows with far fewer
-runs. The hot-path patches tie lazy cache metadata or fix edge cases of methods called per step, so taking them
-out between steps changes no token here (the outputs are not compared); metadata left untied during an unpatched
-block is tied at the next patched tie. On the CPU (``--small``, hidden 256, vlm-0.7.10 bucket) 140 pairs of
-4-step blocks at batch 1 gave ratio 1.000 [0.994, 1.006] (llama) and 0.995 [0.987, 1.003] (hybrid).
-On an H100 (README, "On Linux with an NVIDIA GPU"): 350-700 pairs per row, ratios 0.991-1.010 with 95% intervals
-2-4% wide.
+``--interleave K`` pairs at a finer grain: inside each generation the patches go out and back in between
+decode steps, ``--settle S`` steps run unclocked after each switch (default 10, kvpatch's tie period), then a
+block of K steps is timed; a pair is a patched block and the unpatched block next to it (which goes first
+alternates). Decode speed on a GPU host drifts by 10-15% between whole runs; adjacent blocks of one run share
+that drift. The settling steps matter: a patch put back is a new installation (its per-cache books start
+empty), so its first rebase after a switch absorbs what the unpatched block left pending. With ``--settle 0``
+and blocks shorter than the tie period the patched blocks never reach a rebase at all, and the comparison
+measures nothing (the README's first H100 figures, with 4-step blocks, were such). The hot-path patches tie
+lazy cache metadata or fix edge cases of methods called per step, so switching between steps changes no
+token here (the outputs are not compared). ``--json PATH`` writes every pair (tokens/s of both sides) with
+the settings, for analysis beyond the printed interval.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import platform
 import sys
 import time
@@ -41,6 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import Paired, run_until
+from kvpatch.patches._lazy import EVERY
 
 import kvpatch
 
@@ -161,7 +166,9 @@ def decode_run(model: Any, batch: int, tokens: int) -> Any:
     return run
 
 
-def interleaved_run(model: Any, batch: int, tokens: int, block: int, engine: Any, ids: list[str]) -> Any:
+def interleaved_run(
+    model: Any, batch: int, tokens: int, block: int, engine: Any, ids: list[str], settle: int = 0
+) -> Any:
     """A closure: one BatchGenerator run whose decode steps alternate between patched and unpatched blocks of
     ``block`` steps; returns the pairs (patched tok/s, unpatched tok/s) of adjacent blocks."""
     import contextlib
@@ -182,6 +189,12 @@ def interleaved_run(model: Any, batch: int, tokens: int, block: int, engine: Any
             with contextlib.ExitStack() as stack:
                 if not patched:
                     stack.enter_context(engine.without(*ids))
+                for _ in range(settle):  # unclocked: what the switch left behind is dealt with here
+                    if not step():
+                        done = True
+                        break
+                if done:
+                    break
                 mx.synchronize()
                 start, n = time.perf_counter(), 0
                 for _ in range(block):
@@ -250,6 +263,14 @@ def main() -> int:
     parser.add_argument(
         "--interleave", type=int, default=0, metavar="K", help="toggle every K decode steps inside each run (pairs)"
     )
+    parser.add_argument(
+        "--settle",
+        type=int,
+        default=EVERY,
+        metavar="S",
+        help=f"with --interleave: decode steps run unclocked after each switch (default {EVERY}, kvpatch's tie period)",
+    )
+    parser.add_argument("--json", default=None, metavar="PATH", help="write every pair and the settings here")
     args = parser.parse_args()
 
     import mlx.core as mx
@@ -271,19 +292,23 @@ def main() -> int:
         f"rounds until the 95% CI is narrower than {args.width:.2%}",
         flush=True,
     )
-    rows = []
+    rows: list[str] = []
+    raw: list[dict[str, Any]] = []
     for kind in args.models.split(","):
         model = build(kind, args.small)
+        gc.collect()
+        gc.freeze()  # the model and everything before it out of the collector's way (a full pass then stays short)
         for batch in (int(b) for b in args.batches.split(",")):
             if args.interleave:
-                pairs = interleaved_run(model, batch, args.tokens, args.interleave, engine, ids)
+                pairs = interleaved_run(model, batch, args.tokens, args.interleave, engine, ids, args.settle)
                 pairs()  # warm both sides (kernels compile on first use)
                 result = interleaved_until(
                     pairs, min_runs=args.min_rounds, max_runs=args.max_rounds, width=args.width, budget_s=args.budget
                 )
-                blocks = f"(pairs of {args.interleave}-step blocks)"
+                blocks = f"(pairs of {args.interleave}-step blocks, {args.settle} unclocked steps after each switch)"
                 line = f"{kind:<7} batch {batch:>3}: {result.describe('tok/s')} {blocks}"
                 rows.append(line)
+                raw.append(dict(model=kind, batch=batch, on=result.on, off=result.off))
                 print(line, flush=True)
                 continue
             run = decode_run(model, batch, args.tokens)
@@ -300,9 +325,13 @@ def main() -> int:
             )
             line = f"{kind:<7} batch {batch:>3}: {result.describe('tok/s')}"
             rows.append(line)
+            raw.append(dict(model=kind, batch=batch, on=result.on, off=result.off))
             print(line, flush=True)
         del model
         mx.clear_cache()
+        if args.json:
+            meta = dict(device=device_name(), mlx=mx.__version__, mlx_lm=mlx_lm.__version__, toggled=ids)
+            Path(args.json).write_text(json.dumps(dict(settings=vars(args), **meta, configurations=raw)))
     print("\nsummary")
     for line in rows:
         print(line)
