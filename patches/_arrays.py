@@ -1,7 +1,8 @@
 """Shared by the ArraysCache patches of mlx-lm and mlx-vlm's own copy (mlx-vlm 0.6.4+): one bug, two classes.
 
-* ``rebase_advance`` (arrays-advance-detach) and ``tie_advance`` (vlm-arrays-advance-detach): ``advance``
-  decrements ``left_padding`` / ``lengths`` lazily and nothing evaluates them; ``advance_growth`` measures it.
+* ``rebase_advance`` (arrays-advance-detach, vlm-arrays-advance-detach): ``advance`` decrements
+  ``left_padding`` / ``lengths`` lazily and nothing evaluates them; ``advance_growth`` measures it, and
+  ``anchored_ties`` which steps of a decode the fix adds a node to.
 * ``combined_make_mask``: ``make_mask`` returns only the left-padding mask when both ``left_padding`` and
   ``lengths`` are set (arrays-mask-lengths, vlm-arrays-mask-lengths); ``mask_drops_lengths`` measures it.
 
@@ -17,8 +18,6 @@ from kvpatch.patches._lazy import graph_edges
 
 from kvpatch.record import Finding
 
-#: The per-instance count of ``advance`` calls since the last tie (an attribute only kvpatch uses).
-CALLS = "_kvpatch_advances"
 #: ``rebase_advance``'s per-instance book (an attribute only kvpatch uses): [the replacement that wrote it, calls
 #: and steps advanced since the last rebase, {attribute name: (the array on the cache, kvpatch's anchor, the
 #: steps advanced from the anchor to the last rebase)}].
@@ -34,42 +33,6 @@ def vlm_own_arrays_cache() -> Any:
     if cls is None or not cls.__module__.startswith("mlx_vlm."):
         return None
     return cls
-
-
-def tie_advance(original: Any) -> Any:
-    """``ArraysCache.advance`` that ties the decremented metadata into the first stored state entry.
-
-    The layer's next step reads that entry, so evaluating it evaluates the metadata too. The tie is made on
-    every ``_lazy.EVERY``-th ``advance`` of a cache (the count lives on the instance): at most that many
-    steps' decrements are ever pending (``_lazy.MAX_EDGES``), and the tie's cost (one graph node) is paid
-    once per ``EVERY`` calls. ``mx.depends`` shares the entry's buffer (no copy, no host synchronisation)
-    and the stored values are unchanged. Nothing is tied when both are ``None``.
-    """
-    import mlx.core as mx
-
-    tie = _lazy.tie(mx)
-    every = _lazy.EVERY
-
-    def advance(self: Any, N: Any) -> Any:
-        result = original(self, N)
-        state = self.__dict__
-        calls = state.get(CALLS, 0) + 1
-        if calls < every:
-            state[CALLS] = calls
-            return result
-        state[CALLS] = 0
-        left_padding, lengths = self.left_padding, self.lengths
-        if left_padding is None and lengths is None:
-            return result
-        deps = [a for a in (left_padding, lengths) if a is not None]
-        entries = self.cache
-        for i, entry in enumerate(entries):
-            if entry is not None:
-                entries[i] = tie(entry, deps)
-                break
-        return result
-
-    return advance
 
 
 def rebase_advance(original: Any) -> Any:
@@ -163,6 +126,30 @@ def advance_growth(arrays_cache: type) -> Finding:
     if edges[200][0] > edges[20][0] or edges[200][1] > edges[20][1]:
         return Finding(True, f"{detail} (unbounded)")
     return Finding(False, f"{detail} (bounded)")
+
+
+def anchored_ties(arrays_cache: type, steps: int = 60) -> tuple[list[int], Any, Any]:
+    """A recurrent layer's cache decoded ``steps`` steps (state read, new state stored, ``advance(1)``, state
+    evaluated): the steps whose state entry carried a ``Depends`` node when evaluated, and the final
+    ``left_padding`` and ``lengths`` (as lists). Unpatched: no step; ``rebase_advance``: the anchoring only."""
+    import io
+
+    import mlx.core as mx
+
+    cache = arrays_cache(1, left_padding=[4, 1])
+    cache.prepare(lengths=[6, 9])
+    cache[0] = mx.zeros((2, 3))
+    mx.eval(cache[0])
+    tied = []
+    for step in range(1, steps + 1):
+        cache[0] = cache[0] * 0.5 + 1
+        cache.advance(1)
+        dot = io.StringIO()
+        mx.export_to_dot(dot, cache[0])
+        if "Depends" in dot.getvalue():
+            tied.append(step)
+        mx.eval(cache[0])
+    return tied, cache.left_padding, cache.lengths
 
 
 def combined_make_mask(original: Any) -> Any:

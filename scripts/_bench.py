@@ -51,8 +51,20 @@ class Paired:
         half = t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
         return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
-    def width(self) -> float:
-        _, lo, hi = self.ratio()
+    def median_ratio(self) -> tuple[float, float, float]:
+        """(median ratio on/off over rounds, 95% CI low, high): the distribution-free interval of a median
+        (order statistics of the rounds' ratios), which heavy tails (a stall that hits one block) do not widen
+        the way they widen the mean's."""
+        ratios = sorted(a / b for a, b in zip(self.on, self.off, strict=True))
+        n = len(ratios)
+        median = statistics.median(ratios)
+        k = math.floor((n - 1.96 * math.sqrt(n)) / 2)  # normal approximation to the binomial(n, 1/2)
+        if k < 1:
+            return median, 0.0, math.inf
+        return median, ratios[k - 1], ratios[n - k]
+
+    def width(self, stat: str = "mean") -> float:
+        _, lo, hi = self.median_ratio() if stat == "median" else self.ratio()
         return hi - lo
 
     def describe(self, unit: str) -> str:

@@ -194,27 +194,12 @@ def test_steady_decoding_adds_nothing_to_the_graph():
     """Once a cache is anchored, the rebases add no node to what the layer evaluates: no ``Depends`` in the
     state entry's graph, no kernel for the metadata (on mlx's CUDA backend a step whose graph differs from its
     neighbours' cost the 1.1B hybrid 5-8% of its decode speed, README). Values stay exact and bounded."""
-    import io
-
-    import mlx.core as mx
+    from kvpatch.patches._arrays import anchored_ties
     from mlx_lm.models.cache import ArraysCache
 
     if not _patched():
         pytest.skip(f"{PATCH.id} is not installed in this process")
-    cache = ArraysCache(1, left_padding=[4, 1])
-    cache.prepare(lengths=[6, 9])
-    cache[0] = mx.zeros((2, 3))
-    mx.eval(cache[0])
-    tied = []
-    for step in range(1, 61):
-        cache[0] = cache[0] * 0.5 + 1
-        cache.advance(1)
-        dot = io.StringIO()
-        mx.export_to_dot(dot, cache[0])
-        if "Depends" in dot.getvalue():
-            tied.append(step)
-        mx.eval(cache[0])
+    tied, left_padding, lengths = anchored_ties(ArraysCache, 60)
     assert tied == [10], tied  # the anchoring only
-    assert cache.left_padding.tolist() == [4 - 60, 1 - 60]
-    assert cache.lengths.tolist() == [6 - 60, 9 - 60]
-    assert max(graph_edges(cache.left_padding), graph_edges(cache.lengths)) <= MAX_EDGES
+    assert left_padding.tolist() == [4 - 60, 1 - 60] and lengths.tolist() == [6 - 60, 9 - 60]
+    assert max(graph_edges(left_padding), graph_edges(lengths)) <= MAX_EDGES

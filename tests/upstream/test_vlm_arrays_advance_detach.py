@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from kvpatch.patches import _arrays
-from kvpatch.patches._lazy import graph_edges
+from kvpatch.patches._lazy import MAX_EDGES, graph_edges
 from kvpatch.patches.vlm_arrays_advance_detach import PATCH
 
 import kvpatch
@@ -86,9 +86,21 @@ def test_left_padded_decode_loop_stays_bounded():
 
     tokens, edges, lp = run()
     assert lp == [[2 - 205, 0 - 205]] * 3  # 5 prompt tokens + 200 decode steps advanced
-    assert edges[50] == edges[200] and max(edges[200]) <= 10, edges
+    assert edges[50] == edges[200] and max(edges[200]) <= MAX_EDGES, edges
     if _patched():
         with without(PATCH.id):
             ref_tokens, ref_edges, ref_lp = run()
         assert max(ref_edges[200]) - max(ref_edges[50]) >= 4 * 150, ref_edges
         assert tokens == ref_tokens and lp == ref_lp
+
+
+def test_steady_decoding_adds_nothing_to_the_graph():
+    """As for mlx-lm's class (test_arrays_advance_detach): one tie when the cache is anchored, none after."""
+    from mlx_vlm.models.cache import ArraysCache
+
+    if not _patched():
+        pytest.skip(f"{PATCH.id} is not installed in this process")
+    tied, left_padding, lengths = _arrays.anchored_ties(ArraysCache, 60)
+    assert tied == [10], tied
+    assert left_padding.tolist() == [4 - 60, 1 - 60] and lengths.tolist() == [6 - 60, 9 - 60]
+    assert max(graph_edges(left_padding), graph_edges(lengths)) <= MAX_EDGES
