@@ -35,7 +35,7 @@ evaluates it once. History, measured on an H100 with ``scripts/bench_gpu.py`` (1
 BatchGenerator at batch 1/8/32): the first version tied the whole chain every 10th step; the second
 evaluated one subtraction per attribute every 10th step and tied it into the state. With 20-step blocks and 10
 settling steps after each switch (2026-11-25; every hot-path patch toggled) the second decoded at 0.923
-[0.907, 0.940], 0.941 [0.920, 0.963] and 0.947 [0.931, 0.964] of the unpatched speed, far more than its ten
+[0.907, 0.940], 0.941 [0.920, 0.963] and 0.947 [0.931, 0.964] of the unpatched speed, far more than its few
 tiny kernels per ten steps suggest. Not established why; mlx's CUDA backend replays CUDA graphs cached by
 their kernels' topology, and a step whose kernels differ from its neighbours' may miss that cache. The
 rebase is exact only if every decrement went through the replacement: it is done only when the attribute

@@ -4,8 +4,8 @@ Two random-weight bfloat16 models of realistic size, no downloads:
 
 * ``llama``: a ~1.0B-parameter llama (hidden 2048, 16 layers, 32 query / 8 KV heads, MLP 8192, vocab
   32000), the shape of Llama-3.2-1B;
-* ``hybrid``: a ~1.2B LFM2-style hybrid (hidden 2048, 16 layers: 10 short-convolution layers with
-  ``ArraysCache`` and 6 attention layers), the shape of LFM2-1.2B.
+* ``hybrid``: a ~1.1B LFM2-style hybrid (hidden 2048, 16 layers: 11 short-convolution layers with
+  ``ArraysCache`` and 5 attention layers; LFM2-1.2B itself has 10 and 6).
 
 Each is decoded with mlx-lm's ``BatchGenerator`` at batch 1, 8 and 32 (prompts of 32 tokens, then
 ``--tokens`` tokens per row). Only decode is timed: the clock starts once every row is generating and
@@ -65,7 +65,7 @@ LLAMA_1B = dict(
     tie_word_embeddings=True,
 )
 
-# 10 conv and 6 attention layers, in LFM2-1.2B's order
+# 11 conv and 5 attention layers (LFM2-1.2B has 10 and 6; kept as measured)
 _LFM2_LAYERS = [
     *(["conv", "conv", "full_attention"] * 2),
     *(["conv", "conv", "full_attention", "conv"] * 2),

@@ -1,0 +1,90 @@
+"""What kvpatch's hot-path patches add to each decode step's graph: mlx nodes by operation, patched against
+unpatched, counted with ``mx.export_to_dot`` on every graph mlx-lm's ``BatchGenerator`` hands to
+``mx.async_eval`` (CPU is enough: the graph is the same on every backend).
+
+Prints, for each side, the nodes per step, then the steps whose patched graph differs from the first step's
+and by which operations. Usage (inside a bucket, e.g. vlm-0.7.10)::
+
+    python scripts/graph_nodes.py [--model hybrid|llama] [--batch 8] [--steps 30]
+
+The models are ``bench_gpu.py``'s at hidden 256. Stated in README ("On Linux with an NVIDIA GPU"): with
+``arrays-advance-detach`` as it is, the hybrid's patched steps hold the same nodes as its unpatched steps but for
+``offset-detach``'s ``Depends`` every 10th step (and one anchoring early on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import io
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import _prefilled, _prompts, build
+
+import kvpatch
+
+_OP = re.compile(r'label ="([A-Za-z0-9_]+)[^"]*", shape=rectangle')
+
+
+def count_steps(model: Any, batch: int, steps: int) -> list[collections.Counter[str]]:
+    """Operations of each graph ``BatchGenerator`` evaluates asynchronously over ``steps`` decode steps."""
+    import mlx.core as mx
+
+    counts: list[collections.Counter[str]] = []
+    real = mx.async_eval
+
+    def spy(*args: Any) -> Any:
+        arrays = [a for a in args if isinstance(a, mx.array)]
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                arrays += [x for x in a if isinstance(x, mx.array)]
+        dot = io.StringIO()
+        mx.export_to_dot(dot, *arrays)
+        counts.append(collections.Counter(m.group(1) for m in _OP.finditer(dot.getvalue())))
+        return real(*args)
+
+    _, step = _prefilled(model, _prompts(batch), steps + 10)
+    mx.async_eval = spy
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        mx.async_eval = real
+    return counts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="hybrid", choices=("hybrid", "llama"))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+
+    import mlx_lm.generate  # noqa: F401  (the cache module: the engine installs its patches)
+
+    engine = kvpatch.get_engine()
+    ids = [pid for pid, st in engine.status.items() if st.patch.hot_path and st.installed]
+    print(f"hot-path patches installed: {', '.join(ids) or 'none'}")
+    model = build(args.model, small=True)
+    sides = {}
+    for name, ctx in (("unpatched", engine.without(*ids)), ("patched", contextlib.nullcontext())):
+        with ctx:
+            sides[name] = count_steps(model, args.batch, args.steps)
+        print(f"{name:>9}: nodes per step {[sum(c.values()) for c in sides[name]]}")
+    base = sides["unpatched"][0]
+    for name, counts in sides.items():
+        for i, c in enumerate(counts):
+            diff = {op: c[op] - base[op] for op in sorted(set(c) | set(base)) if c[op] != base[op]}
+            if diff:
+                print(f"{name} step {i + 1}: {diff}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
