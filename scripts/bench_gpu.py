@@ -30,8 +30,8 @@ lazy cache metadata or fix edge cases of methods called per step, so switching b
 token here (the outputs are not compared). Each row also prints the median of the pairs' ratios with its
 distribution-free 95% interval (order statistics): single blocks on an H100 varied by 10-14% with heavy tails,
 which widen the mean's interval far more than the median's; ``--stat median`` stops on that interval instead.
-``--json PATH`` writes every pair (tokens/s of both sides) with
-the settings, for analysis beyond the printed interval.
+``--json PATH`` writes every pair (tokens/s of both sides) with the settings, for analysis beyond the printed
+interval.
 """
 
 from __future__ import annotations
