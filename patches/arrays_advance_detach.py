@@ -31,20 +31,21 @@ that is set is rebased: its pending chain of decrements is dropped unevaluated a
 subtraction, ``anchor - total``. At most 10 steps' decrements are ever pending, and in steady decoding nothing
 is evaluated and nothing joins the model's graph. Anchoring (a new cache, or metadata another method
 replaced) ties the anchor into the first stored state entry (``mx.depends``), so the layer's next step
-evaluates it once. History, measured on an H100 with ``scripts/bench_gpu.py`` (1.1B LFM2-style hybrid, bf16,
-BatchGenerator at batch 1/8/32): the first version tied the whole chain every 10th step; the second
-evaluated one subtraction per attribute every 10th step and tied it into the state. With 20-step blocks and 10
-settling steps after each switch (2026-11-25; every hot-path patch toggled) the second decoded at 0.923
-[0.907, 0.940], 0.941 [0.920, 0.963] and 0.947 [0.931, 0.964] of the unpatched speed, far more than its few
-tiny kernels per ten steps suggest. Not established why; mlx's CUDA backend replays CUDA graphs cached by
-their kernels' topology, and a step whose kernels differ from its neighbours' may miss that cache. The
-rebase is exact only if every decrement went through the replacement: it is done only when the attribute
-still holds the array kvpatch put there (every other writer in 0.30.4-0.32.2 assigns a new array), the
-book was written by this installation of the patch (decrements made while it was taken out are not lost)
-and every ``N`` was a Python int; otherwise kvpatch re-anchors. Stored values are unchanged; no host
-synchronisation. When both are ``None`` (single-sequence generation, mlx-lm <= 0.31.2
-BatchGenerator after ``finalize``) nothing is done. On mlx without ``mx.depends`` (0.29.0/0.29.1, below
-what mlx-lm 0.30.4 requires) the anchor is multiplied into the entry by an exact 1 instead.
+evaluates it once. Cost, measured on an H100 with ``scripts/bench_gpu.py`` (1.1B LFM2-style hybrid, bf16,
+BatchGenerator, this patch alone toggled, batch 1, 2026-11-26): 0.978 [0.974, 0.982] of the unpatched speed
+(median of 472 pairs). What is known of it: freeing the dropped chains is host work that upstream, which
+leaks them, never does (``scripts/probe_advance_cost.py``: +230-260 us on the H100 host at each rebasing step
+of 11 caches, +25 us per step on average); the remaining ~30 us per step is not established. The figures of
+0.92-0.95 measured before (with this version and the one before it, which evaluated one subtraction per
+attribute every 10th step) charged the patch with evaluating the chain the benchmark's unpatched block had
+left: its timed block began at the step that evaluates the anchor. The rebase is exact only if every
+decrement went through the replacement: it is done only when the attribute still holds the array kvpatch put
+there (every other writer in 0.30.4-0.32.2 assigns a new array), the book was written by this installation
+of the patch (decrements made while it was taken out are not lost) and every ``N`` was a Python int;
+otherwise kvpatch re-anchors. Stored values are unchanged; no host synchronisation. When both are ``None``
+(single-sequence generation, mlx-lm <= 0.31.2 BatchGenerator after ``finalize``) nothing is done. On mlx
+without ``mx.depends`` (0.29.0/0.29.1, below what mlx-lm 0.30.4 requires) the anchor is multiplied into the
+entry by an exact 1 instead.
 """
 
 from __future__ import annotations

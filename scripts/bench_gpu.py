@@ -16,28 +16,35 @@ are added until the 95% confidence interval of the ratio patched / unpatched is 
 ratio with its interval. Usage (any mlx backend; meant for CUDA)::
 
     USE_TORCH=0 python scripts/bench_gpu.py [--models llama,hybrid] [--batches 1,8,32] [--tokens 64]
-    USE_TORCH=0 python scripts/bench_gpu.py --interleave 20 --settle 10 --tokens 512   # the README's figures
+    USE_TORCH=0 python scripts/bench_gpu.py --interleave 20 --tokens 512   # the README's figures
 
 ``--interleave K`` pairs at a finer grain: inside each generation the patches go out and back in between
-decode steps, ``--settle S`` steps run unclocked after each switch (default 10, kvpatch's tie period), then a
-block of K steps is timed; a pair is a patched block and the unpatched block next to it (which goes first
-alternates). Decode speed on a GPU host drifts by 10-15% between whole runs; adjacent blocks of one run share
-that drift. The settling steps matter: a patch put back is a new installation (its per-cache books start
-empty), so its first rebase after a switch absorbs what the unpatched block left pending. With ``--settle 0``
-and blocks shorter than the tie period the patched blocks never reach a rebase at all, and the comparison
-measures nothing (the README's first H100 figures, with 4-step blocks, were such). The hot-path patches tie
+decode steps, ``--settle S`` steps run unclocked after each switch (default 11), then a block of K steps is
+timed; a pair is a patched block and the unpatched block next to it (which goes first alternates). Decode
+speed on a GPU host drifts by 10-15% between whole runs; adjacent blocks of one run share that drift. The
+settling steps matter: a patch put back is a new installation (its per-cache books start empty). Its 10th call
+(kvpatch's tie period) anchors each cache's metadata, and the next step evaluates the anchor: the whole chain
+of decrements the unpatched block left pending (in the hybrid at batch 1, ~900 graph nodes more in that one
+step, against ~1560 in every other). Unpatched decoding never evaluates that chain, so a timed block that
+contains this step charges the patch with the switch: with ``--settle 10`` it did, and the hybrid measured
+0.92-0.95 (H100, 2026-11-25/26). ``python scripts/graph_nodes.py --interleave 20 --settle S`` counts the timed
+blocks' nodes: with S = 11 the patched blocks hold 10 nodes more than the unpatched (``offset-detach``'s
+``Depends``, no kernel), with S = 10 ~900 more. With ``--settle 0`` and blocks shorter than the tie period the
+patched blocks never reach a rebase at all, and the comparison measures nothing (the README's first H100
+figures, with 4-step blocks, were such). The hot-path patches tie
 lazy cache metadata or fix edge cases of methods called per step, so switching between steps changes no
 token here (the outputs are not compared). Each row also prints the median of the pairs' ratios with its
 distribution-free 95% interval (order statistics): single blocks on an H100 varied by 10-14% with heavy tails,
 which widen the mean's interval far more than the median's; ``--stat median`` stops on that interval instead.
-``--json PATH`` writes every pair (tokens/s of both sides) with the settings, for analysis beyond the printed
-interval.
+``--json PATH`` writes every pair (tokens/s of both sides, and the spacing of each block's steps) with the
+settings, for analysis beyond the printed interval.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import platform
 import sys
@@ -173,7 +180,9 @@ def interleaved_run(
     model: Any, batch: int, tokens: int, block: int, engine: Any, ids: list[str], settle: int = 0
 ) -> Any:
     """A closure: one BatchGenerator run whose decode steps alternate between patched and unpatched blocks of
-    ``block`` steps; returns the pairs (patched tok/s, unpatched tok/s) of adjacent blocks."""
+    ``block`` steps; returns the pairs of adjacent blocks: (patched tok/s, unpatched tok/s, and each side's
+    seconds between consecutive ``step()`` returns: no synchronisation is added, so these are the pipelined
+    steps' spacing, for ``--json``)."""
     import contextlib
 
     import mlx.core as mx
@@ -200,8 +209,10 @@ def interleaved_run(
                     break
                 mx.synchronize()
                 start, n = time.perf_counter(), 0
+                ticks = [start]
                 for _ in range(block):
                     responses = step()
+                    ticks.append(time.perf_counter())
                     if not responses:
                         done = True
                         break
@@ -209,14 +220,14 @@ def interleaved_run(
                 mx.synchronize()
                 elapsed = time.perf_counter() - start
             if n == batch * block:  # a full block only (the last one may end early)
-                rates.append((patched, n / elapsed))
+                rates.append((patched, n / elapsed, [b - a for a, b in itertools.pairwise(ticks)]))
             k += 1
         _close(gen)
         pairs = []
         for a, b in zip(rates[::2], rates[1::2], strict=False):
             on, off = (a, b) if a[0] else (b, a)
             if on[0] and not off[0]:
-                pairs.append((on[1], off[1]))
+                pairs.append((on[1], off[1], on[2], off[2]))
         return pairs
 
     return run
@@ -224,18 +235,21 @@ def interleaved_run(
 
 def interleaved_until(
     run: Any, *, min_runs: int, max_runs: int, width: float, budget_s: float, stat: str = "mean"
-) -> Paired:
-    """Generations of ``interleaved_run`` until the ratio's 95% interval over all block pairs is narrow enough."""
+) -> tuple[Paired, list[tuple[list[float], list[float]]]]:
+    """Generations of ``interleaved_run`` until the ratio's 95% interval over all block pairs is narrow enough;
+    also returns each pair's step spacings."""
     result = Paired()
+    steps: list[tuple[list[float], list[float]]] = []
     start = time.perf_counter()
     for i in range(max_runs):
-        for on, off in run():
+        for on, off, on_steps, off_steps in run():
             result.on.append(on)
             result.off.append(off)
+            steps.append((on_steps, off_steps))
         if i + 1 >= min_runs and result.rounds >= 2:
             if result.width(stat) < width or time.perf_counter() - start > budget_s:
                 break
-    return result
+    return result, steps
 
 
 def device_name() -> str:
@@ -271,9 +285,10 @@ def main() -> int:
     parser.add_argument(
         "--settle",
         type=int,
-        default=EVERY,
+        default=EVERY + 1,
         metavar="S",
-        help=f"with --interleave: decode steps run unclocked after each switch (default {EVERY}, kvpatch's tie period)",
+        help=f"with --interleave: decode steps run unclocked after each switch (default {EVERY + 1}: kvpatch's tie "
+        "period, and the step that evaluates a patch's first anchoring)",
     )
     parser.add_argument(
         "--stat",
@@ -313,7 +328,7 @@ def main() -> int:
             if args.interleave:
                 pairs = interleaved_run(model, batch, args.tokens, args.interleave, engine, ids, args.settle)
                 pairs()  # warm both sides (kernels compile on first use)
-                result = interleaved_until(
+                result, steps = interleaved_until(
                     pairs,
                     min_runs=args.min_rounds,
                     max_runs=args.max_rounds,
@@ -328,7 +343,7 @@ def main() -> int:
                     f"{'':<17}median ratio {median:.4f} [95% CI {lo:.4f}, {hi:.4f}] (distribution-free)"
                 )
                 rows.append(line)
-                raw.append(dict(model=kind, batch=batch, on=result.on, off=result.off))
+                raw.append(dict(model=kind, batch=batch, on=result.on, off=result.off, steps=steps))
                 print(line, flush=True)
                 continue
             run = decode_run(model, batch, args.tokens)

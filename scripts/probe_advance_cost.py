@@ -1,50 +1,78 @@
-"""Where arrays-advance-detach's decode cost comes from (a probe, run by hand inside a bucket).
+"""What arrays-advance-detach costs the host per decode step (a probe, run by hand inside a bucket or on a GPU host).
 
-A two-entry ``ArraysCache`` with left padding, advanced one step at a time while a stand-in conv layer rewrites
-and evaluates its state each step, timed three ways: with the patch (the metadata is tied into the state every
-10th step, so it is evaluated with it), without it (upstream: the per-step decrements stay lazy and are never
-evaluated), and without it plus an explicit ``mx.eval`` of ``left_padding`` every 10th step (what any fix that
-keeps the graph bounded must pay at least)::
+A decode step of ``bench_gpu.py``'s hybrid calls ``ArraysCache.advance(1)`` on 11 caches (its conv layers), each
+with ``left_padding`` and ``lengths`` set (``BatchGenerator``), and the model evaluates one cache's
+``left_padding`` (the one its SSM mask is built from). This probe does just that, with nothing else, and times
+the host: microseconds per step by the step's place in the patch's 10-call cycle, patched and unpatched, in one
+process. Upstream's ``-=`` adds one lazy node per attribute per step and never frees the chains it leaves in the
+unread caches (the leak). The patch drops those chains every 10th call and puts ``anchor - total`` in their
+place: freeing the nodes and building the new ones is host work that upstream never does. On a GPU the decode
+step is short enough for this host time to show in tokens/s::
 
-    .venv/bin/python scripts/in_bucket.py vlm-0.7.10 -- python scripts/probe_advance_cost.py
+    .venv/bin/python scripts/in_bucket.py vlm-0.7.10 -- python -P scripts/probe_advance_cost.py
 """
 
 from __future__ import annotations
 
+import gc
+import statistics
 import time
 
 import mlx.core as mx
-import mlx_lm  # noqa: F401  (the engine installs its patches on this import)
+import mlx_lm.generate  # noqa: F401  (the cache module: the engine installs its patches on this import)
 from mlx_lm.models.cache import ArraysCache
 
 import kvpatch
 
+LAYERS = 11
+PERIOD = 10
 
-def per_step_us(mode: str, steps: int = 3000) -> float:
-    cache = ArraysCache(2, left_padding=[3, 1])
-    cache[0] = mx.zeros((4, 3, 64))
-    cache[1] = mx.zeros((4, 64))
-    mx.eval(cache.cache)
-    start = time.perf_counter()
-    for i in range(steps):
-        cache.advance(1)
-        cache[0] = cache[0] * 1.0001 + 1  # what a conv layer does with its state each step
-        if mode == "eval-metadata" and i % 10 == 9:
-            mx.eval(cache.left_padding)
-        mx.eval(cache[0])
-    return (time.perf_counter() - start) / steps * 1e6
+
+def caches() -> list[ArraysCache]:
+    made = []
+    for _ in range(LAYERS):
+        cache = ArraysCache(2, left_padding=[0, 3])
+        cache.prepare(lengths=[40, 37])
+        cache[0], cache[1] = mx.zeros((2, 3, 8)), mx.zeros((2, 4, 4))
+        made.append(cache)
+    mx.eval([(c.cache, c.left_padding, c.lengths) for c in made])
+    return made
+
+
+def step_us(steps: int) -> list[float]:
+    """Host microseconds of each step's advances (after 20 unclocked steps), one fresh set of caches."""
+    made = caches()
+    times = []
+    for i in range(20 + steps):
+        start = time.perf_counter()
+        for cache in made:
+            cache.advance(1)
+        if i >= 20:
+            times.append((time.perf_counter() - start) * 1e6)
+        mx.eval(made[0].left_padding)  # what the model reads
+    return times
 
 
 def main() -> None:
     engine = kvpatch.get_engine()
-    for _ in range(3):
-        patched = per_step_us("patched")
-        with engine.without("arrays-advance-detach"):
-            unpatched = per_step_us("unpatched")
-            evaluated = per_step_us("eval-metadata")
+    print(f"{mx.default_device()}; arrays-advance-detach: {engine.status['arrays-advance-detach'].state.value}")
+    gc.collect()
+    gc.freeze()
+    sides: dict[str, list[list[float]]] = {"patched": [], "unpatched": []}
+    for r in range(20):
+        for side in ("patched", "unpatched") if r % 2 else ("unpatched", "patched"):
+            if side == "patched":
+                sides[side].append(step_us(500))
+            else:
+                with engine.without("arrays-advance-detach"):
+                    sides[side].append(step_us(500))
+    for side, runs in sides.items():
+        steps = [t for run in runs for t in run]
+        by_place = [statistics.median(steps[k::PERIOD]) for k in range(PERIOD)]
+        mean = statistics.fmean(statistics.median(steps[k::PERIOD]) for k in range(PERIOD))
         print(
-            f"per step: patched {patched:.1f} us, unpatched {unpatched:.1f} us, "
-            f"unpatched + eval(left_padding) every 10th {evaluated:.1f} us",
+            f"{side:>9}: {LAYERS} advances per step, host us by place in the 10-step cycle (medians) "
+            f"{[round(t, 1) for t in by_place]}; mean of those {mean:.1f}",
             flush=True,
         )
 
