@@ -33,9 +33,12 @@ is evaluated and nothing joins the model's graph. Anchoring (a new cache, or met
 replaced) ties the anchor into the first stored state entry (``mx.depends``), so the layer's next step
 evaluates it once. Cost, measured on an H100 with ``scripts/bench_gpu.py`` (1.1B LFM2-style hybrid, bf16,
 BatchGenerator, this patch alone toggled, batch 1, 2026-11-26): 0.978 [0.974, 0.982] of the unpatched speed
-(median of 472 pairs). What is known of it: freeing the dropped chains is host work that upstream, which
-leaks them, never does (``scripts/probe_advance_cost.py``: +230-260 us on the H100 host at each rebasing step
-of 11 caches, +25 us per step on average); the remaining ~30 us per step is not established. The figures of
+(median of 472 pairs), decode steps only. What is known of it: the patch frees the dropped chains during
+decoding, which upstream does only when the caches are discarded (``scripts/probe_advance_cost.py`` on H100
+hosts, 11 caches: +230-390 us at each rebasing step, +25-38 us per step on average; discarding them after
+500 steps took upstream 27-32 ms and the patched 0.7 ms); a further ~30 us per step is not established. Whole
+generations with the discarding clocked (``bench_gpu.py --teardown``, all hot-path patches, batch 1): 1.026
+[1.002, 1.051], 40 pairs. The figures of
 0.92-0.95 measured before (with this version and the one before it, which evaluated one subtraction per
 attribute every 10th step) charged the patch with evaluating the chain the benchmark's unpatched block had
 left: its timed block began at the step that evaluates the anchor. The rebase is exact only if every

@@ -38,6 +38,12 @@ distribution-free 95% interval (order statistics): single blocks on an H100 vari
 which widen the mean's interval far more than the median's; ``--stat median`` stops on that interval instead.
 ``--json PATH`` writes every pair (tokens/s of both sides, and the spacing of each block's steps) with the
 settings, for analysis beyond the printed interval.
+
+Decode-only timing favours upstream where a patch fixes a leak: upstream's ``ArraysCache.advance`` leaves its
+lazy decrements in the caches no layer reads, and frees them only when the caches are discarded, outside the
+clock; ``arrays-advance-detach`` frees them every 10th step, inside it. ``--teardown`` (whole runs, without
+``--interleave``) stops the clock after the generator and its caches are discarded, so both sides pay for
+the nodes they free.
 """
 
 from __future__ import annotations
@@ -153,8 +159,10 @@ def _close(gen: Any) -> None:
         close()
 
 
-def decode_run(model: Any, batch: int, tokens: int) -> Any:
-    """A closure: one BatchGenerator run; returns decode tokens per second (all rows generating)."""
+def decode_run(model: Any, batch: int, tokens: int, teardown: bool = False) -> Any:
+    """A closure: one BatchGenerator run; returns decode tokens per second (all rows generating). With
+    ``teardown`` the clock also covers closing and discarding the generator, caches included: where a patch
+    frees lazy nodes during decoding that upstream leaves in its caches, upstream frees them there."""
     import mlx.core as mx
 
     prompts = _prompts(batch)
@@ -168,9 +176,13 @@ def decode_run(model: Any, batch: int, tokens: int) -> Any:
             if not responses:
                 break
             n += len(responses)
+        if teardown:
+            _close(gen)
+            del gen, step
         mx.synchronize()
         elapsed = time.perf_counter() - start
-        _close(gen)
+        if not teardown:
+            _close(gen)
         return n / elapsed
 
     return run
@@ -297,6 +309,11 @@ def main() -> int:
         help="with --interleave: the interval that --width stops on (geometric mean, or median of the pairs)",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="write every pair and the settings here")
+    parser.add_argument(
+        "--teardown",
+        action="store_true",
+        help="without --interleave: the clock also covers discarding the generator and its caches",
+    )
     args = parser.parse_args()
 
     import mlx.core as mx
@@ -346,7 +363,7 @@ def main() -> int:
                 raw.append(dict(model=kind, batch=batch, on=result.on, off=result.off, steps=steps))
                 print(line, flush=True)
                 continue
-            run = decode_run(model, batch, args.tokens)
+            run = decode_run(model, batch, args.tokens, args.teardown)
             run()
             with engine.without(*ids):
                 run()  # warm both sides (kernels compile on first use)

@@ -4,10 +4,11 @@ A decode step of ``bench_gpu.py``'s hybrid calls ``ArraysCache.advance(1)`` on 1
 with ``left_padding`` and ``lengths`` set (``BatchGenerator``), and the model evaluates one cache's
 ``left_padding`` (the one its SSM mask is built from). This probe does just that, with nothing else, and times
 the host: microseconds per step by the step's place in the patch's 10-call cycle, patched and unpatched, in one
-process. Upstream's ``-=`` adds one lazy node per attribute per step and never frees the chains it leaves in the
-unread caches (the leak). The patch drops those chains every 10th call and puts ``anchor - total`` in their
-place: freeing the nodes and building the new ones is host work that upstream never does. On a GPU the decode
-step is short enough for this host time to show in tokens/s::
+process, and the time to discard the caches afterwards. Upstream's ``-=`` adds one lazy node per attribute per
+step and frees the chains it leaves in the unread caches only when the caches are discarded (the leak). The
+patch drops those chains every 10th call and puts ``anchor - total`` in their place: the same nodes are freed
+during decoding instead of at the end. On a GPU the decode step is short enough for this host time to show in
+tokens/s (README, "On Linux with an NVIDIA GPU", has the figures)::
 
     .venv/bin/python scripts/in_bucket.py vlm-0.7.10 -- python -P scripts/probe_advance_cost.py
 """
@@ -26,6 +27,7 @@ import kvpatch
 
 LAYERS = 11
 PERIOD = 10
+STEPS = 500
 
 
 def caches() -> list[ArraysCache]:
@@ -39,8 +41,9 @@ def caches() -> list[ArraysCache]:
     return made
 
 
-def step_us(steps: int) -> list[float]:
-    """Host microseconds of each step's advances (after 20 unclocked steps), one fresh set of caches."""
+def step_us(steps: int) -> tuple[list[float], float]:
+    """Host microseconds of each step's advances (after 20 unclocked steps), one fresh set of caches; and of
+    discarding the caches afterwards (what a finished generation does)."""
     made = caches()
     times = []
     for i in range(20 + steps):
@@ -50,7 +53,9 @@ def step_us(steps: int) -> list[float]:
         if i >= 20:
             times.append((time.perf_counter() - start) * 1e6)
         mx.eval(made[0].left_padding)  # what the model reads
-    return times
+    start = time.perf_counter()
+    del made
+    return times, (time.perf_counter() - start) * 1e6
 
 
 def main() -> None:
@@ -58,21 +63,23 @@ def main() -> None:
     print(f"{mx.default_device()}; arrays-advance-detach: {engine.status['arrays-advance-detach'].state.value}")
     gc.collect()
     gc.freeze()
-    sides: dict[str, list[list[float]]] = {"patched": [], "unpatched": []}
+    sides: dict[str, list[tuple[list[float], float]]] = {"patched": [], "unpatched": []}
     for r in range(20):
         for side in ("patched", "unpatched") if r % 2 else ("unpatched", "patched"):
             if side == "patched":
-                sides[side].append(step_us(500))
+                sides[side].append(step_us(STEPS))
             else:
                 with engine.without("arrays-advance-detach"):
-                    sides[side].append(step_us(500))
+                    sides[side].append(step_us(STEPS))
     for side, runs in sides.items():
-        steps = [t for run in runs for t in run]
+        steps = [t for run, _ in runs for t in run]
         by_place = [statistics.median(steps[k::PERIOD]) for k in range(PERIOD)]
-        mean = statistics.fmean(statistics.median(steps[k::PERIOD]) for k in range(PERIOD))
+        mean = statistics.fmean(by_place)
+        teardown = statistics.median(t for _, t in runs)
         print(
             f"{side:>9}: {LAYERS} advances per step, host us by place in the 10-step cycle (medians) "
-            f"{[round(t, 1) for t in by_place]}; mean of those {mean:.1f}",
+            f"{[round(t, 1) for t in by_place]}; mean of those {mean:.1f}; discarding the caches after "
+            f"{STEPS} steps {teardown:.0f} us; per step with that {mean + teardown / STEPS:.1f}",
             flush=True,
         )
 
