@@ -39,6 +39,19 @@ import kvpatch
 _OP = re.compile(r'label ="([A-Za-z0-9_]+)[^"]*", shape=rectangle')
 
 
+def _ops(args: tuple[Any, ...]) -> list[str]:
+    """The operation of every node in the graph of the arrays ``mx.async_eval`` was given (bare or in lists)."""
+    import mlx.core as mx
+
+    arrays = [a for a in args if isinstance(a, mx.array)]
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            arrays += [x for x in a if isinstance(x, mx.array)]
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    return _OP.findall(dot.getvalue())
+
+
 def count_steps(model: Any, batch: int, steps: int) -> list[collections.Counter[str]]:
     """Operations of each graph ``BatchGenerator`` evaluates asynchronously over ``steps`` decode steps."""
     import mlx.core as mx
@@ -47,13 +60,7 @@ def count_steps(model: Any, batch: int, steps: int) -> list[collections.Counter[
     real = mx.async_eval
 
     def spy(*args: Any) -> Any:
-        arrays = [a for a in args if isinstance(a, mx.array)]
-        for a in args:
-            if isinstance(a, (list, tuple)):
-                arrays += [x for x in a if isinstance(x, mx.array)]
-        dot = io.StringIO()
-        mx.export_to_dot(dot, *arrays)
-        counts.append(collections.Counter(m.group(1) for m in _OP.finditer(dot.getvalue())))
+        counts.append(collections.Counter(_ops(args)))
         return real(*args)
 
     _, step = _prefilled(model, _prompts(batch), steps + 10)
@@ -79,13 +86,7 @@ def count_interleaved(
 
     def spy(*args: Any) -> Any:
         if current[0] is not None:
-            arrays = [a for a in args if isinstance(a, mx.array)]
-            for a in args:
-                if isinstance(a, (list, tuple)):
-                    arrays += [x for x in a if isinstance(x, mx.array)]
-            dot = io.StringIO()
-            mx.export_to_dot(dot, *arrays)
-            current[0].append(len(_OP.findall(dot.getvalue())))
+            current[0].append(len(_ops(args)))
         return real(*args)
 
     _, step = _prefilled(model, _prompts(batch), steps + 10)
