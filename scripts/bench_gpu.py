@@ -18,24 +18,24 @@ ratio with its interval. Usage (any mlx backend; meant for CUDA)::
     USE_TORCH=0 python scripts/bench_gpu.py [--models llama,hybrid] [--batches 1,8,32] [--tokens 64]
     USE_TORCH=0 python scripts/bench_gpu.py --interleave 20 --tokens 512   # the README's figures
 
-``--interleave K`` pairs at a finer grain: inside each generation the patches go out and back in between
-decode steps, ``--settle S`` steps run unclocked after each switch (default 11), then a block of K steps is
-timed; a pair is a patched block and the unpatched block next to it (which goes first alternates). Decode
-speed on a GPU host drifts by 10-15% between whole runs; adjacent blocks of one run share that drift. The
-settling steps matter: a patch put back is a new installation (its per-cache books start empty). Its 10th call
-(kvpatch's tie period) anchors each cache's metadata, and the next step evaluates the anchor: the whole chain
-of decrements the unpatched block left pending (in the hybrid at batch 1, ~900 graph nodes more in that one
-step, against ~1560 in every other). Unpatched decoding never evaluates that chain, so a timed block that
-contains this step charges the patch with the switch: with ``--settle 10`` it did, and the hybrid measured
-0.92-0.95 (H100, 2026-11-25/26). ``python scripts/graph_nodes.py --interleave 20 --settle S`` counts the timed
-blocks' nodes: with S = 11 the patched blocks hold 10 nodes more than the unpatched (``offset-detach``'s
-``Depends``, no kernel), with S = 10 ~900 more. With ``--settle 0`` and blocks shorter than the tie period the
-patched blocks never reach a rebase at all, and the comparison measures nothing (the README's first H100
-figures, with 4-step blocks, were such). The hot-path patches tie
-lazy cache metadata or fix edge cases of methods called per step, so switching between steps changes no
-token here (the outputs are not compared). Each row also prints the median of the pairs' ratios with its
-distribution-free 95% interval (order statistics): single blocks on an H100 varied by 10-14% with heavy tails,
-which widen the mean's interval far more than the median's; ``--stat median`` stops on that interval instead.
+``--interleave K`` pairs at a finer grain: inside each generation the patches go out and back in between decode
+steps, ``--settle S`` steps run unclocked after each switch (default 11), then a block of K steps is timed; a
+pair is a patched block and the unpatched block next to it (which goes first alternates). Decode speed on a GPU
+host drifts by 10-15% between whole runs; adjacent blocks of one run share that drift. The settling steps
+matter: a patch put back is a new installation (its per-cache books start empty). Its 10th call (kvpatch's tie
+period) anchors each cache's metadata, and the next step evaluates the anchor: the whole chain of decrements
+the unpatched block left pending (in the hybrid at batch 1, ~900 graph nodes more in that one step, against
+~1560 in every other). Unpatched decoding never evaluates that chain, so a timed block that contains this step
+charges the patch with the switch: with ``--settle 10`` it did, and the hybrid measured 0.92-0.95 (H100,
+2026-11-25/26). ``python scripts/graph_nodes.py --interleave 20 --settle S`` counts the timed blocks' nodes:
+with S = 11 the patched blocks hold 10 nodes more than the unpatched (``offset-detach``'s ``Depends``, no
+kernel), with S = 10 ~900 more. With ``--settle 0`` and blocks shorter than the tie period the patched blocks
+never reach a rebase at all, and the comparison measures nothing (the README's first H100 figures, with 4-step
+blocks, were such). The hot-path patches tie lazy cache metadata or fix edge cases of methods called per step,
+so switching between steps changes no token here (the outputs are not compared). Each row also prints the
+median of the pairs' ratios with its distribution-free 95% interval (order statistics): single blocks on an
+H100 varied by 10-14% with heavy tails, which widen the mean's interval far more than the median's; ``--stat
+median`` stops on that interval instead.
 ``--json PATH`` writes every pair (tokens/s of both sides, and the spacing of each block's steps) with the
 settings, for analysis beyond the printed interval.
 

@@ -33,6 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import _prefilled, _prompts, build
+from kvpatch.patches._lazy import EVERY
 
 import kvpatch
 
@@ -119,7 +120,9 @@ def main() -> int:
     parser.add_argument(
         "--interleave", type=int, default=0, metavar="K", help="bench_gpu.py's schedule: timed blocks of K steps"
     )
-    parser.add_argument("--settle", type=int, default=10, metavar="S", help="with --interleave: unclocked steps")
+    parser.add_argument(
+        "--settle", type=int, default=EVERY + 1, metavar="S", help="with --interleave: unclocked steps (bench_gpu's)"
+    )
     args = parser.parse_args()
 
     import mlx_lm.generate  # noqa: F401  (the cache module: the engine installs its patches)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from typing import Any
 
 import mlx.core as mx
 import mlx_lm.generate  # noqa: F401  (the cache module: the engine installs its patches on this import)
@@ -41,9 +42,10 @@ def caches() -> list[ArraysCache]:
     return made
 
 
-def step_us(steps: int) -> tuple[list[float], float]:
-    """Host microseconds of each step's advances (after 20 unclocked steps), one fresh set of caches; and of
-    discarding the caches afterwards (what a finished generation does)."""
+def step_us(steps: int) -> tuple[list[float], float, Any]:
+    """Host microseconds of each step's advances (after 20 unclocked steps), one fresh set of caches; of
+    discarding the caches afterwards (what a finished generation does); and one unread cache's final
+    ``left_padding`` and ``lengths`` (read after the clock, to compare designs)."""
     made = caches()
     times = []
     for i in range(20 + steps):
@@ -53,9 +55,10 @@ def step_us(steps: int) -> tuple[list[float], float]:
         if i >= 20:
             times.append((time.perf_counter() - start) * 1e6)
         mx.eval(made[0].left_padding)  # what the model reads
+    values = (made[-1].left_padding.tolist(), made[-1].lengths.tolist())
     start = time.perf_counter()
     del made
-    return times, (time.perf_counter() - start) * 1e6
+    return times, (time.perf_counter() - start) * 1e6, values
 
 
 def main() -> None:
@@ -63,7 +66,7 @@ def main() -> None:
     print(f"{mx.default_device()}; arrays-advance-detach: {engine.status['arrays-advance-detach'].state.value}")
     gc.collect()
     gc.freeze()
-    sides: dict[str, list[tuple[list[float], float]]] = {"patched": [], "unpatched": []}
+    sides: dict[str, list[tuple[list[float], float, Any]]] = {"patched": [], "unpatched": []}
     for r in range(20):
         for side in ("patched", "unpatched") if r % 2 else ("unpatched", "patched"):
             if side == "patched":
@@ -72,10 +75,10 @@ def main() -> None:
                 with engine.without("arrays-advance-detach"):
                     sides[side].append(step_us(STEPS))
     for side, runs in sides.items():
-        steps = [t for run, _ in runs for t in run]
+        steps = [t for run, _, _ in runs for t in run]
         by_place = [statistics.median(steps[k::PERIOD]) for k in range(PERIOD)]
         mean = statistics.fmean(by_place)
-        teardown = statistics.median(t for _, t in runs)
+        teardown = statistics.median(t for _, t, _ in runs)
         print(
             f"{side:>9}: {LAYERS} advances per step, host us by place in the 10-step cycle (medians) "
             f"{[round(t, 1) for t in by_place]}; mean of those {mean:.1f}; discarding the caches after "

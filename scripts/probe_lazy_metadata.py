@@ -4,8 +4,9 @@ Not a patch, and not installed by anything: this script alone, in its own proces
 and times it against upstream. ``left_padding`` and ``lengths`` become data descriptors on ``ArraysCache``;
 ``advance`` calls upstream's with both hidden (so it builds no node) and adds ``N`` to a Python integer per
 attribute; reading an attribute applies the pending total as one subtraction. Caches the model never reads
-then build no lazy nodes at all, and the one it reads builds one per step, as upstream does. Timed like
-``probe_advance_cost.py`` (11 caches, one read per step, 500 steps), with kvpatch's own patch taken out::
+then build no lazy nodes at all, and the one it reads builds one per step, as upstream does. Timed with
+``probe_advance_cost.py``'s caches and clock (11 caches, one read per step, 500 steps), with kvpatch's own
+patch taken out::
 
     .venv/bin/python scripts/in_bucket.py vlm-0.7.10 -- python -P scripts/probe_lazy_metadata.py
 
@@ -21,23 +22,25 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
+import sys
+from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import mlx_lm.generate  # noqa: F401  (the cache module: the engine installs its patches on this import)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 from mlx_lm.models.cache import ArraysCache
+from probe_advance_cost import LAYERS, STEPS, step_us  # the same caches, steps and clock
 
 import kvpatch
 
-LAYERS, STEPS = 11, 500
+PENDING = "_probe_pending_"
 
 
 class Pending:
     """A data descriptor: the stored array, minus the decrements ``advance`` left pending, applied on read."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.pending = name, f"_probe_pending_{name}"
+        self.name, self.pending = name, PENDING + name
 
     def __get__(self, obj: Any, cls: Any = None) -> Any:
         if obj is None:
@@ -55,7 +58,7 @@ class Pending:
 
 
 def pending_advance(original: Any) -> Any:
-    padding, lengths = Pending("left_padding").pending, Pending("lengths").pending
+    padding, lengths = PENDING + "left_padding", PENDING + "lengths"
 
     def advance(self: Any, N: int) -> Any:
         state = self.__dict__
@@ -73,27 +76,9 @@ def pending_advance(original: Any) -> Any:
     return advance
 
 
-def run() -> tuple[float, float, Any]:
-    """Mean host us per step of 11 advances, us to discard the caches, and one cache's final metadata."""
-    made = []
-    for _ in range(LAYERS):
-        cache = ArraysCache(2, left_padding=[0, 3])
-        cache.prepare(lengths=[40, 37])
-        cache[0], cache[1] = mx.zeros((2, 3, 8)), mx.zeros((2, 4, 4))
-        made.append(cache)
-    mx.eval([(c.cache, c.left_padding, c.lengths) for c in made])
-    times = []
-    for i in range(20 + STEPS):
-        start = time.perf_counter()
-        for cache in made:
-            cache.advance(1)
-        if i >= 20:
-            times.append((time.perf_counter() - start) * 1e6)
-        mx.eval(made[0].left_padding)  # what the model reads
-    values = (made[5].left_padding.tolist(), made[5].lengths.tolist())
-    start = time.perf_counter()
-    del made
-    return statistics.fmean(times), (time.perf_counter() - start) * 1e6, values
+def _mean(measured: tuple[list[float], float, Any]) -> tuple[float, float, Any]:
+    times, teardown, values = measured
+    return statistics.fmean(times), teardown, values
 
 
 def main() -> None:
@@ -104,12 +89,12 @@ def main() -> None:
     with engine.without("arrays-advance-detach"):
         original = ArraysCache.advance
         for _ in range(10):
-            results["upstream"].append(run())
+            results["upstream"].append(_mean(step_us(STEPS)))
             ArraysCache.left_padding = Pending("left_padding")  # type: ignore[attr-defined]
             ArraysCache.lengths = Pending("lengths")  # type: ignore[attr-defined]
             ArraysCache.advance = pending_advance(original)  # type: ignore[method-assign]
             try:
-                results["pending"].append(run())
+                results["pending"].append(_mean(step_us(STEPS)))
             finally:
                 del ArraysCache.left_padding, ArraysCache.lengths  # type: ignore[attr-defined]
                 ArraysCache.advance = original  # type: ignore[method-assign]
