@@ -651,11 +651,26 @@ class Engine:
                 owner_st = self.status[change.patch_id]
                 owner_st.notes.append(note)
                 self.warn(f"kvpatch: {note}", key=f"restore:{change.target.path}:{note}")
+        for patch_id in dict.fromkeys(c.patch_id for c in undo):
+            self._after_restore(self.status[patch_id])
         for change in above:  # reinstall what was stacked above, on top of the restored original
             other = self.status[change.patch_id]
             module = sys.modules.get(change.target.module)
             if module is not None:
                 self._install_target(other, change.target, module)
+
+    def _after_restore(self, st: PatchStatus) -> None:
+        """Run the patch's restore hooks (state its replacements kept on upstream's objects, put back in upstream's
+        form); a hook that raises is noted on the status and warned about once, never raised."""
+        for hook in st.patch.restore_hooks:
+            try:
+                hook()
+            except Exception as exc:
+                note = f"restore hook {getattr(hook, '__qualname__', hook)} raised: {_describe(exc)}"
+                with self._lock:
+                    if note not in st.notes:
+                        st.notes.append(note)
+                self.warn(f"kvpatch: {st.patch.id}: {note}", key=f"restore-hook:{st.patch.id}")
 
     def _fail(self, st: PatchStatus, exc: BaseException, state: State = State.FAILED) -> None:
         try:

@@ -204,6 +204,10 @@ class Patch:
     targets: list[Target] = field(default_factory=list)
     builders: dict[Target, Builder] = field(default_factory=dict, repr=False)
     reproduction: Reproduction | None = field(default=None, repr=False)
+    #: Called (no arguments) each time the patch's changes have been taken out (deactivate, ``without``, a
+    #: verification's unpatched run): a patch whose replacements keep state on upstream's objects in a form
+    #: only they read (arrays-advance-detach's deferred metadata) puts it back in upstream's form here.
+    restore_hooks: list[Callable[[], None]] = field(default_factory=list, repr=False)
     #: The module that defines the patch (filled by the registry).
     module: str = ""
 
@@ -265,8 +269,14 @@ class Patch:
         return self._register(Target(module, qualname, Kind.REPLACE, optional))
 
     def add(self, module: str, qualname: str, *, optional: bool = False) -> Callable[[Builder], Builder]:
-        """Declare that ``builder(None) -> attribute`` adds a missing ``module.qualname``."""
+        """Declare that ``builder(None) -> attribute`` adds a missing ``module.qualname`` (a function, or a
+        ``property`` on a class: a data descriptor in front of an instance attribute of that name)."""
         return self._register(Target(module, qualname, Kind.ADD, optional))
+
+    def after_restore(self, func: Callable[[], None]) -> Callable[[], None]:
+        """Declare a hook run after the patch's changes are taken out (see :attr:`restore_hooks`)."""
+        self.restore_hooks.append(func)
+        return func
 
     def reproduce(self, func: Reproduction) -> Reproduction:
         """Declare the reproduction (one per patch)."""

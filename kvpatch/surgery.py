@@ -63,7 +63,8 @@ _MAX_CHAIN = 64  # a __wrapped__ chain longer than this is a cycle or a patholog
 #: so only this registry says which functions are really kvpatch's. Kept across ``importlib.reload``.
 _OURS: weakref.WeakKeyDictionary[Any, str] = globals().get("_OURS") or weakref.WeakKeyDictionary()
 #: The same for replacements that are properties (a patched ``meta_state`` setter), which carry no attributes:
-#: id -> (property, patch id, the original property it replaced).
+#: id -> (property, patch id, the original property it replaced, or None for one added in front of an instance
+#: attribute).
 _OURS_PROPERTIES: dict[int, tuple[Any, str, Any]] = globals().get("_OURS_PROPERTIES") or {}
 
 
@@ -168,8 +169,9 @@ def prepare(
     function = build(original)
     if function is original:
         return original
-    if type(function) is property and type(original) is property:
-        # A property replaced by a property (a fixed setter around the original's getter): no metadata to copy.
+    if type(function) is property and (type(original) is property or (original is None and isinstance(owner, type))):
+        # A property replaced by a property (a fixed setter around the original's getter), or added in front of
+        # an instance attribute (``original`` None): no metadata to copy.
         _OURS_PROPERTIES[id(function)] = (function, patch_id, original)
         return function
     if type(function) is not types.FunctionType:

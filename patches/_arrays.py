@@ -1,8 +1,8 @@
 """Shared by the ArraysCache patches of mlx-lm and mlx-vlm's own copy (mlx-vlm 0.6.4+): one bug, two classes.
 
-* ``rebase_advance`` (arrays-advance-detach, vlm-arrays-advance-detach): ``advance`` decrements
-  ``left_padding`` / ``lengths`` lazily and nothing evaluates them; ``advance_growth`` measures it, and
-  ``anchored_ties`` which steps of a decode the fix adds a node to.
+* ``deferred_metadata`` / ``defer_advance`` / ``flush`` (arrays-advance-detach, vlm-arrays-advance-detach):
+  ``advance`` decrements ``left_padding`` / ``lengths`` lazily and nothing evaluates them; ``advance_growth``
+  measures it, and ``decode_ties`` which steps of a decode carry a node kvpatch added to the layer's graph.
 * ``combined_make_mask``: ``make_mask`` returns only the left-padding mask when both ``left_padding`` and
   ``lengths`` are set (arrays-mask-lengths, vlm-arrays-mask-lengths); ``mask_drops_lengths`` measures it.
 
@@ -11,18 +11,21 @@ Not a patch unit (the registry skips modules whose name starts with ``_``). Impo
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
-from kvpatch.patches import _lazy
 from kvpatch.patches._lazy import graph_edges
 
 from kvpatch.record import Finding
 
-#: ``rebase_advance``'s per-instance book (an attribute only kvpatch uses): [the replacement that wrote it, calls
-#: and steps advanced since the last rebase, {attribute name: (the array on the cache, kvpatch's anchor, the
-#: steps advanced from the anchor to the last rebase)}].
-BOOK = "_kvpatch_rebase"
+#: Deferred metadata lives in the cache's ``__dict__`` beside upstream's attribute (which keeps the value a writer
+#: last stored, the *base*): TOTAL + name, the Python sum of the ``N`` advanced since; DERIVED + name, (that total,
+#: ``base - total``) as last read; OWNER, the ``id`` of the cache that registered itself for :func:`flush` (a copy
+#: has another id, so it registers itself at its first ``advance``).
+TOTAL, DERIVED, OWNER = "_kvpatch_advanced_", "_kvpatch_read_", "_kvpatch_deferring"
 _METADATA = ("left_padding", "lengths")
+#: Caches whose decrements were deferred while a ``defer_advance`` was installed (weakly held): :func:`flush`.
+_DEFERRED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def vlm_own_arrays_cache() -> Any:
@@ -35,69 +38,118 @@ def vlm_own_arrays_cache() -> Any:
     return cls
 
 
-def rebase_advance(original: Any) -> Any:
-    """``ArraysCache.advance`` whose metadata never holds more than ``_lazy.EVERY`` pending decrements, and
-    whose steady state evaluates nothing.
+def deferred_metadata(name: str) -> property:
+    """A data descriptor for ``left_padding`` / ``lengths`` on ArraysCache: the stored base minus the decrements
+    :func:`defer_advance` deferred, computed when read (one lazy subtraction, reused until the next advance).
 
-    The original decrements ``left_padding`` and ``lengths`` in place (``-= N``: the Python object on the cache
-    stays the same, its graph grows by one subtraction). kvpatch keeps, per attribute, an anchor (its own
-    handle on the value at some point, evaluated since) and the Python sum of the ``N`` seen after it. Every
-    ``EVERY``-th call of a cache, each of the two that is set is rebased: its pending chain is dropped
-    unevaluated and replaced with ``anchor - total``, one lazy subtraction that nothing evaluates unless the
-    model reads the attribute (as upstream's chain would be). No node joins the model's graph: the kernels
-    a decode step runs are the ones it runs unpatched.
-
-    Rebasing is exact only when every decrement since the anchor went through this replacement, so it is done
-    only when the attribute still holds the array kvpatch put there (every other writer of these attributes
-    in mlx-lm 0.30.4-0.32.2 assigns a new array: ``prepare``, ``filter``, ``extend``, ``merge``, ``state``),
-    the book was written by this very replacement (a patch taken out and put back gets a new one: decrements
-    made while it was out are not lost) and every ``N`` was a Python int. Otherwise kvpatch re-anchors: the
-    current chain becomes the anchor and is tied into the first stored state entry with ``mx.depends`` (the
-    layer's next step reads that entry, so it evaluates the anchor once). Re-anchoring happens when a cache
-    is new or another method replaced its metadata, not periodically. No host synchronisation.
+    Writers (``prepare``, ``filter``, ``extend``, ``merge``, ``state``, ``finalize``, ``__init__``) store a new base
+    and drop the deferred total, as assigning the attribute does upstream. A read builds its node on the base,
+    never on an earlier read's node: however often the attribute is read between evaluations, its graph is one
+    subtraction over what the last writer stored.
     """
-    import mlx.core as mx
+    total_key, derived_key = TOTAL + name, DERIVED + name
 
-    tie = _lazy.tie(mx)
-    every = _lazy.EVERY
-    handle = mx.array
+    def get(self: Any) -> Any:
+        state = self.__dict__
+        try:
+            base = state[name]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
+        total = state.get(total_key)
+        if not total or base is None:
+            return base
+        derived = state.get(derived_key)
+        if derived is None or derived[0] != total:
+            derived = state[derived_key] = (total, base - total)
+        return derived[1]
+
+    def set(self: Any, value: Any) -> None:
+        state = self.__dict__
+        state[name] = value
+        if total_key in state:
+            del state[total_key]
+            state.pop(derived_key, None)
+
+    def delete(self: Any) -> None:
+        state = self.__dict__
+        if name not in state:
+            raise AttributeError(name)
+        del state[name]
+        state.pop(total_key, None)
+        state.pop(derived_key, None)
+
+    return property(get, set, delete, f"``{name}``, with kvpatch's deferred decrements applied when read")
+
+
+def defer_advance(original: Any) -> Any:
+    """``ArraysCache.advance`` that defers the metadata's decrements to Python integers (with
+    :func:`deferred_metadata` installed on the same class).
+
+    The original decrements ``left_padding`` and ``lengths`` lazily (``-= N``, one graph node each per call) and
+    nothing reads them in most layers, so their chains grow without bound. The replacement calls the original
+    with both hidden (set to ``None`` for the call: it still does whatever else upstream's ``advance`` does) and
+    adds ``N`` to the attribute's deferred total; reading the attribute applies the total to the stored base.
+    A layer nobody reads builds no node at all; the one the model reads (its SSM mask) builds one subtraction per
+    read, as upstream builds one per step. No host synchronisation, values identical (integer arithmetic).
+    A non-integer ``N`` is left to the original (which then reads and writes through the descriptors).
+    """
+    deferred = _DEFERRED
+    padding_total, lengths_total = TOTAL + "left_padding", TOTAL + "lengths"
 
     def advance(self: Any, N: Any) -> Any:
-        result = original(self, N)
         state = self.__dict__
-        book = state.get(BOOK)
-        if book is None or book[0] is not advance:
-            book = state[BOOK] = [advance, 0, 0, {}]
-        book[1] += 1
-        book[2] += N
-        if book[1] < every:
-            return result
-        steps, book[1], book[2] = book[2], 0, 0
-        entries = self.cache
-        first = next((i for i, entry in enumerate(entries) if entry is not None), None)
-        if first is None:
-            return result  # nothing to tie an anchor into: the chains stay as upstream leaves them
-        held, anchors = book[3], []
-        for name in _METADATA:
-            current = getattr(self, name, None)
-            if current is None:
-                held.pop(name, None)
-                continue
-            mine = held.get(name)
-            if mine is not None and mine[0] is current and type(steps) is int:
-                anchor, total = mine[1], mine[2] + steps
-                on_cache = anchor - total
-            else:
-                anchor, total = handle(current), 0
-                on_cache = handle(anchor)
-                anchors.append(anchor)
-            setattr(self, name, on_cache)
-            held[name] = (on_cache, anchor, total)
-        if anchors:
-            entries[first] = tie(entries[first], anchors)
+        padding, lengths = state.get("left_padding"), state.get("lengths")
+        if (padding is None and lengths is None) or type(N) is not int:
+            return original(self, N)
+        if padding is not None:
+            state["left_padding"] = None
+        if lengths is not None:
+            state["lengths"] = None
+        try:
+            result = original(self, N)
+        finally:
+            if padding is not None:
+                state["left_padding"] = padding
+            if lengths is not None:
+                state["lengths"] = lengths
+        if padding is not None:
+            state[padding_total] = state.get(padding_total, 0) + N
+        if lengths is not None:
+            state[lengths_total] = state.get(lengths_total, 0) + N
+        if state.get(OWNER) != id(self):
+            state[OWNER] = id(self)
+            deferred.add(self)
         return result
 
     return advance
+
+
+def flush(cls: type) -> None:
+    """Store every deferred total of ``cls``'s instances in upstream's form (``base - total`` in the attribute), for
+    when the descriptors are taken out: caches that registered themselves, and any other instance the garbage
+    collector knows of (a copy taken before its first ``advance``; a copy that is also frozen by ``gc.freeze`` and
+    never advanced before the patch is taken out is not found)."""
+    import gc
+
+    found = {id(obj): obj for obj in list(_DEFERRED) if isinstance(obj, cls)}
+    classes, todo = [], [cls]
+    while todo:
+        current = todo.pop()
+        classes.append(current)
+        todo.extend(current.__subclasses__())
+    for obj in gc.get_referrers(*classes):
+        if isinstance(obj, cls) and not isinstance(obj, type):
+            found.setdefault(id(obj), obj)
+    for obj in found.values():
+        state = obj.__dict__
+        for name in _METADATA:
+            total = state.pop(TOTAL + name, None)
+            state.pop(DERIVED + name, None)
+            base = state.get(name)
+            if total and base is not None:
+                state[name] = base - total
+        state.pop(OWNER, None)
+        _DEFERRED.discard(obj)
 
 
 def advance_growth(arrays_cache: type) -> Finding:
@@ -128,10 +180,11 @@ def advance_growth(arrays_cache: type) -> Finding:
     return Finding(False, f"{detail} (bounded)")
 
 
-def anchored_ties(arrays_cache: type, steps: int = 60) -> tuple[list[int], Any, Any]:
+def decode_ties(arrays_cache: type, steps: int = 60) -> tuple[list[int], Any, Any]:
     """A recurrent layer's cache decoded ``steps`` steps (state read, new state stored, ``advance(1)``, state
     evaluated): the steps whose state entry carried a ``Depends`` node when evaluated, and the final
-    ``left_padding`` and ``lengths`` (as lists). Unpatched: no step; ``rebase_advance``: the anchoring only."""
+    ``left_padding`` and ``lengths``. None, unpatched and with ``defer_advance`` alike (an earlier version of
+    the fix tied its anchors into the state)."""
     import io
 
     import mlx.core as mx

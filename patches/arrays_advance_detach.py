@@ -24,35 +24,31 @@ Upstream: partly fixed by 11a6ce75 (#1632), see above; not fixed as of 0.32.2. m
 (closed unmerged) guarded ``ArraysCache.filter``/``extend`` metadata but not ``advance``; ml-explore/mlx-lm#1845
 (open) reports this ``advance`` leak through ``BatchGenerator`` after #1632.
 
-Fix: a delta after the original (``_arrays.rebase_advance``). kvpatch keeps, per cache and attribute, an anchor
-(its own handle on the value when it first saw it, evaluated since) and the Python sum of the ``N`` advanced
-after it. Every 10th ``advance`` of a cache (``_lazy.EVERY``), each of ``left_padding``/``lengths`` that is set
-is rebased: its pending chain of decrements is dropped unevaluated and replaced with one lazy subtraction,
-``anchor - total``. At most 10 steps' decrements are ever pending, and in steady decoding nothing is evaluated
-and nothing joins the model's graph. Anchoring (a new cache, or metadata another method replaced) ties the
-anchor into the first stored state entry (``mx.depends``), so the layer's next step evaluates it once. Cost,
-measured on an H100 with ``scripts/bench_gpu.py`` (1.1B LFM2-style hybrid, bf16, BatchGenerator, this patch
-alone toggled, batch 1, 2026-11-26): 0.978 [0.974, 0.982] of the unpatched speed (median of 472 pairs), decode
-steps only. What is known of it: the patch frees the dropped chains during decoding, which upstream does only
-when the caches are discarded (``scripts/probe_advance_cost.py`` on H100 hosts, 11 caches: +230-390 us at each
-rebasing step, +25-38 us per step on average; discarding them after 500 steps took upstream 27-32 ms and the
-patched 0.7 ms); a further ~30 us per step is not established. Whole generations with the discarding clocked
-(``bench_gpu.py --teardown``, all hot-path patches, batch 1): 1.026 [1.002, 1.051], 40 pairs. The figures of
-0.92-0.95 measured before (with this version and the one before it, which evaluated one subtraction per
-attribute every 10th step) charged the patch with evaluating the chain the benchmark's unpatched block had
-left: its timed block began at the step that evaluates the anchor. The rebase is exact only if every decrement
-went through the replacement: it is done only when the attribute still holds the array kvpatch put there (every
-other writer in 0.30.4-0.32.2 assigns a new array), the book was written by this installation of the patch
-(decrements made while it was taken out are not lost) and every ``N`` was a Python int; otherwise kvpatch
-re-anchors. Stored values are unchanged; no host synchronisation. When both are ``None`` (single-sequence
-generation, mlx-lm <= 0.31.2 BatchGenerator after ``finalize``) nothing is done. On mlx without ``mx.depends``
-(0.29.0/0.29.1, below what mlx-lm 0.30.4 requires) the anchor is multiplied into the entry by an exact 1
-instead.
+Fix: upstream's chains are never built (``_arrays``). ``left_padding`` and ``lengths`` become data descriptors on
+``ArraysCache`` (added: upstream's are plain instance attributes, and the stored value stays in the instance's
+``__dict__`` under the same name). ``advance`` calls the original with both hidden (``None`` for the call, so it
+does whatever else upstream's does) and adds ``N`` to a Python integer per attribute; reading the attribute
+returns the stored array minus that total (one lazy subtraction, reused until the next ``advance``, and always
+built on the stored array, never on an earlier read). Writers (``prepare``, ``filter``, ``extend``, ``merge``,
+``state``, ``finalize``) store a new array and drop the total. A layer the model never reads builds no node; the
+one it reads (its SSM mask) builds one subtraction per step, as upstream does. Values are identical (integer
+arithmetic), nothing is evaluated, no host synchronisation; a non-integer ``N`` goes to the original untouched
+(through the descriptors). Taking the patch out (``deactivate``, ``without``) writes every cache's total into
+its attribute (``after_restore``: caches that advanced while it was in, and copies the garbage collector
+knows of). Copies (``copy``/``deepcopy``, a server's prompt cache) carry the total with the array. Known limit:
+a copy made and frozen by ``gc.freeze`` and never advanced or read before the patch is taken out keeps its
+attribute short of the deferred total. mlx-vlm 0.6.16 fixed its own copy of this class the same way
+(Blaizzy/mlx-vlm#1984); this patch keeps its two attributes' values exactly as upstream's would be.
+
+Cost (earlier versions rebased or tied the chains every 10th step, which freed during decoding the nodes
+upstream frees only when the caches are discarded, and cost an H100's 1.1B hybrid 2-3% of its decode speed):
+see the README, "On Linux with an NVIDIA GPU".
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import sys
 from typing import Any
 
 from kvpatch.patches import _arrays
@@ -77,9 +73,28 @@ PATCH = Patch(
 )
 
 
+@PATCH.add("mlx_lm.models.cache", "ArraysCache.left_padding")
+def _left_padding(_: Any) -> Any:
+    return _arrays.deferred_metadata("left_padding")
+
+
+@PATCH.add("mlx_lm.models.cache", "ArraysCache.lengths")
+def _lengths(_: Any) -> Any:
+    return _arrays.deferred_metadata("lengths")
+
+
 @PATCH.replace("mlx_lm.models.cache", "ArraysCache.advance")
 def _build(original: Any) -> Any:
-    return _arrays.rebase_advance(original)
+    return _arrays.defer_advance(original)
+
+
+@PATCH.after_restore
+def _flush() -> None:
+    """The descriptors are gone: each cache's attribute must hold its value again, deferred decrements included."""
+    module = sys.modules.get("mlx_lm.models.cache")
+    cls = getattr(module, "ArraysCache", None)
+    if isinstance(cls, type):
+        _arrays.flush(cls)
 
 
 @PATCH.reproduce

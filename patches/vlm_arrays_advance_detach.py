@@ -18,21 +18,20 @@ the patch); a constant 5 (the read's own subtraction) on 0.6.16, 0.7.0 and 0.7.1
 Upstream: Blaizzy/mlx-vlm#1972, fixed by 72f37ca4 (#1984) in 0.6.16, which keeps the pending decrement
 as a Python int and subtracts it when the metadata is read.
 
-Fix: the same delta as ``arrays-advance-detach`` (``_arrays.rebase_advance``): every 10th ``advance`` of a
-cache, each pending chain is dropped unevaluated and replaced with one lazy subtraction from kvpatch's anchor
-(its own handle on the value, tied into the first stored state entry with ``mx.depends`` once, when the cache
-is new or another method replaced the metadata). At most 10 steps' decrements stay pending; in steady decoding
-nothing joins the model's graph. Exact only if every decrement went through the replacement: every other
-writer of these attributes in mlx-vlm 0.6.4-0.6.15 (``filter``, ``extend``, ``prepare``, ``finalize``, the
-batch generator's ``_make_cache``, APC restores, Qwen3.5's per-row split) assigns a new array, and kvpatch
-re-anchors whenever the attribute no longer holds its array. No host synchronisation; stored values are
-unchanged. (Until 2026-11-25 this patch tied the whole chain into the state every 10th step, which evaluated
-every decrement: on an H100 its mlx-lm twin, the same code, cost a 1.1B hybrid 2-4% of its decode speed.)
+Fix: the same as ``arrays-advance-detach`` (``_arrays``): ``left_padding`` / ``lengths`` become data descriptors
+on mlx-vlm's own class, ``advance`` calls the original with both hidden and adds ``N`` to a Python integer per
+attribute, and a read returns the stored array minus that total (one lazy subtraction on the stored array); a
+writer's new array drops the total; taking the patch out writes every total into its attribute. Where
+``mlx_vlm.models.cache`` has mlx-lm's class the builders decline (that is arrays-advance-detach's). No host
+synchronisation; values identical. (Until 2026-11-25 this patch tied the whole chain into the state every 10th
+step, which evaluated every decrement: on an H100 its mlx-lm twin, the same code, cost a 1.1B hybrid 2-4% of its
+decode speed; until 2026-11-26 it rebased the chains every 10th step, which still freed them during decoding.)
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import sys
 from typing import Any
 
 from kvpatch.patches import _arrays
@@ -57,11 +56,31 @@ PATCH = Patch(
 )
 
 
+@PATCH.add("mlx_vlm.models.cache", "ArraysCache.left_padding")
+def _left_padding(_: Any) -> Any:
+    # None declines: where mlx_vlm.models.cache has mlx-lm's class, that is arrays-advance-detach's business
+    return _arrays.deferred_metadata("left_padding") if _arrays.vlm_own_arrays_cache() is not None else None
+
+
+@PATCH.add("mlx_vlm.models.cache", "ArraysCache.lengths")
+def _lengths(_: Any) -> Any:
+    return _arrays.deferred_metadata("lengths") if _arrays.vlm_own_arrays_cache() is not None else None
+
+
 @PATCH.replace("mlx_vlm.models.cache", "ArraysCache.advance")
 def _build(original: Any) -> Any:
     if _arrays.vlm_own_arrays_cache() is None:
         return original  # mlx-lm's class: arrays-advance-detach's business, left as it is
-    return _arrays.rebase_advance(original)
+    return _arrays.defer_advance(original)
+
+
+@PATCH.after_restore
+def _flush() -> None:
+    """The descriptors are gone: each cache's attribute must hold its value again, deferred decrements included."""
+    if "mlx_vlm.models.cache" in sys.modules:
+        cls = _arrays.vlm_own_arrays_cache()
+        if cls is not None:
+            _arrays.flush(cls)
 
 
 @PATCH.reproduce

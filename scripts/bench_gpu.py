@@ -22,26 +22,25 @@ ratio with its interval. Usage (any mlx backend; meant for CUDA)::
 steps, ``--settle S`` steps run unclocked after each switch (default 11), then a block of K steps is timed; a
 pair is a patched block and the unpatched block next to it (which goes first alternates). Decode speed on a GPU
 host drifts by 10-15% between whole runs; adjacent blocks of one run share that drift. The settling steps
-matter: a patch put back is a new installation (its per-cache books start empty). Its 10th call (kvpatch's tie
-period) anchors each cache's metadata, and the next step evaluates the anchor: the whole chain of decrements
-the unpatched block left pending (in the hybrid at batch 1, ~900 graph nodes more in that one step, against
-~1560 in every other). Unpatched decoding never evaluates that chain, so a timed block that contains this step
-charges the patch with the switch: with ``--settle 10`` it did, and the hybrid measured 0.92-0.95 (H100,
-2026-11-25/26). ``python scripts/graph_nodes.py --interleave 20 --settle S`` counts the timed blocks' nodes:
-with S = 11 the patched blocks hold 10 nodes more than the unpatched (``offset-detach``'s ``Depends``, no
-kernel), with S = 10 ~900 more. With ``--settle 0`` and blocks shorter than the tie period the patched blocks
-never reach a rebase at all, and the comparison measures nothing (the README's first H100 figures, with 4-step
-blocks, were such). The hot-path patches tie lazy cache metadata or fix edge cases of methods called per step,
-so switching between steps changes no token here (the outputs are not compared). Each row also prints the
-median of the pairs' ratios with its distribution-free 95% interval (order statistics): single blocks on an
-H100 varied by 10-14% with heavy tails, which widen the mean's interval far more than the median's; ``--stat
-median`` stops on that interval instead.
+mattered for arrays-advance-detach's versions before 2026-11-26, which kept per-cache books: a patch put back was a
+new installation, its 10th call (kvpatch's tie period) anchored each cache's metadata, and the next step evaluated
+the anchor, the whole chain of decrements the unpatched block left pending (in the hybrid at batch 1, ~900 graph
+nodes more in that one step, against ~1560 in every other). With ``--settle 10`` a timed block contained that
+step, charging the patch with the switch, and the hybrid measured 0.92-0.95 (H100, 2026-11-25/26).
+``python scripts/graph_nodes.py --interleave 20 --settle S`` counts the timed blocks' nodes. The current version
+keeps no period; ``offset-detach`` ties every 10th write position whatever the installation, so S = 11 is still
+the default (a timed block of 20 holds two of its ties). The hot-path patches tie or defer lazy cache metadata
+or fix edge cases of methods called per step, so switching between steps changes no token here (the outputs
+are not compared). Each row also prints the median of the pairs' ratios with its distribution-free 95% interval
+(order statistics): single blocks on an H100 varied by 10-14% with heavy tails, which widen the mean's interval
+far more than the median's; ``--stat median`` stops on that interval instead.
 ``--json PATH`` writes every pair (tokens/s of both sides, and the spacing of each block's steps) with the
 settings, for analysis beyond the printed interval.
 
 Decode-only timing favours upstream where a patch fixes a leak: upstream's ``ArraysCache.advance`` leaves its
 lazy decrements in the caches no layer reads, and frees them only when the caches are discarded, outside the
-clock; ``arrays-advance-detach`` frees them every 10th step, inside it. ``--teardown`` (whole runs, without
+clock (``arrays-advance-detach`` before 2026-11-26 freed them every 10th step, inside it; now it builds none).
+``--teardown`` (whole runs, without
 ``--interleave``) stops the clock after the generator and its caches are discarded, so both sides pay for
 the nodes they free.
 """
@@ -300,13 +299,21 @@ def main() -> int:
         default=EVERY + 1,
         metavar="S",
         help=f"with --interleave: decode steps run unclocked after each switch (default {EVERY + 1}: kvpatch's tie "
-        "period, and the step that evaluates a patch's first anchoring)",
+        "period, plus one)",
     )
     parser.add_argument(
         "--stat",
         choices=("mean", "median"),
         default="mean",
         help="with --interleave: the interval that --width stops on (geometric mean, or median of the pairs)",
+    )
+    parser.add_argument(
+        "--tie-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"an experiment: rebuild the toggled patches with kvpatch's tie period N instead of {EVERY} "
+        "(offset-detach's family reads it when built; a huge N measures the replacement without its ties)",
     )
     parser.add_argument("--json", default=None, metavar="PATH", help="write every pair and the settings here")
     parser.add_argument(
@@ -324,6 +331,14 @@ def main() -> int:
     ids = args.patch or [pid for pid, st in engine.status.items() if st.patch.hot_path and st.installed]
     print(f"device: {device_name()}; {platform.platform()}; Python {platform.python_version()}")
     print(f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, kvpatch {kvpatch.__version__}")
+    if args.tie_every is not None:
+        from kvpatch.patches import _lazy
+
+        _lazy.EVERY = args.tie_every
+        for pid in ids:  # rebuilt now with the new period (builders read it)
+            engine.suspend(pid)
+            engine.resume(pid)
+        print(f"kvpatch's tie period set to {args.tie_every} (an experiment; shipped: {EVERY})")
     for pid in ids:
         st = engine.status[pid]
         print(f"  toggled: {pid}: {st.state.value}; {', '.join(t.path for t in st.installed) or 'nothing installed'}")

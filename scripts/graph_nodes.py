@@ -10,13 +10,12 @@ and by which operations. Usage (inside a bucket, e.g. vlm-0.7.10)::
 
 With ``--interleave K`` it follows ``bench_gpu.py --interleave K --settle S`` instead (the patches switched out
 and back in around each block, S unclocked steps, then K counted) and prints the nodes of each timed block by
-side. Hybrid, batch 1 (vlm-0.7.10 bucket, 2026-11-26): with S = 11 patched blocks hold 31,190 nodes and
-unpatched 31,180; with S = 10 the patched blocks after the first hold 843-903 more, all in their first step
-(the anchoring that evaluates the chain the unpatched block left).
+side. Hybrid, batch 1 (vlm-0.7.10 bucket, 2026-11-26, arrays-advance-detach's earlier version, which anchored
+its books every 10th call): with S = 11 patched blocks held 31,190 nodes and unpatched 31,180; with S = 10 the
+patched blocks after the first held 843-903 more, all in their first step (the anchoring that evaluated the chain
+the unpatched block left). README ("On Linux with an NVIDIA GPU") has the current figures.
 
-The models are ``bench_gpu.py``'s at hidden 256. Stated in README ("On Linux with an NVIDIA GPU"): with
-``arrays-advance-detach`` as it is, the hybrid's patched steps hold the same nodes as its unpatched steps but for
-``offset-detach``'s ``Depends`` every 10th step (and one anchoring early on).
+The models are ``bench_gpu.py``'s at hidden 256.
 """
 
 from __future__ import annotations

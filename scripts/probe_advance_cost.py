@@ -3,11 +3,12 @@
 A decode step of ``bench_gpu.py``'s hybrid calls ``ArraysCache.advance(1)`` on 11 caches (its conv layers), each
 with ``left_padding`` and ``lengths`` set (``BatchGenerator``), and the model evaluates one cache's
 ``left_padding`` (the one its SSM mask is built from). This probe does just that, with nothing else, and times
-the host: microseconds per step by the step's place in the patch's 10-call cycle, patched and unpatched, in one
-process, and the time to discard the caches afterwards. Upstream's ``-=`` adds one lazy node per attribute per
-step and frees the chains it leaves in the unread caches only when the caches are discarded (the leak). The
-patch drops those chains every 10th call and puts ``anchor - total`` in their place: the same nodes are freed
-during decoding instead of at the end. On a GPU the decode step is short enough for this host time to show in
+the host: microseconds per step by the step's place in a 10-step cycle (the period of the patch's earlier
+versions, kept so that a periodic cost would show), patched and unpatched, in one process, and the time to discard
+the caches afterwards. Upstream's ``-=`` adds one lazy node per attribute per step and frees the chains it leaves
+in the unread caches only when the caches are discarded (the leak). The patch defers the decrements to Python
+integers, so the unread caches build no node and the read one builds one subtraction per step, as upstream does.
+On a GPU the decode step is short enough for this host time to show in
 tokens/s (README, "On Linux with an NVIDIA GPU", has the figures)::
 
     .venv/bin/python scripts/in_bucket.py vlm-0.7.10 -- python -P scripts/probe_advance_cost.py

@@ -6,6 +6,7 @@ tokens and log-probabilities are identical patched vs unpatched.
 
 from __future__ import annotations
 
+import _deferred_metadata as checks
 import pytest
 from kvpatch.patches._lazy import MAX_EDGES
 from kvpatch.patches.arrays_advance_detach import PATCH, graph_edges
@@ -154,52 +155,48 @@ def test_batch_generator_tokens_identical():
     assert all(mx.array_equal(a, b, equal_nan=True).item() for a, b in zip(lp, ref_lp, strict=True))
 
 
-def _advance(cache, steps, n=1):
-    """``steps`` decode steps of a recurrent layer: read the state, store a new one, advance, evaluate the state."""
-    import mlx.core as mx
-
-    for _ in range(steps):
-        cache[0] = cache[0] * 0.5 + 1
-        cache.advance(n)
-        mx.eval(cache[0])
+def _patched_only() -> None:
+    if not _patched():
+        pytest.skip(f"{PATCH.id} is not installed in this process")
 
 
 def test_metadata_exact_when_the_patch_goes_out_and_back_mid_decode():
-    """The rebase counts only what it saw: decrements made while the patch was taken out (and a reassignment
-    by another method) must not be lost when it is put back."""
-    import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache
 
-    if not _patched():
-        pytest.skip(f"{PATCH.id} is not installed in this process")
-    cache = ArraysCache(1, left_padding=[7, 3])
-    cache.prepare(lengths=[9, 12])
-    cache[0] = mx.zeros((2, 3))
-    mx.eval(cache[0])
-    _advance(cache, 23)
-    with without(PATCH.id):
-        _advance(cache, 13)
-    _advance(cache, 17, n=2)
-    assert cache.left_padding.tolist() == [7 - 70, 3 - 70]
-    assert cache.lengths.tolist() == [9 - 70, 12 - 70]
-    cache.left_padding = mx.array([5, 6])  # as prepare/filter/extend/merge do: a new array
-    _advance(cache, 14)
-    assert cache.left_padding.tolist() == [5 - 14, 6 - 14]
-    assert cache.lengths.tolist() == [9 - 84, 12 - 84]
-    _advance(cache, 40)
-    assert max(graph_edges(cache.left_padding), graph_edges(cache.lengths)) <= MAX_EDGES
+    _patched_only()
+    checks.exact_when_taken_out_and_back(ArraysCache, PATCH.id)
 
 
 def test_steady_decoding_adds_nothing_to_the_graph():
-    """Once a cache is anchored, the rebases add no node to what the layer evaluates: no ``Depends`` in the
-    state entry's graph, no kernel for the metadata (on mlx's CUDA backend a step whose graph differs from its
-    neighbours' cost the 1.1B hybrid 5-8% of its decode speed, README). Values stay exact and bounded."""
-    from kvpatch.patches._arrays import anchored_ties
+    """No node joins what the layer evaluates (on mlx's CUDA backend a step whose graph differs from its
+    neighbours' cost the 1.1B hybrid 5-8% of its decode speed, README)."""
     from mlx_lm.models.cache import ArraysCache
 
-    if not _patched():
-        pytest.skip(f"{PATCH.id} is not installed in this process")
-    tied, left_padding, lengths = anchored_ties(ArraysCache, 60)
-    assert tied == [10], tied  # the anchoring only
-    assert left_padding.tolist() == [4 - 60, 1 - 60] and lengths.tolist() == [6 - 60, 9 - 60]
-    assert max(graph_edges(left_padding), graph_edges(lengths)) <= MAX_EDGES
+    _patched_only()
+    checks.nothing_joins_the_graph(ArraysCache)
+
+
+def test_reads_do_not_stack():
+    from mlx_lm.models.cache import ArraysCache
+
+    _patched_only()
+    checks.reads_do_not_stack(ArraysCache)
+
+
+def test_copies_stay_exact():
+    from mlx_lm.models.cache import ArraysCache
+
+    _patched_only()
+    checks.copies_stay_exact(ArraysCache, PATCH.id)
+
+
+def test_descriptors_behave_as_the_attributes():
+    from mlx_lm.models.cache import ArraysCache
+
+    _patched_only()
+    checks.behaves_as_an_attribute(ArraysCache)
+
+
+def test_a_failing_restore_hook_is_noted_not_raised():
+    _patched_only()
+    checks.restore_hook_errors_are_noted(PATCH)

@@ -5,9 +5,10 @@ unpatched."""
 
 from __future__ import annotations
 
+import _deferred_metadata as checks
 import pytest
 from kvpatch.patches import _arrays
-from kvpatch.patches._lazy import MAX_EDGES, graph_edges
+from kvpatch.patches._lazy import graph_edges
 from kvpatch.patches.vlm_arrays_advance_detach import PATCH
 
 import kvpatch
@@ -94,13 +95,27 @@ def test_left_padded_decode_loop_stays_bounded():
         assert tokens == ref_tokens and lp == ref_lp
 
 
-def test_steady_decoding_adds_nothing_to_the_graph():
-    """As for mlx-lm's class (test_arrays_advance_detach): one tie when the cache is anchored, none after."""
-    from mlx_vlm.models.cache import ArraysCache
-
+def _own_class() -> type:
     if not _patched():
         pytest.skip(f"{PATCH.id} is not installed in this process")
-    tied, left_padding, lengths = _arrays.anchored_ties(ArraysCache, 60)
-    assert tied == [10], tied
-    assert left_padding.tolist() == [4 - 60, 1 - 60] and lengths.tolist() == [6 - 60, 9 - 60]
-    assert max(graph_edges(left_padding), graph_edges(lengths)) <= MAX_EDGES
+    return _arrays.vlm_own_arrays_cache()
+
+
+def test_metadata_exact_when_the_patch_goes_out_and_back_mid_decode():
+    checks.exact_when_taken_out_and_back(_own_class(), PATCH.id)
+
+
+def test_steady_decoding_adds_nothing_to_the_graph():
+    checks.nothing_joins_the_graph(_own_class())
+
+
+def test_reads_do_not_stack():
+    checks.reads_do_not_stack(_own_class())
+
+
+def test_copies_stay_exact():
+    checks.copies_stay_exact(_own_class(), PATCH.id)
+
+
+def test_descriptors_behave_as_the_attributes():
+    checks.behaves_as_an_attribute(_own_class())
