@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 # two-sided 95% quantiles of Student's t by degrees of freedom (1..30); beyond 30 the normal 1.96 is
 # within 2% of the true quantile
@@ -23,6 +24,11 @@ _T95 = [
     2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
     2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
 ]  # fmt: skip
+
+
+def hot_path_ids(engine: Any, chosen: list[str] | None = None) -> list[str]:
+    """The patch ids a benchmark toggles: ``chosen`` (``--patch``), else every hot-path patch installed here."""
+    return chosen or [pid for pid, st in engine.status.items() if st.patch.hot_path and st.installed]
 
 
 def t95(df: int) -> float:

@@ -59,7 +59,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import Paired, run_until
+from _bench import Paired, hot_path_ids, run_until
 from kvpatch.patches._lazy import EVERY
 
 import kvpatch
@@ -328,7 +328,7 @@ def main() -> int:
     import mlx_lm.generate  # the cache module: the engine installs its patches
 
     engine = kvpatch.get_engine()
-    ids = args.patch or [pid for pid, st in engine.status.items() if st.patch.hot_path and st.installed]
+    ids = hot_path_ids(engine, args.patch)
     print(f"device: {device_name()}; {platform.platform()}; Python {platform.python_version()}")
     print(f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, kvpatch {kvpatch.__version__}")
     if args.tie_every is not None:

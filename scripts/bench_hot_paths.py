@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import Paired, run_until
+from _bench import Paired, hot_path_ids, run_until
 
 import kvpatch
 
@@ -218,7 +218,7 @@ def main() -> int:
     import mlx_lm.generate  # imports the cache module, so the engine installs its patches
 
     engine = kvpatch.get_engine()
-    ids = args.patch or [pid for pid, st in engine.status.items() if st.patch.hot_path and st.installed]
+    ids = hot_path_ids(engine, args.patch)
     print(f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, device {mx.default_device()}")
     for pid in ids:
         st = engine.status[pid]

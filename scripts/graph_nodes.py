@@ -31,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _bench import hot_path_ids
 from bench_gpu import _prefilled, _prompts, build
 from kvpatch.patches._lazy import EVERY
 
@@ -127,7 +128,7 @@ def main() -> int:
     import mlx_lm.generate  # noqa: F401  (the cache module: the engine installs its patches)
 
     engine = kvpatch.get_engine()
-    ids = [pid for pid, st in engine.status.items() if st.patch.hot_path and st.installed]
+    ids = hot_path_ids(engine)
     print(f"hot-path patches installed: {', '.join(ids) or 'none'}")
     model = build(args.model, small=True)
     if args.interleave:

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx
 import mlx_lm.generate  # noqa: F401  (the cache module: the engine installs its patches on this import)
+from _bench import hot_path_ids
 from bench_gpu import build
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
@@ -38,7 +39,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     args = parser.parse_args()
     engine = kvpatch.get_engine()
-    ids = args.patch or [pid for pid, st in engine.status.items() if st.patch.hot_path and st.installed]
+    ids = hot_path_ids(engine, args.patch)
     print(f"{mx.default_device()}; toggled: {', '.join(ids)}; {args.model} batch {args.batch}", flush=True)
     model = build(args.model, args.small)
     gc.collect()

@@ -9,7 +9,7 @@ import warnings
 from typing import Any
 
 from kvpatch.patches import _arrays
-from kvpatch.patches._lazy import graph_edges
+from kvpatch.patches._lazy import MAX_EDGES, graph_edges
 
 import kvpatch
 from kvpatch.testing import without
@@ -56,6 +56,8 @@ def exact_when_taken_out_and_back(cls: type, patch_id: str) -> None:
     cache.left_padding = mx.array([5, 6])  # as prepare/filter/extend/merge do: a new array
     advance(cache, 14)
     assert metadata(cache) == ([5 - 14, 6 - 14], [9 - 84, 12 - 84])
+    advance(cache, 40)
+    assert max(graph_edges(cache.left_padding), graph_edges(cache.lengths)) <= MAX_EDGES
 
 
 def nothing_joins_the_graph(cls: type) -> None:
