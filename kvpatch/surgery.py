@@ -62,9 +62,9 @@ _MAX_CHAIN = 64  # a __wrapped__ chain longer than this is a cycle or a patholog
 #: is the visible mark, but ``functools.wraps`` copies ``__dict__`` (mark included) onto a foreign wrapper,
 #: so only this registry says which functions are really kvpatch's. Kept across ``importlib.reload``.
 _OURS: weakref.WeakKeyDictionary[Any, str] = globals().get("_OURS") or weakref.WeakKeyDictionary()
-#: The same for replacements that are properties (a patched ``meta_state`` setter), which carry no attributes:
-#: id -> (property, patch id, the original property it replaced, or None for one added in front of an instance
-#: attribute).
+#: The same for replacements that are properties (a patched ``meta_state`` setter; a class attribute's value served
+#: by a property, as offset-detach's ``step``), which carry no attributes: id -> (property, patch id, what it
+#: replaced: the original property or value, or None for one added in front of an instance attribute).
 _OURS_PROPERTIES: dict[int, tuple[Any, str, Any]] = globals().get("_OURS_PROPERTIES") or {}
 
 
@@ -98,9 +98,11 @@ def _plain(obj: Any) -> Any:
 
 def _inner(obj: Any) -> Any:
     """What ``obj`` wraps: its ``__wrapped__``, or the original of a property kvpatch replaced."""
+    entry = _OURS_PROPERTIES.get(id(obj))
+    if entry is not None and entry[0] is obj:
+        return entry[2]
     if type(obj) is property:
-        entry = _OURS_PROPERTIES.get(id(obj))
-        return entry[2] if entry is not None and entry[0] is obj else None
+        return None
     return getattr(obj, "__wrapped__", None)
 
 
@@ -134,9 +136,9 @@ def carries(obj: Any, patch_id: str) -> bool:
 def mark_of(obj: Any) -> str | None:
     # Only a real function carries kvpatch's mark: a proxy (wrapt, OpenTelemetry...) forwards attribute
     # reads to what it wraps and would otherwise pass for kvpatch's own replacement.
-    if type(obj) is property:
-        entry = _OURS_PROPERTIES.get(id(obj))
-        return entry[1] if entry is not None and entry[0] is obj else None
+    entry = _OURS_PROPERTIES.get(id(obj))
+    if entry is not None and entry[0] is obj:  # one of kvpatch's properties (possibly of a property subclass)
+        return entry[1]
     if type(obj) is not types.FunctionType:
         return None
     return _OURS.get(obj)
@@ -169,9 +171,12 @@ def prepare(
     function = build(original)
     if function is original:
         return original
-    if type(function) is property and (type(original) is property or (original is None and isinstance(owner, type))):
-        # A property replaced by a property (a fixed setter around the original's getter), or added in front of
-        # an instance attribute (``original`` None): no metadata to copy.
+    if isinstance(function, property) and (
+        isinstance(original, property) or (isinstance(owner, type) and (original is None or not callable(original)))
+    ):
+        # A property replaced by a property (a fixed setter around the original's getter), added in front of an
+        # instance attribute (``original`` None), or serving a class attribute's plain value (``original``, e.g.
+        # an int): no metadata to copy.
         _OURS_PROPERTIES[id(function)] = (function, patch_id, original)
         return function
     if type(function) is not types.FunctionType:

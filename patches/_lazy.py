@@ -12,8 +12,18 @@ from typing import Any
 #: and the per-call cost of the tie (one graph node, ~3 us of CPU time) is paid once per EVERY calls. 10 keeps
 #: the graph under :data:`MAX_EDGES` and lines up with the step counts the reproductions measure at.
 EVERY = 10
-#: The most edges a metadata array's pending graph reaches with ties every EVERY steps (tests check this).
-MAX_EDGES = 7 * EVERY + 10  # 5 edges a step, 7 with offset-rebind stacked on the same method (measured)
+
+
+def max_edges(period: int) -> int:
+    """The most edges a metadata array's pending graph reaches when it is tied once every ``period`` steps (tests
+    check this): 5 edges a step, 7 with offset-rebind stacked on the same method (measured), and some slack."""
+    return 7 * period + 10
+
+
+#: :func:`max_edges` for ties every EVERY steps.
+MAX_EDGES = max_edges(EVERY)
+#: Where a growth tie (:func:`growth_tie`) keeps the last buffer it tied: (``id`` of the keys, write position).
+TIED = "_kvpatch_tied"
 
 
 def tie(mx: Any) -> Any:
@@ -43,3 +53,51 @@ def graph_edges(array: Any) -> int:
     buf = io.StringIO()
     mx.export_to_dot(buf, array)
     return buf.getvalue().count("->")
+
+
+class ClassValue(property):
+    """A property that, read on the class itself rather than on an instance, gives ``value``: what the class
+    attribute it stands in for held (upstream code reads ``BatchKVCache.step`` on the class, too)."""
+
+    def __init__(self, fget: Any, fset: Any = None, fdel: Any = None, doc: str | None = None, *, value: Any) -> None:
+        super().__init__(fget, fset, fdel, doc)
+        self.value = value
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self.value
+        return super().__get__(obj, objtype)
+
+
+def growth_tie(step: Any, mx: Any) -> ClassValue:
+    """A data descriptor for a KV cache class's ``step`` (the class attribute, ``step`` its value) that ties the
+    cache's ``offset`` into its keys buffer whenever ``update_and_fetch`` grows the buffer.
+
+    ``update_and_fetch`` of the batch KV caches reads ``self.step`` only when the buffer must grow, before it
+    concatenates the old keys with the new zeros. Reading ``step`` on an instance whose ``keys`` are set makes
+    them depend on the current ``offset`` (:func:`tie`, once per buffer: the reads that follow within the same
+    growth find it done), so the grown buffer, which every later step writes into and the attention reads,
+    evaluates the offset as it stood then. The pending chain is bounded by one buffer's worth of steps (``step``,
+    256 tokens) and the per-token path runs no code of kvpatch's at all. The value read is the instance's own
+    ``step`` if one was set, else ``step``; setting and deleting it on an instance work as on a plain attribute.
+    """
+    join = tie(mx)
+
+    def get(self: Any) -> Any:
+        state = self.__dict__
+        keys = state.get("keys")
+        if keys is not None and state.get(TIED) != (id(keys), state.get("_idx")):
+            keys = state["keys"] = join(keys, self.offset)
+            state[TIED] = (id(keys), state.get("_idx"))
+        return state.get("step", step)
+
+    def set(self: Any, value: Any) -> None:
+        self.__dict__["step"] = value
+
+    def delete(self: Any) -> None:
+        state = self.__dict__
+        if "step" not in state:
+            raise AttributeError("step")
+        del state["step"]
+
+    return ClassValue(get, set, delete, "``step``; reading it to grow the buffer ties the offset in", value=step)

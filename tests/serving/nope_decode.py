@@ -4,8 +4,8 @@
 
 A SmolLM3-style model (every 4th layer without RoPE: it never reads the cache's offset) decodes TOKENS
 tokens in ROWS rows (default 2) through ``BatchGenerator`` (the engine mlx_lm.server runs), with the
-end-of-sequence token banned so nothing stops early. Every 500 tokens it records the process RSS, the
-decode time of the last 500 tokens, and the edges of the lazy graph behind the NoPE layer's ``offset``
+end-of-sequence token banned so nothing stops early. Every 512 tokens it records the process RSS, the
+decode time of the last 512 tokens, and the edges of the lazy graph behind the NoPE layer's ``offset``
 (``BatchKVCache`` advances it lazily; offset-detach ties it into the graph attention evaluates). At the
 end it times evaluating that offset (what ``extract``/``filter`` at request end do). Run with and without
 kvpatch (``KVPATCH_DISABLE=offset-detach``); prints one ``RESULT <json>`` line.
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-WINDOW = 500
+WINDOW = 512  # a multiple of the KV buffer's growth step (256): offset-detach ties the offset at each growth
 
 
 def rss_mb() -> float:

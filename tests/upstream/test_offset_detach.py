@@ -8,8 +8,8 @@ evaluated array has none): deterministic, unlike RSS or timing.
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches._lazy import EVERY, MAX_EDGES
-from kvpatch.patches.offset_detach import PATCH, graph_edges
+from kvpatch.patches._lazy import EVERY, ClassValue, max_edges
+from kvpatch.patches.offset_detach import CHECKPOINTS, PATCH, graph_edges
 
 import kvpatch
 from kvpatch.gate import Action
@@ -28,6 +28,15 @@ def _in_range():
 
 def _patched() -> bool:
     return bool(kvpatch.get_engine().status[PATCH.id].installed)
+
+
+def _bound() -> int:
+    """The most edges the offset's pending graph may reach: ties at every buffer growth (0.28.1+: ``step`` is
+    served by the growth tie), or every EVERY steps (0.28.0's wrapper), or (unpatched) EVERY's bound anyway."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    served = isinstance(vars(BatchKVCache).get("step"), ClassValue)
+    return max_edges(BatchKVCache.step if served else EVERY)
 
 
 def _nope_steps(steps: int, checkpoints: tuple[int, ...], dtype=None):
@@ -53,17 +62,21 @@ def _nope_steps(steps: int, checkpoints: tuple[int, ...], dtype=None):
 
 
 def test_offset_graph_flat_over_thousands_of_steps():
-    # the patch ties the offset every EVERY steps: read the graph at every step of the last 3 periods too
-    checkpoints = (1000, 2000, *range(STEPS - 3 * EVERY, STEPS + 1))
+    # checkpoints 1280 steps apart (a multiple of both tie periods, 256 and 10) see the same pending chain; every
+    # step of the last 260 (a buffer growth, at step 2812, included) stays within the bound
+    first, second = CHECKPOINTS
+    third = second + (second - first)
+    checkpoints = (first, second, *range(STEPS - 260, STEPS + 1))
     cache, _, _, edges = _nope_steps(STEPS, checkpoints)
+    assert third in edges
     assert cache.offset.tolist() == [5 - 3 + STEPS, 5 - 1 + STEPS, 5 + STEPS]
-    assert max(edges.values()) <= MAX_EDGES, f"offset graph edges at {checkpoints}: {edges}"
-    assert edges[1000] == edges[2000] == edges[STEPS], edges
+    assert max(edges.values()) <= _bound(), f"offset graph edges at {checkpoints}: {edges}"
+    assert edges[first] == edges[second] == edges[third], edges
     if _patched():
         with without(PATCH.id):
             _, _, _, grown = _nope_steps(STEPS, checkpoints)
         # unpatched: one Add + one Broadcast (5 edges) per step, forever
-        assert grown[STEPS] - grown[1000] >= 4 * 2000, grown
+        assert grown[third] - grown[first] >= 4 * (third - first), grown
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
@@ -120,21 +133,22 @@ def test_nope_layer_in_a_model_stays_bounded():
         y = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)
         mx.eval(y)
         out, edges = [], {}
-        for i in range(250):
+        for i in range(CHECKPOINTS[1]):
             y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
             mx.eval(y)
             out.append(y.tolist())
-            if i + 1 in (50, 250):
+            if i + 1 in CHECKPOINTS:
                 edges[i + 1] = [graph_edges(c.offset) for c in cache]
         return out, edges
 
+    first, last = CHECKPOINTS
     tokens, edges = run()
     # RoPE layers read their offset every step; the NoPE layer (index 3) must not accumulate either
-    assert edges[50][3] == edges[250][3] <= MAX_EDGES, edges
+    assert edges[first][3] == edges[last][3] <= _bound(), edges
     if _patched():
         with without(PATCH.id):
             ref_tokens, ref_edges = run()
-        assert ref_edges[250][3] - ref_edges[50][3] >= 4 * 200, ref_edges
+        assert ref_edges[last][3] - ref_edges[first][3] >= 4 * (last - first), ref_edges
         assert tokens == ref_tokens
 
 

@@ -86,7 +86,7 @@ def test_marks_metadata_reload_second_engine(run_py):
         rows = []
         for c in eng._changes:
             f = c.function
-            if type(f) is property:  # a replaced property (a fixed setter): marked in the registry, no metadata
+            if isinstance(f, property):  # a property (a fixed setter, a served class value): marked in the registry
                 rows.append({"patch": c.patch_id, "target": c.target.path, "mark": surgery.mark_of(f)})
                 continue
             row = {"patch": c.patch_id, "target": c.target.path, "mark": getattr(f, "__kvpatch__", None)}
