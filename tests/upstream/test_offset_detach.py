@@ -187,3 +187,47 @@ def test_batch_generator_tokens_identical():
     assert all(len(t) == 24 for t in patched), patched
     assert patched == unpatched
     assert all(mx.array_equal(a, b, equal_nan=True).item() for a, b in zip(logprobs, ref_logprobs, strict=True))
+
+
+def test_decode_runs_kvpatch_code_only_when_the_buffer_grows():
+    """The hot-path rule, counted rather than timed: over 500 BatchGenerator decode steps of a llama, no function
+    of offset-detach's runs except in the steps where a KV buffer grows (once per 256 tokens: the growth tie reads
+    ``step``). The wrapper this replaced ran on every call of every layer."""
+    import collections
+    import os
+    import sys
+
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import BatchKVCache
+
+    if not (_patched() and isinstance(vars(BatchKVCache).get("step"), ClassValue)):
+        pytest.skip("the growth tie is not installed here (0.28.0 has no class attribute step: the wrapper runs)")
+    model = _tiny("llama")
+    gen = BatchGenerator(model, max_tokens=520)
+    gen.insert([[1, 2, 3], [4, 5, 6, 7, 8]], max_tokens=[520, 520])
+    step = getattr(gen, "next_generated", None) or gen.next
+    for _ in range(5):
+        step()
+    # offset-detach's code: its module and the shared _lazy (offset-rebind, < 0.32.0, wraps every call on purpose)
+    patches = os.path.join(os.path.dirname(kvpatch.__file__), "patches")
+    ours = (os.path.join(patches, "offset_detach.py"), os.path.join(patches, "_lazy.py"))
+    calls: collections.Counter = collections.Counter()
+
+    def profile(frame, event, _arg):
+        if event == "call" and frame.f_code.co_filename in ours:
+            calls[frame.f_code.co_name] += 1
+
+    per_step = []
+    sys.setprofile(profile)
+    try:
+        for _ in range(500):
+            before = calls.total()
+            step()
+            per_step.append(calls.total() - before)
+    finally:
+        sys.setprofile(None)
+    busy = {i: n for i, n in enumerate(per_step) if n}
+    # 505 tokens after prompts of 3 and 5: the 256-token buffer grows once (twice at most, whatever the prefill)
+    assert 1 <= len(busy) <= 2, (busy, calls)
+    assert max(busy.values()) <= 2 * 5 * len(model.layers), (busy, calls)  # ``step`` read 5 times per growth
+    assert set(calls) <= {"__get__", "get"}, calls
