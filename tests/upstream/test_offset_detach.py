@@ -194,7 +194,6 @@ def test_decode_runs_kvpatch_code_only_when_the_buffer_grows():
     of offset-detach's runs except in the steps where a KV buffer grows (once per 256 tokens: the growth tie reads
     ``step``). The wrapper this replaced ran on every call of every layer."""
     import collections
-    import os
     import sys
 
     from mlx_lm.generate import BatchGenerator
@@ -209,8 +208,9 @@ def test_decode_runs_kvpatch_code_only_when_the_buffer_grows():
     for _ in range(5):
         step()
     # offset-detach's code: its module and the shared _lazy (offset-rebind, < 0.32.0, wraps every call on purpose)
-    patches = os.path.join(os.path.dirname(kvpatch.__file__), "patches")
-    ours = (os.path.join(patches, "offset_detach.py"), os.path.join(patches, "_lazy.py"))
+    from kvpatch.patches import _lazy, offset_detach
+
+    ours = (_lazy.growth_tie.__code__.co_filename, offset_detach.reproduce.__code__.co_filename)
     calls: collections.Counter = collections.Counter()
 
     def profile(frame, event, _arg):
