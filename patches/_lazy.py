@@ -22,6 +22,10 @@ def max_edges(period: int) -> int:
 
 #: :func:`max_edges` for ties every EVERY steps.
 MAX_EDGES = max_edges(EVERY)
+#: Where the reproductions of growth-tied caches compare the offset's graph: past the first buffer growth (at step
+#: 254 after a 3-token prompt), then a multiple of both tie periods (EVERY and 256) later, so a fixed cache has
+#: the same pending chain at both.
+CHECKPOINTS = (300, 300 + 1280)
 #: Where a growth tie (:func:`growth_tie`) keeps the last buffer it tied: (``id`` of the keys, write position).
 TIED = "_kvpatch_tied"
 

@@ -44,7 +44,7 @@ import sys
 from typing import Any
 
 from kvpatch.patches import _lazy
-from kvpatch.patches._lazy import graph_edges
+from kvpatch.patches._lazy import CHECKPOINTS, graph_edges
 
 from kvpatch.record import Expiry, Finding, Patch
 
@@ -92,11 +92,6 @@ def _build(original: Any) -> Any:
         return original(self, keys, values)
 
     return update_and_fetch
-
-
-#: The reproduction's checkpoints: past the first buffer growth (at step 254 after a 3-token prompt), then a
-#: multiple of both tie periods (10 and 256) later, so a fixed cache has the same pending chain at both.
-CHECKPOINTS = (300, 300 + 1280)
 
 
 @PATCH.reproduce

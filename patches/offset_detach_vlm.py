@@ -15,11 +15,15 @@ returns the attribute it was given, decided once at install).
 Upstream: not fixed (checked through 0.7.10). mlx-lm fixed the twin in BatchRotatingKVCache with
 ``mx.depends`` (ml-explore/mlx-lm#960); mlx-vlm's BatchRotatingKVCache copy (0.6.4+) carries that fix.
 
-Fix: a delta in front of each original. The incoming keys are made to depend on the current ``offset``
-(``mx.depends``) before the original quantizes and stores them, so evaluating anything that reads this
-step's keys also evaluates the offset as it stood before the step: at most one ``+ S`` stays pending.
-``mx.depends`` shares the keys' buffer (no copy, no arithmetic, no host synchronisation); stored keys,
-values and offsets are bit-identical. mlx releases without ``mx.depends`` (< 0.29.2) predate every
+Fix: a delta in front of each original of the quantized and TurboQuant classes. The incoming keys are made to
+depend on the current ``offset`` (``mx.depends``) before the original quantizes and stores them, so evaluating
+anything that reads this step's keys also evaluates the offset as it stood before the step: at most one ``+ S``
+stays pending. mlx-vlm's own BatchKVCache (0.6.4+) has offset-detach's layout (a class attribute ``step`` read
+only when the keys buffer grows): there, as in offset-detach, ``step`` is served by ``_lazy.growth_tie``, which
+ties the offset into the keys once per growth (every 256 tokens) and runs no code per token; its
+``update_and_fetch`` stays a target (drift is watched there), declined for upstream's class and wrapped as above
+in a vendored copy. ``mx.depends`` shares the keys' buffer (no copy, no arithmetic, no host synchronisation);
+stored keys, values and offsets are bit-identical. mlx releases without ``mx.depends`` (< 0.29.2) predate every
 mlx-vlm release this patches; the fallback (an exact ``* 1`` derived from the offset) is kept anyway.
 """
 
@@ -29,7 +33,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _lazy
-from kvpatch.patches._lazy import graph_edges
+from kvpatch.patches._lazy import CHECKPOINTS, graph_edges
 
 from kvpatch.record import Expiry, Finding, Patch
 
@@ -76,10 +80,23 @@ def _own_batch_kv_cache() -> Any:
     return cls
 
 
+@PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.step", optional=True)
+def _build_own_step(original: Any) -> Any:
+    """mlx-vlm's own BatchKVCache (0.6.4+): its class attribute ``step``, served by the growth tie."""
+    import mlx.core as mx
+
+    if _own_batch_kv_cache() is None or type(original) is not int:
+        return original  # mlx-lm's class (mlx-vlm < 0.6.4): offset-detach's business, left as it is
+    return _lazy.growth_tie(original, mx)
+
+
 @PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.update_and_fetch", optional=True)
 def _build_own_batch_kv(original: Any) -> Any:
-    if _own_batch_kv_cache() is None:
+    own = _own_batch_kv_cache()
+    if own is None:
         return original  # mlx-lm's class (mlx-vlm < 0.6.4): offset-detach's business, left as it is
+    if original.__module__ == own.__module__ and "step" in vars(own):
+        return original  # upstream's own class: the growth tie on ``step`` covers it (a vendored copy is wrapped)
     return _tie_offset(original)
 
 
@@ -109,6 +126,12 @@ def arrays(tree: Any) -> list[Any]:
     return [a for item in tree for a in arrays(item)]
 
 
+def checkpoints(name: str) -> tuple[int, int]:
+    """Where the reproduction compares a class's offset graph: BatchKVCache is tied when its buffer grows (every
+    256 tokens), so past the first growth and 1280 steps later (offset-detach's); the others every step."""
+    return CHECKPOINTS if name == "BatchKVCache" else (10, 60)
+
+
 @PATCH.reproduce
 def reproduce() -> Finding:
     """Decode steps on a NoPE-style layer for each cache class: evaluate only the outputs, watch the offset."""
@@ -117,21 +140,22 @@ def reproduce() -> Finding:
     mx.random.seed(0)
     B, H, D = 2, 2, 64
     prompt = mx.random.normal((B, H, 3, D))
-    steps = mx.random.normal((60, B, H, 1, D))
+    steps = mx.random.normal((CHECKPOINTS[1], B, H, 1, D))
     mx.eval(prompt, steps)
     grows, notes = [], []
     for name, cache in caches().items():
+        first, last = checkpoints(name)
         mx.eval(arrays(cache.update_and_fetch(prompt, prompt + 1)))
         edges = {}
-        for i in range(60):
+        for i in range(last):
             mx.eval(arrays(cache.update_and_fetch(steps[i], steps[i] + 1)))  # what attention reads
-            if i + 1 in (10, 60):
+            if i + 1 in (first, last):
                 edges[i + 1] = graph_edges(cache.offset)
         offset = cache.offset.tolist()
-        notes.append(f"{name}: {edges[10]} -> {edges[60]} edges, offset={offset}")
-        if offset != [3 - 2 + 60, 3 + 60] or edges[60] > edges[10]:
+        notes.append(f"{name}: {edges[first]} -> {edges[last]} edges after {first} -> {last} steps, offset={offset}")
+        if offset != [3 - 2 + last, 3 + last] or edges[last] > edges[first]:
             grows.append(name)
-    detail = "offset graph after 10 -> 60 steps: " + "; ".join(notes)
+    detail = "offset graph " + "; ".join(notes)
     if grows:
         return Finding(True, f"{detail} (unbounded: {', '.join(grows)})")
     return Finding(False, f"{detail} (bounded)")
