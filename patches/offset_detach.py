@@ -20,7 +20,7 @@ the keys buffer must grow, before it concatenates the old buffer with new zeros,
 reads it. From 0.28.1, where ``step`` is a class attribute, kvpatch serves it through a data descriptor
 (``_lazy.growth_tie``): reading it on a cache whose keys are set makes those keys depend on the current ``offset``
 (``mx.depends``), once per growth, so the grown buffer (which every later step writes into and the attention
-reads) evaluates the offset as it stood then. At most one buffer's worth of steps (256 ``+ 1``, <= 1290 graph
+reads) evaluates the offset as it stood then. At most one buffer's worth of steps (256 ``+ 1``, ~1290 graph
 edges) is ever pending, whatever the number of steps; reading ``BatchKVCache.step`` on the class still gives 256,
 and an instance's own ``step`` is still honoured. ``mx.depends`` shares the keys' buffer (no extra memory), does
 no arithmetic, adds no host synchronisation and leaves keys, values and offset bit-identical.
