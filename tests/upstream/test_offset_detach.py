@@ -231,3 +231,27 @@ def test_decode_runs_kvpatch_code_only_when_the_buffer_grows():
     assert 1 <= len(busy) <= 2, (busy, calls)
     assert max(busy.values()) <= 2 * 5 * len(model.layers), (busy, calls)  # ``step`` read 5 times per growth
     assert set(calls) <= {"__get__", "get"}, calls
+
+
+def test_step_reads_and_writes_as_upstream():
+    """The served ``step`` behaves as upstream's class attribute: 256 on the class and on an instance, an
+    instance's own value honoured (it sizes the buffer) and deletable, and the plain int back without the patch."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    if not (_patched() and isinstance(vars(BatchKVCache).get("step"), ClassValue)):
+        pytest.skip("the growth tie is not installed here")
+    assert BatchKVCache.step == 256 and type(BatchKVCache.step) is int
+    cache = BatchKVCache([1, 0])
+    assert cache.step == 256
+    cache.step = 64
+    k = mx.zeros((2, 2, 3, 8))
+    cache.update_and_fetch(k, k)
+    assert cache.keys.shape[2] == 64  # the instance's own step sized the buffer
+    del cache.step
+    assert cache.step == 256
+    with pytest.raises(AttributeError):
+        del cache.step
+    with without(PATCH.id):
+        assert type(vars(BatchKVCache)["step"]) is int and BatchKVCache([0]).step == 256
+    assert isinstance(vars(BatchKVCache)["step"], ClassValue)
