@@ -89,10 +89,10 @@ def growth_tie(step: Any, mx: Any) -> ClassValue:
 
     def get(self: Any) -> Any:
         state = self.__dict__
-        keys = state.get("keys")
-        if keys is not None and state.get(TIED) != (id(keys), state.get("_idx")):
+        keys, idx = state.get("keys"), state.get("_idx")
+        if keys is not None and state.get(TIED) != (id(keys), idx):
             keys = state["keys"] = join(keys, self.offset)
-            state[TIED] = (id(keys), state.get("_idx"))
+            state[TIED] = (id(keys), idx)
         return state.get("step", step)
 
     def set(self: Any, value: Any) -> None:
@@ -105,3 +105,25 @@ def growth_tie(step: Any, mx: Any) -> ClassValue:
         del state["step"]
 
     return ClassValue(get, set, delete, "``step``; reading it to grow the buffer ties the offset in", value=step)
+
+
+def serve_step(original: Any) -> Any:
+    """Builder for a batch KV cache class's ``step`` target: the growth tie over the class attribute's value, or
+    ``original`` itself (declined) where it is not the plain int this fix was written for."""
+    import mlx.core as mx
+
+    if type(original) is not int:
+        return original
+    return growth_tie(original, mx)
+
+
+def growth_tied(original: Any, cls: Any) -> bool:
+    """True when ``original`` (an ``update_and_fetch`` a builder received) is ``cls``'s own code and ``cls`` has the
+    class attribute ``step`` that :func:`serve_step` serves: the growth tie covers it, so no wrapper is needed (a
+    vendored copy's function, or a class that sets ``step`` per instance, is not covered)."""
+    return isinstance(cls, type) and original.__module__ == cls.__module__ and "step" in vars(cls)
+
+
+def growth_period(cls: Any) -> int | None:
+    """The growth tie's period (the class's ``step``) where it serves ``cls``'s ``step`` now, else None."""
+    return cls.step if isinstance(vars(cls).get("step"), ClassValue) else None

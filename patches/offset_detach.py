@@ -40,7 +40,6 @@ declines, so its source is still compared with the releases the fix was validate
 from __future__ import annotations
 
 import datetime as _dt
-import sys
 from typing import Any
 
 from kvpatch.patches import _lazy
@@ -67,19 +66,15 @@ PATCH = Patch(
 @PATCH.replace("mlx_lm.models.cache", "BatchKVCache.step", optional=True)
 def _step(original: Any) -> Any:
     """0.28.1+: the class attribute ``step``, served by the growth tie (0.28.0 has none: see the wrapper)."""
-    import mlx.core as mx
-
-    if type(original) is not int:
-        return original  # not the class attribute this fix was written for: leave it
-    return _lazy.growth_tie(original, mx)
+    return _lazy.serve_step(original)
 
 
 @PATCH.replace("mlx_lm.models.cache", "BatchKVCache.update_and_fetch")
 def _build(original: Any) -> Any:
     import mlx.core as mx
+    import mlx_lm.models.cache as cache
 
-    owner = getattr(sys.modules.get(original.__module__), original.__qualname__.rsplit(".", 1)[0], None)
-    if original.__module__ == "mlx_lm.models.cache" and isinstance(owner, type) and "step" in vars(owner):
+    if _lazy.growth_tied(original, cache.BatchKVCache):
         return original  # upstream's class has a class attribute ``step``: the growth tie covers it
 
     tie = _lazy.tie(mx)

@@ -83,11 +83,9 @@ def _own_batch_kv_cache() -> Any:
 @PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.step", optional=True)
 def _build_own_step(original: Any) -> Any:
     """mlx-vlm's own BatchKVCache (0.6.4+): its class attribute ``step``, served by the growth tie."""
-    import mlx.core as mx
-
-    if _own_batch_kv_cache() is None or type(original) is not int:
+    if _own_batch_kv_cache() is None:
         return original  # mlx-lm's class (mlx-vlm < 0.6.4): offset-detach's business, left as it is
-    return _lazy.growth_tie(original, mx)
+    return _lazy.serve_step(original)
 
 
 @PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.update_and_fetch", optional=True)
@@ -95,7 +93,7 @@ def _build_own_batch_kv(original: Any) -> Any:
     own = _own_batch_kv_cache()
     if own is None:
         return original  # mlx-lm's class (mlx-vlm < 0.6.4): offset-detach's business, left as it is
-    if original.__module__ == own.__module__ and "step" in vars(own):
+    if _lazy.growth_tied(original, own):
         return original  # upstream's own class: the growth tie on ``step`` covers it (a vendored copy is wrapped)
     return _tie_offset(original)
 

@@ -6,8 +6,8 @@ re-exported mlx-lm BatchKVCache (< 0.6.4) is left to offset-detach (not wrapped 
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches._lazy import ClassValue, max_edges
-from kvpatch.patches.offset_detach_vlm import PATCH, arrays, caches, checkpoints, graph_edges
+from kvpatch.patches._lazy import growth_period, max_edges
+from kvpatch.patches.offset_detach_vlm import PATCH, _own_batch_kv_cache, arrays, caches, checkpoints, graph_edges
 
 import kvpatch
 from kvpatch.gate import Action
@@ -45,8 +45,8 @@ def _checkpoints(name: str) -> tuple[int, int, int]:
 
 def _bound(name: str) -> int:
     """The most edges a fixed cache's offset graph may hold: one step's (tied every step), or a buffer's worth."""
-    cls = type(caches()[name])
-    return max_edges(cls.step) if isinstance(vars(cls).get("step"), ClassValue) else 10
+    period = growth_period(_own_batch_kv_cache()) if name == "BatchKVCache" else None
+    return max_edges(period) if period else 10
 
 
 def _decode(name: str, steps: int, checkpoints: tuple[int, ...] = (), dtype=None):
