@@ -35,7 +35,9 @@ are not compared). Each row also prints the median of the pairs' ratios with its
 (order statistics): single blocks on an H100 varied by 10-14% with heavy tails, which widen the mean's interval
 far more than the median's; ``--stat median`` stops on that interval instead.
 ``--json PATH`` writes every pair (tokens/s of both sides, and the spacing of each block's steps) with the
-settings, for analysis beyond the printed interval.
+settings, for analysis beyond the printed interval. ``bench_gpu.py --pool A.json B.json ...`` pools the pairs of
+runs made with the same settings on the same device and versions (refused otherwise) and prints the same rows:
+a run cut short by the device's time limit can be completed by another.
 
 Decode-only timing favours upstream where a patch fixes a leak: upstream's ``ArraysCache.advance`` leaves its
 lazy decrements in the caches no layer reads, and frees them only when the caches are discarded, outside the
@@ -279,7 +281,46 @@ def device_name() -> str:
     return f"{mx.default_device()} {name}".strip()
 
 
+# what two runs must share for their pairs to be pooled (the device and versions come with each file)
+POOL_KEYS = ("device", "mlx", "mlx_lm", "toggled")
+POOL_SETTINGS = ("tokens", "interleave", "settle", "small", "tie_every", "teardown")
+
+
+def pool(paths: list[str]) -> int:
+    """``--pool``: the pairs of several ``--json`` files of one device and one set of settings, per model and
+    batch, as one sample. A pair compares adjacent blocks of one run, so runs that drifted apart in absolute speed
+    still give comparable pairs; no run here stopped on its own interval unless its file says so."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    first = runs[0]
+    for path, run in zip(paths, runs, strict=True):
+        differ = [k for k in POOL_KEYS if run.get(k) != first.get(k)]
+        differ += [k for k in POOL_SETTINGS if run["settings"].get(k) != first["settings"].get(k)]
+        if differ:
+            print(f"cannot pool {path} with {paths[0]}: they differ in {', '.join(differ)}", file=sys.stderr)
+            return 2
+    print(f"device: {first['device']}; mlx {first['mlx']}, mlx-lm {first['mlx_lm']}; toggled {first['toggled']}")
+    pooled: dict[tuple[str, int], tuple[Paired, list[str]]] = {}
+    for path, run in zip(paths, runs, strict=True):
+        for conf in run["configurations"]:
+            result, sources = pooled.setdefault((conf["model"], conf["batch"]), (Paired(), []))
+            result.on.extend(conf["on"])
+            result.off.extend(conf["off"])
+            sources.append(f"{Path(path).name}: {len(conf['on'])}")
+    for (kind, batch), (result, sources) in pooled.items():
+        median, lo, hi = result.median_ratio()
+        print(
+            f"{kind:<7} batch {batch:>3}: {result.describe('tok/s')} pooled ({'; '.join(sources)})\n"
+            f"{'':<17}median ratio {median:.4f} [95% CI {lo:.4f}, {hi:.4f}] (distribution-free)"
+        )
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--pool"]:
+        if len(sys.argv) < 3:
+            print("usage: bench_gpu.py --pool RUN.json [RUN.json ...]  (files written by --json)", file=sys.stderr)
+            return 2
+        return pool(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama,hybrid")
     parser.add_argument("--batches", default="1,8,32")
