@@ -17,6 +17,7 @@ ratio with its interval. Usage (any mlx backend; meant for CUDA)::
 
     USE_TORCH=0 python scripts/bench_gpu.py [--models llama,hybrid] [--batches 1,8,32] [--tokens 64]
     USE_TORCH=0 python scripts/bench_gpu.py --interleave 20 --tokens 512   # the README's figures
+    python scripts/bench_gpu.py --pool RUN.json [RUN.json ...]              # runs written by --json, pooled
 
 ``--interleave K`` pairs at a finer grain: inside each generation the patches go out and back in between decode
 steps, ``--settle S`` steps run unclocked after each switch (default 11), then a block of K steps is timed; a
@@ -289,8 +290,18 @@ POOL_SETTINGS = ("tokens", "interleave", "settle", "small", "tie_every", "teardo
 def pool(paths: list[str]) -> int:
     """``--pool``: the pairs of several ``--json`` files of one device and one set of settings, per model and
     batch, as one sample. A pair compares adjacent blocks of one run, so runs that drifted apart in absolute speed
-    still give comparable pairs; no run here stopped on its own interval unless its file says so."""
-    runs = [json.loads(Path(path).read_text()) for path in paths]
+    still give comparable pairs. Pool every run made for the row, not a chosen few: choosing runs by their
+    result biases the pooled interval."""
+    runs: list[dict[str, Any]] = []
+    for path in paths:
+        try:
+            run = json.loads(Path(path).read_text())
+            if not isinstance(run, dict) or not {"settings", "configurations"} <= run.keys():
+                raise ValueError("no 'settings' and 'configurations' in it")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"cannot read {path} as a file written by --json: {exc!r}", file=sys.stderr)
+            return 2
+        runs.append(run)
     first = runs[0]
     for path, run in zip(paths, runs, strict=True):
         differ = [k for k in POOL_KEYS if run.get(k) != first.get(k)]

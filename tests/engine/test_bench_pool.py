@@ -48,3 +48,7 @@ def test_pool_refuses_runs_that_differ(tmp_path: Path) -> None:
         assert f"differ in {next(iter(change))}" in done.stderr and not done.stdout.strip(), done.stderr
     usage = pool()
     assert usage.returncode == 2 and "usage" in usage.stderr
+    (tmp_path / "c.json").write_text("{}")
+    for bad in (str(tmp_path / "missing.json"), str(tmp_path / "c.json")):
+        done = pool(a, bad)
+        assert done.returncode == 2 and f"cannot read {bad}" in done.stderr, done.stderr
