@@ -282,6 +282,15 @@ def device_name() -> str:
     return f"{mx.default_device()} {name}".strip()
 
 
+def paired_row(kind: str, batch: int, result: Paired, how: str) -> str:
+    """A row of interleaved pairs: both sides' medians and the mean ratio, then the median ratio's interval."""
+    median, lo, hi = result.median_ratio()
+    return (
+        f"{kind:<7} batch {batch:>3}: {result.describe('tok/s')} {how}\n"
+        f"{'':<17}median ratio {median:.4f} [95% CI {lo:.4f}, {hi:.4f}] (distribution-free)"
+    )
+
+
 # what two runs must share for their pairs to be pooled (the device and versions come with each file)
 POOL_KEYS = ("device", "mlx", "mlx_lm", "toggled")
 POOL_SETTINGS = ("tokens", "interleave", "settle", "small", "tie_every", "teardown")
@@ -318,11 +327,7 @@ def pool(paths: list[str]) -> int:
             result.off.extend(conf["off"])
             sources.append(f"{Path(path).name}: {len(conf['on'])}")
     for (kind, batch), (result, sources) in pooled.items():
-        median, lo, hi = result.median_ratio()
-        print(
-            f"{kind:<7} batch {batch:>3}: {result.describe('tok/s')} pooled ({'; '.join(sources)})\n"
-            f"{'':<17}median ratio {median:.4f} [95% CI {lo:.4f}, {hi:.4f}] (distribution-free)"
-        )
+        print(paired_row(kind, batch, result, f"pooled ({'; '.join(sources)})"))
     return 0
 
 
@@ -421,11 +426,7 @@ def main() -> int:
                     stat=args.stat,
                 )
                 blocks = f"(pairs of {args.interleave}-step blocks, {args.settle} unclocked steps after each switch)"
-                median, lo, hi = result.median_ratio()
-                line = (
-                    f"{kind:<7} batch {batch:>3}: {result.describe('tok/s')} {blocks}\n"
-                    f"{'':<17}median ratio {median:.4f} [95% CI {lo:.4f}, {hi:.4f}] (distribution-free)"
-                )
+                line = paired_row(kind, batch, result, blocks)
                 rows.append(line)
                 raw.append(dict(model=kind, batch=batch, on=result.on, off=result.off, steps=steps))
                 print(line, flush=True)
