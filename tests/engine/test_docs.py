@@ -121,3 +121,14 @@ def test_readme_keeps_the_two_commands():
     assert install in readme
     assert "\nbash scripts/test.sh\n" in readme
     assert "\nbash scripts/test.sh\n" in (REPO / ".ci" / "run").read_text(encoding="utf-8")
+
+
+def test_configuration_lists_every_environment_variable():
+    """docs/configuration.md's one table names every ``KVPATCH*`` variable the code, scripts and tests read."""
+    documented = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    name = re.compile(r"\bKVPATCH(?:_[A-Z0-9]+)*\b")
+    sources = [p for folder in ("kvpatch", "patches", "scripts", "tests") for p in (REPO / folder).rglob("*.py")]
+    sources += [*(REPO / "scripts").glob("*.sh"), REPO / ".ci" / "run"]
+    found = {m for path in sources for m in name.findall(path.read_text(encoding="utf-8"))}
+    missing = sorted(v for v in found if f"`{v}`" not in documented)
+    assert not missing, f"add them to docs/configuration.md: {missing}"
