@@ -16,7 +16,7 @@ are added until the 95% confidence interval of the ratio patched / unpatched is 
 ratio with its interval. Usage (any mlx backend; meant for CUDA)::
 
     USE_TORCH=0 python scripts/bench_gpu.py [--models llama,hybrid] [--batches 1,8,32] [--tokens 64]
-    USE_TORCH=0 python scripts/bench_gpu.py --interleave 20 --tokens 512   # the README's figures
+    USE_TORCH=0 python scripts/bench_gpu.py --interleave 20 --tokens 512   # docs/performance.md's figures
     python scripts/bench_gpu.py --pool RUN.json [RUN.json ...]              # runs written by --json, pooled
 
 ``--interleave K`` pairs at a finer grain: inside each generation the patches go out and back in between decode

@@ -13,7 +13,7 @@ and back in around each block, S unclocked steps, then K counted) and prints the
 side. Hybrid, batch 1 (vlm-0.7.10 bucket, 2026-11-26, arrays-advance-detach's earlier version, which anchored
 its books every 10th call): with S = 11 patched blocks held 31,190 nodes and unpatched 31,180; with S = 10 the
 patched blocks after the first held 843-903 more, all in their first step (the anchoring that evaluated the chain
-the unpatched block left). README ("On Linux with an NVIDIA GPU") has the current figures.
+the unpatched block left). docs/performance.md has the current figures.
 
 The models are ``bench_gpu.py``'s at hidden 256.
 """

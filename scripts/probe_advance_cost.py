@@ -9,7 +9,7 @@ the caches afterwards. Upstream's ``-=`` adds one lazy node per attribute per st
 in the unread caches only when the caches are discarded (the leak). The patch defers the decrements to Python
 integers, so the unread caches build no node and the read one builds one subtraction per step, as upstream does.
 On a GPU the decode step is short enough for this host time to show in
-tokens/s (README, "On Linux with an NVIDIA GPU", has the figures)::
+tokens/s (docs/performance.md has the figures)::
 
     .venv/bin/python scripts/in_bucket.py vlm-0.7.10 -- python -P scripts/probe_advance_cost.py
 """

@@ -42,10 +42,10 @@ def test_exit_codes_are_distinct_and_documented_in_status_help(tmp_path):
         assert f"  {code:<4} {meaning}" in proc.stdout, (code, proc.stdout)
 
 
-def test_exit_codes_are_documented_in_the_readme():
-    text = (REPO / "README.md").read_text()
+def test_exit_codes_are_documented_in_the_docs():
+    text = (REPO / "docs" / "status.md").read_text()
     for code, _ in cli.EXIT_CODES:
-        assert f"\n| {code} |" in text, f"README's exit-code table lacks {code}"
+        assert f"\n| {code} |" in text, f"docs/status.md's exit-code table lacks {code}"
 
 
 def test_launcher_and_cli_agree_on_the_internal_error_code():

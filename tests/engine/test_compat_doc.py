@@ -26,14 +26,14 @@ def test_one_source_for_the_release_matrix():
         assert list(releases) == [b.name.removeprefix(prefix) for b in source.BUCKETS if b.name.startswith(prefix)]
 
 
-def test_readme_status_example_matches_the_registry():
-    """The README's `status` example must show the registry as it is (regenerate it when patches change)."""
+def test_status_example_matches_the_registry():
+    """docs/status.md's `status` example must show the registry as it is (regenerate it when patches change)."""
     import re
 
     from kvpatch.registry import load
 
     ids = {p.id for p in load().patches}
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "status.md").read_text()
     start = text.index("`kvpatch status --verify` printed:")
     block = text[start : text.index("\n```\n", text.index("```text", start))]
     assert re.search(rf"^{len(ids)} patches: ", block, re.M), "the summary line counts every patch"
