@@ -215,7 +215,8 @@ def read_bytes(path: Path, limit: int = MAX_BYTES) -> bytes | None:
     except FileNotFoundError:
         return None
     except OSError as exc:  # a symlink (ELOOP), a FIFO or device, no permission
-        emit(f"kvpatch ignores {path}: {exc.strerror or exc}", key=f"store-read:{path}")
+        why = "a symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        emit(f"kvpatch ignores {path}: {why}", key=f"store-read:{path}")
         return None
     try:
         if os.fstat(fd).st_size > limit:
@@ -268,7 +269,8 @@ def write_json(place: Place, name: str, data: Any, what: str = "state") -> None:
     fd, tmp = tempfile.mkstemp(dir=place.path, prefix=f".{name}.", suffix=".tmp")
     try:
         try:
-            os.fchmod(fd, 0o644)  # readable by the environment's other users (a verdict stored at build time)
+            if hasattr(os, "fchmod"):  # readable by the environment's other users (a verdict stored at build time)
+                os.fchmod(fd, 0o644)
             view = memoryview(payload)
             while view:
                 view = view[os.write(fd, view) :]

@@ -226,7 +226,7 @@ def test_an_install_outside_sys_prefix_writes_nothing_under_sys_prefix(tmp_path,
                   reference="none", expiry=Expiry("never"))
         up = {"mlx-lm": Upstream("mlx-lm", "0.3.0", Source())}
         ok = verdicts.store("k", p, verdicts.Verdict(verdicts.FIXED, "", time.time(), "test"), up)
-        print("@@" + json.dumps({"stored": ok, "file": verdicts.lookup("k").source}))
+        print("@@" + json.dumps({"stored": ok}))
         """
     )
     proc = subprocess.run(
@@ -235,7 +235,7 @@ def test_an_install_outside_sys_prefix_writes_nothing_under_sys_prefix(tmp_path,
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = last_json(proc.stdout)
     assert not (bare_venv / "var").exists(), "a kvpatch installed outside sys.prefix wrote under sys.prefix"
-    assert out["stored"] and out["file"].startswith(str(tmp_path / "cache")), out
+    assert out["stored"] and list((tmp_path / "cache").rglob("verdicts.json")), out
 
 
 def child_env_for_target(target: Path) -> dict[str, str]:
