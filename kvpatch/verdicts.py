@@ -24,8 +24,8 @@ check) verdicts live in this process's memory: :func:`store` returns False, ``kv
 non-zero, one warning says so, and fixes decided by version apply as always.
 
 What a verdict file may do: turn a patch the reproduction decides on (``bug present, fixed by patch``)
-or off (every other outcome), for the exact key it is stored under; it never affects a patch decided by
-the release, and never runs code. Its trust is its directory's: the store refuses a directory that
+or off (every other outcome), for the exact key it is stored under; it never affects a patch the release
+decides on code kvpatch validated, and never runs code. Its trust is its directory's: the store refuses a directory that
 another user can write (:func:`kvpatch.store.refusal`), which is the guard against a planted verdict.
 Each entry names the kvpatch version that wrote it (and the key includes it): an entry written by
 another version is ignored. ``status`` names the file each verdict came from.
