@@ -65,6 +65,7 @@ __all__ = [
     "read_bytes",
     "read_json",
     "refusal",
+    "untrusted",
     "usable",
     "verdict_places",
     "write_json",
@@ -144,9 +145,8 @@ def verdict_places() -> tuple[Place, ...]:
 # Trust
 
 
-def refusal(place: Place) -> str | None:
-    """Why ``place`` must not be used, naming the directory at fault (``None``: it may; missing parts are
-    created by kvpatch). Never raises."""
+def _check(place: Place) -> tuple[str, bool] | None:
+    """Why ``place`` must not be used and whether that is a matter of trust (``None``: it may be used)."""
     uid = os.geteuid() if hasattr(os, "geteuid") else None
     path = place.path
     while True:
@@ -155,25 +155,45 @@ def refusal(place: Place) -> str | None:
         except FileNotFoundError:
             st = None
         except OSError as exc:
-            return f"The directory {path} cannot be entered ({exc.strerror or exc})"
+            return f"The directory {path} cannot be entered ({exc.strerror or exc})", False
         if st is not None:
             if not stat.S_ISDIR(st.st_mode):
-                return f"{path} is not a directory"
+                return f"{path} is not a directory", True
             if uid is not None and st.st_uid not in (uid, 0):
-                return f"The directory {path} is not owned by the current user (owner uid {st.st_uid})"
+                return f"The directory {path} is not owned by the current user (owner uid {st.st_uid})", True
             if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-                return f"The directory {path} is writable by others"
+                return f"The directory {path} is writable by others", True
         if path == place.anchor or path.parent == path or place.anchor not in path.parents:
             return None
         path = path.parent
 
 
+def refusal(place: Place) -> str | None:
+    """Why ``place`` must not be used, naming the directory at fault (``None``: it may; missing parts are
+    created by kvpatch). Never raises."""
+    found = _check(place)
+    return found[0] if found else None
+
+
+def untrusted(place: Place) -> bool:
+    """Whether ``place`` fails the trust check (owner, mode, a symlinked part): warned about once when used."""
+    found = _check(place)
+    return bool(found and found[1])
+
+
 def _refused(place: Place, what: str) -> bool:
-    """Check ``place``; warn once if it is refused. True: do not use it."""
-    why = refusal(place)
-    if why is None:
+    """Check ``place``; warn once if it fails the trust check. True: do not use it.
+
+    A directory that merely cannot be entered is not warned about here: the caller that loses a write
+    because of it says so, once."""
+    found = _check(place)
+    if found is None:
         return False
-    emit(f"{why}; kvpatch does not use it and keeps its {what} in memory", key=f"store:{place.path}")
+    why, trust = found
+    if trust:
+        emit(f"{why}; kvpatch does not use it and keeps its {what} in memory", key=f"store:{place.path}")
+    else:
+        log.debug("kvpatch: %s", why)
     return True
 
 

@@ -248,7 +248,7 @@ def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> bo
     except Exception:  # pragma: no cover - a change is a few dict assignments
         pass
     _forget()
-    if not all(_store.refusal(p) for p in places()):  # a refused place has said so already, once
+    if not all(_store.untrusted(p) for p in places()):  # an untrusted place has said so already, once
         emit(f"kvpatch could not write its verdicts ({why}); they are kept in memory", key="verdicts:memory")
     global _last_error
     _last_error = why
