@@ -11,10 +11,10 @@ tiny ``.pth`` bootstrap that costs nothing to processes that never import them).
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 
+from . import config
 from ._warn import emit as _emit
 from .engine import Engine, KvpatchWarning, PatchStatus, State, fingerprint
 from .record import Expiry, Finding, Kind, Patch, Target
@@ -78,7 +78,7 @@ def activate() -> Engine | None:
         engine = get_engine()
         if engine.config.enabled:
             engine.activate()
-            if os.environ.get("KVPATCH_VENDORED"):  # opt-in: patch vendored copies (kvpatch.vendored)
+            if config.vendored():  # opt-in: patch vendored copies (kvpatch.vendored)
                 from . import vendored
 
                 vendored.hook(engine)

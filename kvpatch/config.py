@@ -7,6 +7,16 @@
                      upstream behaviour rather than fix a bug are off unless named here); ``*``: all.
 ``KVPATCH_ENFORCE``  ``1``: overdue patches fail ``status --check`` and the test suite (set in CI,
                      never by default).
+``KVPATCH_VERIFY``   ``never`` (also ``off``, ``0``, ``no``, ``false``): no background verification.
+``KVPATCH_VERDICTS`` a directory that holds the verdicts instead of the default places (:mod:`kvpatch.store`).
+``KVPATCH_CACHE``    the root of kvpatch's per-user state (default ``$XDG_CACHE_HOME/kvpatch``, else
+                     ``~/.cache/kvpatch``; :mod:`kvpatch.store`).
+``KVPATCH_VENDORED`` ``1`` patches vendored copies of upstream code too; a comma-separated list of module
+                     names hooks those modules as well (:mod:`kvpatch.vendored`).
+``KVPATCH_VERIFYING`` set by kvpatch itself in the environment of its verification processes.
+
+The bootstrap files in ``kvpatch/_site`` cannot import kvpatch and read ``KVPATCH`` themselves; every other
+read goes through this module.
 
 A malformed value never raises: it is reported through :attr:`Config.problems` and warned about once.
 Messages quote at most :data:`SHOWN` characters of a value, and an unknown patch id gets the closest
@@ -20,7 +30,21 @@ from collections.abc import Mapping
 
 from ._kvstruct import struct
 
-__all__ = ["OFF_VALUES", "ON_VALUES", "SHOWN", "Config", "read_config"]
+__all__ = [
+    "OFF_VALUES",
+    "ON_VALUES",
+    "SHOWN",
+    "VARIABLES",
+    "Config",
+    "background_verification",
+    "cache_override",
+    "is_off",
+    "read_config",
+    "values",
+    "vendored",
+    "verdicts_override",
+    "verifying",
+]
 
 #: The most characters of one environment value a message quotes.
 SHOWN = 60
@@ -29,6 +53,20 @@ _NAMED = 3
 
 OFF_VALUES = frozenset({"off", "0", "false", "no", "disable", "disabled"})
 ON_VALUES = frozenset({"", "on", "1", "true", "yes", "enable", "enabled", "auto"})
+
+OFF = "KVPATCH"
+DISABLE = "KVPATCH_DISABLE"
+ENABLE = "KVPATCH_ENABLE"
+ENFORCE = "KVPATCH_ENFORCE"
+VERIFY = "KVPATCH_VERIFY"
+VERDICTS = "KVPATCH_VERDICTS"
+CACHE = "KVPATCH_CACHE"
+VENDORED = "KVPATCH_VENDORED"
+#: Set by kvpatch in the environment of a verification process (the background child, ``kvpatch verify``).
+VERIFYING = "KVPATCH_VERIFYING"
+#: Every variable a user sets (what an import does depends on each: ``kvpatch.settle`` keys on all of them).
+VARIABLES = (OFF, DISABLE, ENABLE, ENFORCE, VERIFY, VERDICTS, CACHE, VENDORED)
+_VERIFY_OFF = frozenset({"never", "off", "0", "no", "false"})
 
 
 @struct(frozen=True)
@@ -52,28 +90,68 @@ def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[s
     env = os.environ if environ is None else environ
     problems: list[str] = []
 
-    raw = env.get("KVPATCH", "").strip().lower()
+    raw = env.get(OFF, "").strip().lower()
     if raw in OFF_VALUES:
         enabled = False
     else:
         enabled = True
         if raw not in ON_VALUES:
-            value = _shown(env.get("KVPATCH", ""))
+            value = _shown(env.get(OFF, ""))
             problems.append(f"KVPATCH={value} is not understood (use 'off' or 'on'); kvpatch stays on")
 
-    disabled, disable_all = _ids(env, "KVPATCH_DISABLE", known_ids, problems)
-    opted, enable_all = _ids(env, "KVPATCH_ENABLE", known_ids, problems)
+    disabled, disable_all = _ids(env, DISABLE, known_ids, problems)
+    opted, enable_all = _ids(env, ENABLE, known_ids, problems)
 
-    enforce_raw = env.get("KVPATCH_ENFORCE", "").strip().lower()
+    enforce_raw = env.get(ENFORCE, "").strip().lower()
     enforce = False
     if enforce_raw and enforce_raw not in OFF_VALUES:
         if enforce_raw in ON_VALUES:
             enforce = True
         else:
-            value = _shown(env.get("KVPATCH_ENFORCE", ""))
+            value = _shown(env.get(ENFORCE, ""))
             problems.append(f"KVPATCH_ENFORCE={value} is not understood (use 1 or 0); not enforcing")
 
     return Config(enabled, frozenset(disabled), disable_all, enforce, tuple(problems), frozenset(opted), enable_all)
+
+
+def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def is_off(environ: Mapping[str, str] | None = None) -> bool:
+    """``KVPATCH=off``: kvpatch does nothing in this process."""
+    return _env(environ).get(OFF, "").strip().lower() in OFF_VALUES
+
+
+def background_verification(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a process without a verdict may start a background verification (``KVPATCH_VERIFY``)."""
+    return _env(environ).get(VERIFY, "").strip().lower() not in _VERIFY_OFF
+
+
+def verifying(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process was started as a verification process (:data:`VERIFYING`)."""
+    return bool(_env(environ).get(VERIFYING))
+
+
+def verdicts_override(environ: Mapping[str, str] | None = None) -> str | None:
+    """``KVPATCH_VERDICTS`` (``None``: unset or empty)."""
+    return _env(environ).get(VERDICTS) or None
+
+
+def cache_override(environ: Mapping[str, str] | None = None) -> str | None:
+    """``KVPATCH_CACHE`` (``None``: unset or empty)."""
+    return _env(environ).get(CACHE) or None
+
+
+def vendored(environ: Mapping[str, str] | None = None) -> str:
+    """``KVPATCH_VENDORED`` as set, stripped (``""``: unset); :func:`kvpatch.vendored.setting` parses it."""
+    return _env(environ).get(VENDORED, "").strip()
+
+
+def values(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """Each of :data:`VARIABLES` with its value (``None``: unset)."""
+    env = _env(environ)
+    return [(name, env.get(name)) for name in VARIABLES]
 
 
 def _ids(

@@ -9,15 +9,20 @@ Importing mlx-lm costs about a second on a quiet machine (transformers), ten und
 that import is a function of the environment, so it is cached per environment and reused while the
 environment is unchanged. The key holds everything that decides the outcome:
 
-* kvpatch's version and the location of its package,
-* the interpreter (``sys.prefix``, version) and ``KVPATCH``, ``KVPATCH_DISABLE``, ``KVPATCH_ENABLE``,
+* kvpatch's version, the location of its package and the size and modification time of each of its
+  files (the patch units and the shipped fingerprints in ``kvpatch/data`` among them),
+* the interpreter (``sys.prefix``, version) and every ``KVPATCH*`` variable (:data:`kvpatch.config.VARIABLES`),
 * each watched distribution's version and install source (PEP 610),
+* the file of each patch unit (size and modification time),
 * size and modification time of every target module's source file, found without importing it,
-* the stored verdicts (:func:`kvpatch.verdicts.digest`): a verification since the last settle counts.
+* the stored verdicts and cached fingerprints, and the files they came from
+  (:func:`kvpatch.verdicts.digest`): a verification since the last settle counts.
 
-The cache lives in ``$KVPATCH_CACHE`` (default ``$XDG_CACHE_HOME/kvpatch`` or ``~/.cache/kvpatch``)
-under ``state/<hash of sys.prefix>/settled.json``, written atomically; a missing, unreadable or
-mismatching file means "settle again". ``kvpatch status --fresh`` always settles again.
+The key is computed again after settling (settling may cache fingerprints), so the next ``status`` with
+nothing changed reuses the outcome. The cache is ``settled.json`` in the per-user place of
+:mod:`kvpatch.store` (``<cache root>/state/<hash of sys.prefix>``); a missing, unreadable, refused or
+mismatching file means "settle again", and a place that cannot be written means settling every time.
+``kvpatch status --fresh`` always settles again.
 """
 
 from __future__ import annotations
@@ -25,24 +30,21 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
-import importlib.machinery
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import verdicts
+from . import config, store, verdicts
+from .locate import module_file
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["Settled", "environment_key", "settle", "state_dir"]
+__all__ = ["Settled", "environment_key", "settle"]
 
-_VARIABLES = ("KVPATCH", "KVPATCH_DISABLE", "KVPATCH_ENABLE", "KVPATCH_VENDORED")
 _FILE = "settled.json"
 
 
@@ -56,35 +58,24 @@ class Settled:
     outcomes: dict[str, dict[str, Any]]
 
 
-def state_dir() -> Path:
-    """The per-environment folder for kvpatch's small state files (the settled outcome, verdicts)."""
-    explicit = os.environ.get("KVPATCH_CACHE")
-    if explicit:
-        base = Path(explicit)
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = (Path(xdg) if xdg else Path.home() / ".cache") / "kvpatch"
-    env = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:16]
-    return base / "state" / env
-
-
-def _module_file(module: str) -> str | None:
-    """The source file of ``module``, found without importing anything (and without kvpatch's finder)."""
-    top, _, rest = module.partition(".")
+def _stamp(path: str | None) -> tuple[int, int] | None:
     try:
-        spec = importlib.machinery.PathFinder.find_spec(top)
-    except Exception:
+        st = os.stat(path) if path else None
+    except OSError:
         return None
-    if spec is None or not spec.submodule_search_locations:
-        return spec.origin if spec is not None and not rest else None
-    base = Path(next(iter(spec.submodule_search_locations)))
-    if not rest:
-        return str(base / "__init__.py")
-    path = base.joinpath(*rest.split("."))
-    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
-        if candidate.is_file():
-            return str(candidate)
-    return None
+    return (st.st_size, st.st_mtime_ns) if st else None
+
+
+def _own_files() -> list[tuple[str, tuple[int, int] | None]]:
+    """Each file of kvpatch's package (code, patch units, data) with its size and modification time."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    found = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
+        for name in sorted(files):
+            path = os.path.join(directory, name)
+            found.append((os.path.relpath(path, root), _stamp(path)))
+    return found
 
 
 def environment_key(engine: Engine) -> str:
@@ -94,20 +85,19 @@ def environment_key(engine: Engine) -> str:
     parts: list[Any] = [
         __version__,
         os.path.dirname(os.path.abspath(__file__)),
+        _own_files(),
         os.path.realpath(sys.prefix),
         sys.version,
-        [(name, os.environ.get(name)) for name in _VARIABLES],
+        config.values(),
     ]
     for name, up in sorted(engine.upstream.items()):
         parts.append((name, up.version, up.source.kind, up.source.url, up.source.commit, up.location))
     modules = sorted({m for p in engine.patches for m in p.modules})
     for module in modules:
-        path = _module_file(module)
-        try:
-            st = os.stat(path) if path else None
-        except OSError:
-            st = None
-        parts.append((module, path, st.st_size if st else None, st.st_mtime_ns if st else None))
+        path = module_file(module)
+        parts.append((module, path, _stamp(path)))
+    units = sorted({p.module for p in engine.patches if p.module})
+    parts.append([(unit, module_file(unit), _stamp(module_file(unit))) for unit in units])
     parts.append(sorted(p.id for p in engine.patches))
     # the verdicts decide too: a `kvpatch verify` (or a background verification) since the last settle changes
     # what an import does, so the settled outcome must not outlive it (fingerprints stored beside them do not count)
@@ -115,23 +105,23 @@ def environment_key(engine: Engine) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
-def _read(path: Path, key: str) -> Settled | None:
+def _read(key: str) -> Settled | None:
+    place = store.env_dir()
+    data = store.read_json(place, _FILE, "settled status") if place is not None else None
     try:
-        data = json.loads(path.read_text())
-        if data.get("key") != key or not isinstance(data.get("outcomes"), dict):
+        if not isinstance(data, dict) or data.get("key") != key or not isinstance(data.get("outcomes"), dict):
             return None
         return Settled("cache", float(data["at"]), data["outcomes"])
-    except Exception:  # missing, unreadable, corrupt: settle again
+    except Exception:  # corrupt: settle again
         return None
 
 
-def _write(path: Path, key: str, settled: Settled) -> None:
-    with contextlib.suppress(Exception):  # a read-only home must not break status
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".settled-", suffix=".json")
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"key": key, "at": settled.at, "outcomes": settled.outcomes}, fh)
-        os.replace(tmp, path)
+def _write(key: str, settled: Settled) -> None:
+    place = store.env_dir()
+    if place is None or not store.usable(place, "settled status"):
+        return
+    with contextlib.suppress(OSError):  # a read-only home means settling every time, nothing worse
+        store.write_json(place, _FILE, {"key": key, "at": settled.at, "outcomes": settled.outcomes})
 
 
 def settle(engine: Engine, *, fresh: bool = False) -> Settled:
@@ -142,9 +132,8 @@ def settle(engine: Engine, *, fresh: bool = False) -> Settled:
     from .engine import State
 
     key = environment_key(engine)
-    path = state_dir() / _FILE
     if not fresh and not engine.changes():
-        cached = _read(path, key)
+        cached = _read(key)
         if cached is not None:
             return cached
     if engine.active:
@@ -168,5 +157,5 @@ def settle(engine: Engine, *, fresh: bool = False) -> Settled:
         for pid, st in engine.status.items()
     }
     settled = Settled("now", time.time(), outcomes)
-    _write(path, key, settled)
+    _write(environment_key(engine), settled)
     return settled

@@ -18,7 +18,9 @@ JSON schema ``kvpatch.status/1`` (stable; new keys may be added, none removed or
                    "metal_only", "expiry": {"condition", "review_by", "overdue"},
                    "action", "state", "reason", "error", "drift": [...], "verified",
                    "verdict": null | "<this environment's stored verdict, for a patch the reproduction decides>",
+                   "verdict_file": null | "<the file that verdict was read from>",
                    "verify": null | {"outcome", "without_patch", "with_patch", "foreign": [...]}}],
+      "auto_activation": null | "<why kvpatch's start-up hook does not run in this interpreter>",
       "broken": {"<module>": "<error>"},
       "problems": ["<configuration problem>", ...],
       "summary": {"<state>": <count>, ...},
@@ -171,12 +173,26 @@ _FAILING = {State.FAILED.value, State.TARGET_MISSING.value}
 _ATTENTION = {State.DRIFTED.value, State.OVERRIDDEN.value}
 
 
-def _cached_verdict(engine: Engine, st: PatchStatus) -> str | None:
+def _cached_verdict(engine: Engine, st: PatchStatus) -> verdicts.Verdict | None:
     """The stored verdict for a patch the reproduction decides (read without importing upstream)."""
     if st.decision.action is not Action.VERIFY:
         return None
-    found = verdicts.lookup(verdicts.key(st.patch, engine.upstream))
-    return found.describe() if found else None
+    return verdicts.lookup(verdicts.key(st.patch, engine.upstream))
+
+
+def auto_activation() -> str | None:
+    """Why kvpatch's ``.pth`` start-up hook does not run in this interpreter (``None``: it does), e.g. a
+    ``pip install --target`` directory on ``PYTHONPATH``, which ``site`` does not process."""
+    if "_kvpatch_boot" in sys.modules or any(
+        getattr(f, "__name__", type(f).__name__) == "KvpatchBootstrapFinder" for f in sys.meta_path
+    ):
+        return None
+    if sys.flags.no_site:
+        return "off: this interpreter runs without site (-S); use `import kvpatch` or `kvpatch run`"
+    return (
+        "off: kvpatch.pth is not in a site directory of this interpreter (a --target install on PYTHONPATH?); "
+        "use `import kvpatch` or `kvpatch run`"
+    )
 
 
 def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, fresh: bool = False) -> Report:
@@ -235,9 +251,13 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
             "notes": list(st.notes),
             "wrapped": list(st.wrapped),
             "opt_in": p.opt_in,
-            "verdict": _cached_verdict(engine, st),
+            "verdict": None,
+            "verdict_file": None,
             "verify": None,
         }
+        stored = _cached_verdict(engine, st)
+        if stored is not None:
+            entry["verdict"], entry["verdict_file"] = stored.describe(), stored.source or None
         if settled is not None and settled.how == "cache" and p.id in settled.outcomes:
             entry.update({k: settled.outcomes[p.id].get(k, entry[k]) for k in ("state", "reason", "error", "notes")})
         if verify and _relevant_for_verify(st):
@@ -280,6 +300,7 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
         "enabled": engine.config.enabled,
         "upstream": {name: upstream_entry(up) for name, up in engine.upstream.items()},
         "settled": None if settled is None else {"how": settled.how, "at": settled.at},
+        "auto_activation": auto_activation(),
         "patches": patches,
         "broken": dict(engine.broken),
         "problems": list(engine.config.problems),
@@ -372,6 +393,8 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
 def _header(d: dict[str, Any]) -> list[str]:
     off = "" if d["enabled"] else ": OFF (KVPATCH=off), nothing is patched"
     lines = [f"kvpatch {d['kvpatch']} on Python {d['python']} ({d['platform']}){off}"]
+    if d.get("auto_activation"):
+        lines.append(f"auto-activation: {d['auto_activation']}")
     shown, notes = [], []
     for name, up in d["upstream"].items():
         src = up["source"]
@@ -477,6 +500,8 @@ def _full_table(d: dict[str, Any]) -> list[str]:
             lines.append(fmt.format(*row).rstrip())
             lines.append(f"    target: {', '.join(e['targets'])}")
             lines.append(f"    why:    {e['reason']}")
+            if e.get("verdict_file"):
+                lines.append(f"    verdict from: {e['verdict_file']}")
             if e.get("error") and e["error"] not in e["reason"]:
                 lines.append(f"    error:  {e['error']}")
             if e["verify"]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
-import os
 import re
 import sys
 import threading
@@ -41,6 +40,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import config
 from .record import DISTRIBUTIONS, Kind, Target
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 #: The environment variable: ``1`` patches copies (and hooks :data:`KNOWN`); a comma-separated list of
 #: module names hooks those modules too. Unset, ``0`` or ``off``: copies are only reported.
-VARIABLE = "KVPATCH_VENDORED"
+VARIABLE = config.VENDORED
 #: Modules known to hold vendored copies of patched upstream code (hooked when KVPATCH_VENDORED=1).
 KNOWN: tuple[str, ...] = ("rapid_mlx.models.mlx_vlm_vendored.cache",)
 _OFF = frozenset({"", "0", "off", "false", "no"})
@@ -128,7 +128,7 @@ _state = _State()
 
 def setting(environ: Mapping[str, str] | None = None) -> tuple[bool, tuple[str, ...]]:
     """(patch copies?, modules to hook) from ``KVPATCH_VENDORED``."""
-    raw = (os.environ if environ is None else environ).get(VARIABLE, "").strip()
+    raw = config.vendored(environ)
     if raw.lower() in _OFF:
         return False, ()
     if raw.lower() in _ON:

@@ -14,15 +14,21 @@ Verdicts: ``bug present, fixed by patch`` (the engine applies the patch), ``bug 
 (the reproduction hit something other than the bug; not applied; ``status --check`` fails),
 ``skipped`` (the reproduction cannot run on this backend; not applied).
 
-Where (first that applies; ``KVPATCH_VERDICTS`` overrides both)::
+Where: ``verdicts.json`` in the places :func:`kvpatch.store.verdict_places` names (the environment's
+``<sys.prefix>/var/cache/kvpatch``, then the per-user ``<cache root>/state/<hash of sys.prefix>``;
+``KVPATCH_VERDICTS`` overrides both). A reader looks in each (the first wins), so a verdict written by
+``kvpatch verify`` at image build time (as root) is found by a server running as another user; it is
+written to the first usable one, atomically under a lock (:mod:`kvpatch.store`). A corrupt, foreign or
+unreadable file is ignored, never raised. Where no place can be written (or none passes the trust
+check) verdicts live in this process's memory: :func:`store` returns False, ``kvpatch verify`` exits
+non-zero, one warning says so, and fixes decided by version apply as always.
 
-    <sys.prefix>/var/cache/kvpatch/verdicts.json          when that directory can be written
-    $XDG_CACHE_HOME/kvpatch/verdicts/<hash of sys.prefix>/verdicts.json   (~/.cache when unset)
-
-A reader looks in both (the ``sys.prefix`` file first), so a verdict written by ``kvpatch verify``
-at image build time (as root) is found by a server running as another user. The file is written
-atomically (temporary file + rename) under a lock; a corrupt, foreign or unreadable file is ignored,
-never raised.
+What a verdict file may do: turn a patch the reproduction decides on (``bug present, fixed by patch``)
+or off (every other outcome), for the exact key it is stored under; it never affects a patch the release
+decides on code kvpatch validated, and never runs code. Its trust is its directory's: the store refuses a directory that
+another user can write (:func:`kvpatch.store.refusal`), which is the guard against a planted verdict.
+Each entry names the kvpatch version that wrote it (and the key includes it): an entry written by
+another version is ignored. ``status`` names the file each verdict came from.
 
 Key of a verdict (a hash; any change means "no verdict", so the patch goes back to verification):
 kvpatch's version, the patch id and the size and modification time of its module's file, Python's
@@ -34,8 +40,10 @@ targets, 64-78 ms under load); a ``stat`` costs microseconds.
 No verdict yet (the first process after an upgrade, an editable install, ...): the patch is *not*
 applied in that process (state ``pending verification``), and one verification is started in a
 detached child process at low priority (``nice`` 10): ``python -m kvpatch verify --background``.
-The import does not wait for it: starting it costs one ``/bin/sh`` fork and exec, once per process
-at most (measured: kvpatch's hooks took 3-18 ms with it, 0.8-1.0 ms without, on 2 shared cores).
+The import does not wait for it: starting it costs one fork and exec, once per process at most. The
+child runs with ``-P`` (Python 3.11+) and ``/`` as its working directory, so no directory kvpatch did
+not choose is on its ``sys.path``; its output is appended to ``verify.log`` in the store, opened here
+without following a symlink.
 At most one runs at a time per environment (a lock file held by the child), and a key that a
 background verification already tried is not tried again for an hour (``python -m kvpatch verify``
 settles it at once). Every later process reads the verdict.
@@ -64,16 +72,15 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import config
+from . import store as _store
 from ._kvstruct import struct
+from ._warn import emit
+from .locate import module_file
 
 if TYPE_CHECKING:
     from .detect import Upstream
     from .record import Finding, Patch
-
-try:  # POSIX; elsewhere there is no background verification and writes are unlocked
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "ABSENT",
@@ -82,7 +89,6 @@ __all__ = [
     "NOT_FIXED",
     "SKIPPED",
     "Verdict",
-    "cache_dirs",
     "fingerprint_cached",
     "foreign_targets",
     "from_findings",
@@ -98,13 +104,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: A directory that overrides where verdicts are kept (tests, read-only environments).
-DIR_VAR = "KVPATCH_VERDICTS"
+DIR_VAR = config.VERDICTS
 #: ``never`` (or ``off``/``0``): no background verification; anything else: on.
-VERIFY_VAR = "KVPATCH_VERIFY"
+VERIFY_VAR = config.VERIFY
 #: Set in the environment of a verification process (the background child and ``kvpatch verify``).
-CHILD_VAR = "KVPATCH_VERIFYING"
+CHILD_VAR = config.VERIFYING
 SCHEMA = "kvpatch.verdicts/1"
 FILE = "verdicts.json"
+LOCK = "verdicts.lock"
 #: A background verification is not started again for a key tried this recently (seconds).
 RETRY_AFTER = 3600.0
 #: Entries kept per table (oldest dropped first).
@@ -128,6 +135,8 @@ class Verdict:
     at: float = 0.0
     #: What measured it: ``verify``, ``background``, ``status --verify``.
     by: str = ""
+    #: The file it was read from (``""``: measured in this process, or kept in memory).
+    source: str = ""
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.at)) if self.at else "?"
@@ -163,41 +172,16 @@ def _hashed(text: str, n: int = 16) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:n]
 
 
-def _writable(directory: Path) -> bool:
-    """Whether ``directory`` exists writable, or could be created under a writable ancestor."""
-    path = directory
-    while True:
-        if path.exists():
-            return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
-        if path.parent == path:
-            return False
-        path = path.parent
-
-
-def _user_dir() -> Path:
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "kvpatch" / "verdicts" / _hashed(os.path.realpath(sys.prefix))
-
-
-def cache_dirs() -> tuple[Path, ...]:
-    """Where verdicts are looked up, in order; the first writable one is where they are written."""
-    explicit = os.environ.get(DIR_VAR)
-    if explicit:
-        return (Path(explicit).expanduser(),)
-    prefix = Path(sys.prefix) / "var" / "cache" / "kvpatch"
-    try:
-        user = _user_dir()
-    except (RuntimeError, KeyError):  # no home directory
-        return (prefix,)
-    return (prefix, user)
+def places() -> tuple[_store.Place, ...]:
+    """Where verdicts are looked up, in order; the first usable one is where they are written."""
+    return _store.verdict_places()
 
 
 def write_dir() -> Path | None:
-    """The directory verdicts are written to (``None``: nowhere writable)."""
-    for directory in cache_dirs():
-        if _writable(directory):
-            return directory
+    """The directory verdicts are written to (``None``: nowhere usable: they are kept in memory)."""
+    for place in places():
+        if _store.usable(place, "verdicts"):
+            return place.path
     return None
 
 
@@ -209,59 +193,16 @@ def _empty() -> dict[str, Any]:
     return {"schema": SCHEMA, "verdicts": {}, "attempts": {}, "fingerprints": {}}
 
 
-def _read(path: Path) -> dict[str, Any]:
-    """The file's tables; an absent, unreadable, corrupt or foreign file reads as empty."""
-    try:
-        with path.open("rb") as fh:
-            data = json.loads(fh.read())
-    except FileNotFoundError:
-        return _empty()
-    except (OSError, ValueError) as exc:
-        log.debug("kvpatch: ignoring verdict cache %s: %s", path, exc)
-        return _empty()
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        return _empty()
+def _parse(data: Any) -> dict[str, Any]:
+    """The tables of a verdict file's JSON; anything absent, corrupt or foreign reads as empty."""
     out = _empty()
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        return out
     for table in ("verdicts", "attempts", "fingerprints"):
         value = data.get(table)
         if isinstance(value, dict):
             out[table] = value
     return out
-
-
-def _write(path: Path, data: Mapping[str, Any]) -> None:
-    """Atomically replace ``path`` (a temporary file in the same directory, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-    try:
-        with tmp.open("w", encoding="utf-8") as fh:
-            json.dump(data, fh, separators=(",", ":"), sort_keys=True)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-
-
-@contextlib.contextmanager
-def _locked(directory: Path, name: str, *, wait: bool) -> Iterator[bool]:
-    """Hold ``directory/name`` locked for the block; yields False when ``wait`` is off and it is taken."""
-    if fcntl is None:  # pragma: no cover - Windows
-        yield True
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / name, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
 
 
 def _prune(table: dict[str, Any]) -> None:
@@ -272,54 +213,87 @@ def _prune(table: dict[str, Any]) -> None:
         del table[k]
 
 
+#: Tables changed in this process that no file holds (no usable place, or the write failed).
+_memory: dict[str, Any] = _empty()
+#: Verdict keys whose :func:`store` did not reach a file, and why (``kvpatch verify`` fails on them).
+_unstored: dict[str, str] = {}
+
+
 def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> bool:
     """Read the writable file afresh, apply ``change`` to its tables, write it back. Never raises.
 
     ``wait=False`` (the user's process): give up rather than wait when another process is writing.
-    Returns whether it was written.
+    Returns whether it was written; where it could not be (no usable place, a failed write), ``change``
+    is applied to this process's memory instead and one warning says so.
     """
-    directory = write_dir()
-    if directory is None:
-        return False
+    why = "no usable directory (" + ", ".join(str(p.path) for p in places()) + ")"
     try:
-        with _locked(directory, "verdicts.lock", wait=wait) as held:
-            if not held:
-                return False
-            path = directory / FILE
-            data = _read(path)
-            change(data)
-            for table in ("verdicts", "attempts", "fingerprints"):
-                _prune(data[table])
-            _write(path, data)
+        for place in places():
+            if not _store.usable(place, "verdicts"):
+                continue
+            with _store.locked(place, LOCK, wait=wait, what="verdicts") as held:
+                if not held:
+                    return False  # another process is writing: this one's change waits for a later process
+                data = _parse(_store.read_json(place, FILE, "verdicts"))
+                change(data)
+                for table in ("verdicts", "attempts", "fingerprints"):
+                    _prune(data[table])
+                _store.write_json(place, FILE, data, "verdicts")
+            _forget()
+            return True
     except Exception as exc:  # a cache must never break anything
-        log.debug("kvpatch: could not write the verdict cache in %s: %s", directory, exc)
-        return False
+        why = f"{type(exc).__name__}: {exc}"
+    try:
+        change(_memory)
+    except Exception:  # pragma: no cover - a change is a few dict assignments
+        pass
     _forget()
-    return True
+    if not all(_store.untrusted(p) for p in places()):  # an untrusted place has said so already, once
+        emit(f"kvpatch could not write its verdicts ({why}); they are kept in memory", key="verdicts:memory")
+    global _last_error
+    _last_error = why
+    return False
 
 
+_last_error = ""
 _loaded: dict[str, Any] | None = None
+#: Verdict key -> the file its stored verdict was read from.
+_origins: dict[str, str] = {}
 
 
 def _tables() -> dict[str, Any]:
-    """Every readable file's tables merged (earlier directories win); read once per process."""
+    """Every readable file's tables merged (earlier places win), then this process's memory; read once."""
     global _loaded
     if _loaded is None:
         merged = _empty()
-        for directory in reversed(cache_dirs()):
-            data = _read(directory / FILE)
+        origins: dict[str, str] = {}
+        for place in reversed(places()):
+            data = _parse(_store.read_json(place, FILE, "verdicts"))
             for table in ("verdicts", "attempts", "fingerprints"):
                 merged[table].update(data[table])
+            origins.update(dict.fromkeys(data["verdicts"], str(place / FILE)))
+        for table in ("verdicts", "attempts", "fingerprints"):
+            merged[table].update(_memory[table])
+        for k in _memory["verdicts"]:
+            origins.pop(k, None)
+        _origins.clear()
+        _origins.update(origins)
         _loaded = merged
     return _loaded
 
 
+def unstored() -> dict[str, str]:
+    """Verdict keys measured in this process that no file holds, with the reason (empty: all stored)."""
+    return dict(_unstored)
+
+
 def digest() -> str:
-    """A short hash of the stored verdicts (not the fingerprints or attempts beside them): what a settled
-    ``status`` outcome depends on. Never raises."""
+    """A short hash of the stored verdicts and cached fingerprints (a changed fingerprint can send a patch to
+    its verdict), and of where they were read: what a settled ``status`` outcome depends on. Never raises."""
     try:
-        table = _tables()["verdicts"]
-        return hashlib.sha256(json.dumps(table, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        tables = _tables()
+        parts = [tables["verdicts"], tables["fingerprints"], sorted(_origins.items())]
+        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
     except Exception:
         return ""
 
@@ -347,35 +321,13 @@ def _stat(path: str) -> tuple[int, int] | None:
     return _stats[path]
 
 
-def module_file(name: str) -> str | None:
-    """The file of module ``name`` without importing it (its package's directory plus the dotted path)."""
-    module = sys.modules.get(name)
-    found = getattr(module, "__file__", None) if module is not None else None
-    if found:
-        return str(found)
-    top, _, rest = name.partition(".")
-    package = sys.modules.get(top)
-    origin = getattr(package, "__file__", None) if package is not None else None
-    if not origin:
-        try:
-            import importlib.util
-
-            spec = importlib.util.find_spec(top)  # a top-level name: imports nothing
-        except (ImportError, ValueError):
-            return None
-        origin = spec.origin if spec is not None else None
-    if not origin or not rest:
-        return str(origin) if origin else None
-    base = os.path.join(os.path.dirname(origin), *rest.split("."))
-    for candidate in (base + ".py", os.path.join(base, "__init__.py")):
-        if os.path.isfile(candidate):
-            return candidate
-    return None
-
-
 def _kvpatch_version() -> str:
-    module = sys.modules.get("kvpatch")
-    return str(getattr(module, "__version__", "?"))
+    """The version of this kvpatch (the package this module belongs to), which every verdict is bound to."""
+    try:
+        from . import __version__
+    except ImportError:  # pragma: no cover - kvpatch/__init__ still importing: no verdict can match
+        return "?"
+    return str(__version__)
 
 
 def key_parts(patch: Patch, upstream: Mapping[str, Upstream]) -> dict[str, Any]:
@@ -406,20 +358,27 @@ def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
 
 
 def lookup(verdict_key: str) -> Verdict | None:
-    """The stored verdict for ``verdict_key``, or ``None``. Never raises."""
+    """The stored verdict for ``verdict_key`` written by this kvpatch version, or ``None``. Never raises."""
     try:
         entry = _tables()["verdicts"].get(verdict_key)
         if not isinstance(entry, dict) or entry.get("outcome") not in OUTCOMES:
             return None
+        if entry.get("kvpatch") != _kvpatch_version():
+            return None
         return Verdict(
-            str(entry["outcome"]), str(entry.get("detail", "")), float(entry.get("at", 0)), str(entry.get("by", ""))
+            str(entry["outcome"]),
+            str(entry.get("detail", "")),
+            float(entry.get("at", 0)),
+            str(entry.get("by", "")),
+            _origins.get(verdict_key, ""),
         )
     except Exception:
         return None
 
 
 def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[str, Upstream]) -> bool:
-    """Keep ``verdict`` for every later process (waits for the file lock; never raises)."""
+    """Keep ``verdict`` for every later process (waits for the file lock; never raises). False: it was
+    kept in this process's memory only (:func:`unstored` says why)."""
     up = upstream.get(patch.distribution)
     entry = {
         "patch": patch.id,
@@ -435,7 +394,11 @@ def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[st
         data["verdicts"][verdict_key] = entry
         data["attempts"].pop(verdict_key, None)
 
-    return update(change)
+    if update(change):
+        _unstored.pop(verdict_key, None)
+        return True
+    _unstored[verdict_key] = _last_error or "another process held the lock"
+    return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -478,13 +441,13 @@ def remeasure() -> bool:
 
 def _background_allowed() -> str | None:
     """Why no background verification may start here (``None``: it may)."""
-    if os.environ.get(CHILD_VAR) or _measuring is not None:
+    if config.verifying() or _measuring is not None:
         return "this is a verification process"
-    if os.environ.get(VERIFY_VAR, "").strip().lower() in ("never", "off", "0", "no", "false"):
+    if not config.background_verification():
         return f"{VERIFY_VAR}=never"
-    if os.environ.get("KVPATCH", "").strip().lower() in ("off", "0", "false", "no", "disable", "disabled"):
+    if config.is_off():
         return "KVPATCH=off"
-    if fcntl is None or not os.path.exists("/bin/sh"):  # pragma: no cover - not POSIX
+    if os.name != "posix":  # pragma: no cover - not POSIX
         return "no background verification on this platform"
     return None
 
@@ -492,8 +455,8 @@ def _background_allowed() -> str | None:
 def request_verification(keys: list[str]) -> str:
     """Start one background verification for this environment unless one runs or was tried; say what happened.
 
-    Never blocks the caller beyond starting ``/bin/sh`` (which starts the detached verifier and exits);
-    never raises. The text is what ``status`` shows after "pending verification".
+    Never blocks the caller beyond starting the detached verifier; never raises. The text is what
+    ``status`` shows after "pending verification".
     """
     global _requested
     settle = "run `python -m kvpatch verify` to settle it now"
@@ -512,64 +475,59 @@ def request_verification(keys: list[str]) -> str:
                 when = time.strftime("%H:%M", time.localtime(float(tried["at"])))
                 _requested = f"no verdict yet: a background verification started at {when} has not settled it; {settle}"
                 return _requested
-        directory = write_dir()
-        if directory is None:
-            places = ", ".join(map(str, cache_dirs()))
-            _requested = f"no verdict yet, and no writable place for one ({places}); {settle}"
+        place = next((p for p in places() if _store.usable(p, "verdicts")), None)
+        if place is None:
+            where = ", ".join(str(p.path) for p in places())
+            _requested = f"no verdict yet, and no writable place for one ({where}); {settle}"
             return _requested
-        _requested = _spawn(directory, keys, settle)
+        _requested = _spawn(place, keys, settle)
     except Exception as exc:  # never break the import
         _requested = f"no verdict yet (background verification could not start: {type(exc).__name__}: {exc}); {settle}"
     return _requested
 
 
-def _spawn(directory: Path, keys: list[str], settle: str) -> str:
+def _spawn(place: _store.Place, keys: list[str], settle: str) -> str:
+    """Start ``python -m kvpatch verify --background`` detached, holding the environment's verify lock.
+
+    The child gets ``-P`` (3.11+: no script or working directory on ``sys.path``), the interpreter flags of
+    this process that narrow ``sys.path`` further (``-I``, ``-E``, ``-s``, ``-S``), ``/`` as its working
+    directory (no one but root can plant a ``kvpatch`` package there, which also covers Pythons without
+    ``-P``), and ``verify.log`` (opened here, ``O_NOFOLLOW``, 0600) as its output: no shell runs. It is a
+    new session, so the terminal's signals do not reach it. It is not waited for: it stays a zombie until
+    this process exits or ``subprocess`` reaps it at its next ``Popen`` (one entry in the process table,
+    at most one per process, as requests are made once); nothing blocks on it.
+    """
     import subprocess
 
-    assert fcntl is not None
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / "verify.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    fd = _store.acquire(place, "verify.lock", wait=False, what="verdicts")
+    if fd is None:
+        return f"no verdict yet: a verification is running for this environment; {settle}"
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return f"no verdict yet: a verification is running for this environment; {settle}"
-        flags = [f for f, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment)) if on]
+        flags = ["-P"] if sys.version_info >= (3, 11) and not sys.flags.isolated else []
+        flags += [f for f, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment)) if on]
         flags += [f for f, on in (("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site)) if on]
-        command = [
-            sys.executable,
-            *flags,
-            "-m",
-            "kvpatch",
-            "verify",
-            "--background",
-            "--lock-fd",
-            str(fd),
-            "--for",
-            ",".join(keys),
-        ]
+        command = [sys.executable, *flags, "-m", "kvpatch", "verify", "--background", "--lock-fd", str(fd)]
+        command += ["--for", ",".join(keys)]
         env = dict(os.environ)
         env[CHILD_VAR] = "1"
         env.pop("PYTHONSTARTUP", None)
-        log_path = directory / "verify.log"
-        # sh starts the verifier in the background and exits at once: nothing of it is left to reap here.
-        script = 'log=$1; shift; "$@" </dev/null >>"$log" 2>&1 & echo $!'
-        proc = subprocess.run(
-            ["/bin/sh", "-c", script, "sh", str(log_path), *command],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            pass_fds=(fd,),
-            cwd=directory,
-            env=env,
-            start_new_session=True,
-            timeout=10,
-            check=False,
-        )
-        pid = proc.stdout.decode(errors="replace").strip()
-        if proc.returncode != 0 or not pid.isdigit():
-            return f"no verdict yet (background verification did not start: sh exited {proc.returncode}); {settle}"
-        return f"no verdict for this environment yet: verifying in the background (pid {pid}, log {log_path}); {settle}"
+        log_path = place / "verify.log"
+        out = _store.open_log(place, "verify.log", "verdicts")
+        try:
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                pass_fds=(fd,),
+                cwd="/",
+                env=env,
+                start_new_session=True,
+            )
+        finally:
+            os.close(out)
+        where = f"pid {proc.pid}, log {log_path}"
+        return f"no verdict for this environment yet: verifying in the background ({where}); {settle}"
     finally:
         os.close(fd)  # the verifier holds the lock through its own copy of the descriptor
 
@@ -634,6 +592,8 @@ def foreign_targets(patch: Patch) -> list[str]:
 
 
 _shipped: dict[str, dict[str, frozenset[str]]] | None = None
+#: The fingerprints recorded for every release of each patch's affected range (shipped with kvpatch).
+SHIPPED = Path(__file__).resolve().parent / "data" / "fingerprints.json"
 
 
 def shipped() -> dict[str, dict[str, frozenset[str]]]:
@@ -641,7 +601,7 @@ def shipped() -> dict[str, dict[str, frozenset[str]]]:
     global _shipped
     if _shipped is None:
         table: dict[str, dict[str, frozenset[str]]] = {}
-        path = Path(__file__).resolve().parent / "data" / "fingerprints.json"
+        path = SHIPPED
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             for pid, targets in data.get("patches", {}).items():

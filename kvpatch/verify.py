@@ -12,7 +12,10 @@ plugin runs it with ``--kvpatch-verify``. ``--background`` is what a user's proc
 no verdict (detached, ``nice`` 10, at most one per environment, only what is missing).
 
 Exit status: 0 when every patch is settled (applied, not needed, out of range, not installed), 1 when
-a verdict is inconclusive, a patch drifted or failed, or a verification could not run.
+a verdict is inconclusive, a patch drifted or failed, or a verification could not run, and 74 (an I/O
+error, sysexits' EX_IOERR) when a verdict was measured but could not be stored (a full disk, a directory
+that cannot be written or is refused by :mod:`kvpatch.store`): later processes would not see it, so a
+build step that runs ``kvpatch verify`` must fail.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ import os
 import sys
 from typing import Any
 
-from . import verdicts
+from . import store, verdicts
 
 __all__ = ["add_arguments", "run"]
 
 _SETTLED = ("applied", "not needed", "out of range", "not installed", "opt-in", "disabled")
+#: A verdict was measured and not stored (sysexits.h EX_IOERR).
+EXIT_NOT_STORED = 74
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,16 +51,13 @@ def _background_start(args: argparse.Namespace) -> bool:
     with contextlib.suppress(OSError, AttributeError):
         os.nice(10)
     if args.lock_fd is None:  # started by hand: take the lock ourselves
-        directory = verdicts.write_dir()
-        if directory is not None:
-            import fcntl
-
-            directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(directory / "verify.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        place = next((p for p in verdicts.places() if store.usable(p, "verdicts")), None)
+        if place is not None:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
+                fd = store.acquire(place, "verify.lock", wait=False, what="verdicts")
+            except OSError:
+                fd = -1  # no lock to be had: verify anyway, the verdicts' own lock keeps the file whole
+            if fd is None:
                 return False
             args.lock_fd = fd  # held until this process exits
     verdicts.record_attempt([k for k in args.for_keys.split(",") if k])
@@ -112,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
     unsettled = [r for r in rows if r["state"] not in _SETTLED and r["state"] != "pending"]
     # "pending": an APPLY patch whose modules imported nothing to patch (optional targets): not a verdict matter
     code = 1 if unsettled or reg.broken else 0
+    lost = verdicts.unstored()
+    if lost:
+        code = EXIT_NOT_STORED
     where = verdicts.write_dir()
     if args.json:
         data = {
@@ -119,9 +124,12 @@ def run(args: argparse.Namespace) -> int:
             "cache": str(where / verdicts.FILE) if where else None,
             "patches": rows,
             "broken": dict(reg.broken),
+            "not_stored": lost,
             "exit": code,
         }
         print(json.dumps(data, indent=2))
+        if lost:
+            print(_not_stored_line(lost), file=sys.stderr)
         return code
     measured = [r for r in rows if r["verdict"] or r["state"] not in _SETTLED]
     for r in measured:
@@ -134,4 +142,14 @@ def run(args: argparse.Namespace) -> int:
         f"cache: {where / verdicts.FILE if where else 'nowhere writable'} (exit {code})",
         file=sys.stdout,
     )
+    if lost:
+        print(_not_stored_line(lost), file=sys.stderr)
     return code
+
+
+def _not_stored_line(lost: dict[str, str]) -> str:
+    reason = next(iter(lost.values()))
+    return (
+        f"kvpatch verify: {len(lost)} verdict(s) were measured but NOT stored ({reason}); later processes will "
+        f"show them as pending verification (exit {EXIT_NOT_STORED})"
+    )

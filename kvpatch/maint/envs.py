@@ -38,6 +38,9 @@ from packaging.utils import (
     parse_wheel_filename,
 )
 
+from .. import config
+from ..store import cache_root
+
 try:  # POSIX only; without it racing builders still end up correct, just do double work.
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -61,7 +64,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Environment variable that overrides the cache location.
-CACHE_VAR = "KVPATCH_CACHE"
+CACHE_VAR = config.CACHE
 #: Environment variable set to the bucket's name by :func:`bucket_environ`.
 BUCKET_VAR = "KVPATCH_BUCKET"
 #: Distributions the base interpreter must not provide: they come from layers only.
@@ -108,14 +111,12 @@ class EnvBuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else ``~/.cache/kvpatch``."""
-    explicit = os.environ.get(CACHE_VAR)
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "kvpatch"
-    return Path.home() / ".cache" / "kvpatch"
+    """kvpatch's cache root (:func:`kvpatch.store.cache_root`): ``$KVPATCH_CACHE``, else
+    ``$XDG_CACHE_HOME/kvpatch``, else ``~/.cache/kvpatch``."""
+    root = cache_root()
+    if root is None:
+        raise RuntimeError(f"no home directory to keep the release layers in: set {CACHE_VAR}")
+    return root
 
 
 # --------------------------------------------------------------------------------------------

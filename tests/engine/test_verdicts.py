@@ -56,14 +56,18 @@ UPSTREAM = {"mlx-lm": Upstream("mlx-lm", "0.3.0", Source()), "mlx": Upstream("ml
 # -- the file ----------------------------------------------------------------------------------------
 
 
-def test_cache_dirs_follow_the_override_then_prefix_then_user(monkeypatch, tmp_path):
+def test_verdict_places_follow_the_override_then_prefix_then_user(monkeypatch, tmp_path):
+    from kvpatch import store
+
     monkeypatch.setenv(verdicts.DIR_VAR, str(tmp_path / "x"))
-    assert verdicts.cache_dirs() == (tmp_path / "x",)
+    assert [p.path for p in verdicts.places()] == [tmp_path / "x"]
     monkeypatch.delenv(verdicts.DIR_VAR)
+    monkeypatch.delenv("KVPATCH_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    prefix, user = verdicts.cache_dirs()
-    assert prefix == Path(sys.prefix) / "var" / "cache" / "kvpatch"
-    assert user.parent == tmp_path / "xdg" / "kvpatch" / "verdicts"
+    prefix, user = verdicts.places()  # kvpatch is installed under sys.prefix here (the test venv)
+    assert prefix.path == Path(sys.prefix) / "var" / "cache" / "kvpatch"
+    assert user.path.parent == tmp_path / "xdg" / "kvpatch" / "state"
+    assert user == store.env_dir()
 
 
 def test_store_then_lookup_round_trip(fresh):

@@ -1,0 +1,347 @@
+"""kvpatch's state on disk: where it lives, who must own it, and the only code that reads or writes it.
+
+kvpatch runs inside every Python process of an environment, so what it reads from disk crosses a trust
+boundary. Everything it keeps (stored verdicts, cached fingerprints, the settled ``status`` outcome, the
+background verifier's lock and log) lives in one of these directories:
+
+``<sys.prefix>/var/cache/kvpatch``
+    The environment's own place: written when it can be (``kvpatch verify`` at image build time, as the
+    environment's owner) and read by every user of the environment. Used only when kvpatch itself is
+    installed under ``sys.prefix`` of the running interpreter: a ``--user`` or ``--target`` install never
+    writes into the base interpreter's prefix (its state goes to the per-user place).
+``<cache root>/state/<hash of sys.prefix>``
+    The per-user place: ``<cache root>`` is ``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else
+    ``~/.cache/kvpatch`` (none when there is no home directory).
+``$KVPATCH_VERDICTS``
+    When set, the only place verdicts are read from and written to.
+
+Trust: a directory is used only if it, and each of its parents up to the directory kvpatch chose (the
+prefix's ``var``, the cache root, the override), is a real directory (the chosen one may be a symlink),
+owned by the current user or root, and not writable by group or others unless sticky (as ssh and pip
+check theirs). A refused directory gets one warning and is not read; its contents stay untouched.
+
+Reading: ``O_NOFOLLOW | O_NONBLOCK``, regular files only, at most :data:`MAX_BYTES`; anything else (a
+symlink, a FIFO, a device, a huge file) reads as absent, so no import ever blocks on a file.
+Writing: a temporary file in the same directory (``O_EXCL``, mode 0644), ``fsync``, ``os.replace``; a
+failure raises :class:`OSError` to the caller, who decides what a lost write means (``kvpatch verify``
+exits non-zero; a user's process keeps the state in memory). Locks and the log: ``O_NOFOLLOW``, 0600.
+
+A directory that cannot be entered, created or written never breaks anything: callers get ``None`` /
+``False`` / ``OSError`` and degrade to memory, with one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import stat
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import config
+from ._warn import emit
+
+try:  # POSIX; elsewhere locks are no-ops
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "MAX_BYTES",
+    "Place",
+    "acquire",
+    "cache_root",
+    "env_dir",
+    "locked",
+    "open_log",
+    "read_bytes",
+    "read_json",
+    "refusal",
+    "untrusted",
+    "usable",
+    "verdict_places",
+    "write_json",
+]
+
+log = logging.getLogger(__name__)
+
+#: The largest state file kvpatch reads (bigger ones read as absent).
+MAX_BYTES = 4 << 20
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class Place:
+    """A state directory and the directory kvpatch chose above it (the trust check stops there)."""
+
+    path: Path
+    anchor: Path
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+
+# ------------------------------------------------------------------------------------------------
+# Where
+
+
+def _env_hash() -> str:
+    return hashlib.sha256(os.path.realpath(sys.prefix).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def cache_root() -> Path | None:
+    """``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else ``~/.cache/kvpatch`` (``None``: no home)."""
+    explicit = config.cache_override()
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "kvpatch"
+    try:
+        return Path.home() / ".cache" / "kvpatch"
+    except (RuntimeError, KeyError, OSError):  # HOME unset and no passwd entry for this uid
+        return None
+
+
+def env_dir() -> Place | None:
+    """This environment's per-user place (``None``: no home directory)."""
+    root = cache_root()
+    return Place(root / "state" / _env_hash(), root) if root is not None else None
+
+
+def _prefix_place() -> Place | None:
+    """``<sys.prefix>/var/cache/kvpatch`` when kvpatch is installed under ``sys.prefix`` (not --user/--target)."""
+    try:
+        prefix = os.path.realpath(sys.prefix)
+        if os.path.commonpath([prefix, os.path.realpath(_PACKAGE_DIR)]) != prefix:
+            return None
+    except ValueError:  # different drives
+        return None
+    base = Path(sys.prefix) / "var"
+    return Place(base / "cache" / "kvpatch", base)
+
+
+def verdict_places() -> tuple[Place, ...]:
+    """Where verdicts are read, in order (earlier wins); the first usable one is where they are written."""
+    explicit = config.verdicts_override()
+    if explicit:
+        path = Path(explicit).expanduser()
+        return (Place(path, path),)
+    return tuple(p for p in (_prefix_place(), env_dir()) if p is not None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Trust
+
+
+def _check(place: Place) -> tuple[str, bool] | None:
+    """Why ``place`` must not be used and whether that is a matter of trust (``None``: it may be used)."""
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    path = place.path
+    while True:
+        try:
+            st = os.stat(path) if path == place.anchor else os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        except OSError as exc:
+            return f"The directory {path} cannot be entered ({exc.strerror or exc})", False
+        if st is not None:
+            if not stat.S_ISDIR(st.st_mode):
+                return f"{path} is not a directory", True
+            if uid is not None and st.st_uid not in (uid, 0):
+                return f"The directory {path} is not owned by the current user (owner uid {st.st_uid})", True
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                return f"The directory {path} is writable by others", True
+        if path == place.anchor or path.parent == path or place.anchor not in path.parents:
+            return None
+        path = path.parent
+
+
+def refusal(place: Place) -> str | None:
+    """Why ``place`` must not be used, naming the directory at fault (``None``: it may; missing parts are
+    created by kvpatch). Never raises."""
+    found = _check(place)
+    return found[0] if found else None
+
+
+def untrusted(place: Place) -> bool:
+    """Whether ``place`` fails the trust check (owner, mode, a symlinked part): warned about once when used."""
+    found = _check(place)
+    return bool(found and found[1])
+
+
+def _refused(place: Place, what: str) -> bool:
+    """Check ``place``; warn once if it fails the trust check. True: do not use it.
+
+    A directory that merely cannot be entered is not warned about here: the caller that loses a write
+    because of it says so, once."""
+    found = _check(place)
+    if found is None:
+        return False
+    why, trust = found
+    if trust:
+        emit(f"{why}; kvpatch does not use it and keeps its {what} in memory", key=f"store:{place.path}")
+    else:
+        log.debug("kvpatch: %s", why)
+    return True
+
+
+def usable(place: Place, what: str = "state") -> bool:
+    """``place`` passes the trust check (warns once if not) and exists or can be created and written."""
+    try:
+        if _refused(place, what):
+            return False
+        path = place.path
+        while not os.path.lexists(path):
+            if path.parent == path:
+                return False
+            path = path.parent
+        return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+    except Exception:  # PermissionError and friends: not usable
+        return False
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading
+
+
+def _open(path: Path | str, flags: int, mode: int = 0o600) -> int:
+    """``os.open`` that follows no symlink, never blocks on a FIFO, and accepts only regular files."""
+    fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK | _CLOEXEC, mode)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_bytes(path: Path, limit: int = MAX_BYTES) -> bytes | None:
+    """The bytes of a regular file of at most ``limit`` bytes (``None``: absent, refused or unreadable)."""
+    try:
+        fd = _open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # a symlink (ELOOP), a FIFO or device, no permission
+        why = "a symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        emit(f"kvpatch ignores {path}: {why}", key=f"store-read:{path}")
+        return None
+    try:
+        if os.fstat(fd).st_size > limit:
+            emit(f"kvpatch ignores {path}: larger than {limit} bytes", key=f"store-read:{path}")
+            return None
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        return None if total > limit else b"".join(chunks)
+    except OSError as exc:
+        log.debug("kvpatch: cannot read %s: %s", path, exc)
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_json(place: Place, name: str, what: str = "state") -> Any:
+    """The JSON document ``name`` in ``place`` (``None``: absent, refused, unreadable or corrupt). Never raises."""
+    try:
+        if _refused(place, what):
+            return None
+        data = read_bytes(place / name)
+        return None if data is None else json.loads(data)
+    except Exception as exc:
+        log.debug("kvpatch: ignoring %s: %s", place / name, exc)
+        return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+
+
+def _ensure(place: Place, what: str) -> None:
+    """Create ``place`` if needed (0755), checked before and after; raise :class:`OSError` if it must not be used."""
+    for check in (True, False):
+        if _refused(place, what):
+            raise PermissionError(errno.EACCES, refusal(place) or "untrusted directory", str(place.path))
+        if check:
+            os.makedirs(place.path, mode=0o755, exist_ok=True)
+
+
+def write_json(place: Place, name: str, data: Any, what: str = "state") -> None:
+    """Atomically replace ``name`` in ``place`` with ``data`` as JSON. Raises :class:`OSError` if not written."""
+    _ensure(place, what)
+    payload = json.dumps(data, separators=(",", ":"), sort_keys=True, default=str).encode("utf-8")
+    fd, tmp = tempfile.mkstemp(dir=place.path, prefix=f".{name}.", suffix=".tmp")
+    try:
+        try:
+            if hasattr(os, "fchmod"):  # readable by the environment's other users (a verdict stored at build time)
+                os.fchmod(fd, 0o644)
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, place / name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # the rename itself, durable (best effort: not every fs allows it)
+        dfd = os.open(place.path, os.O_RDONLY | _CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def acquire(place: Place, name: str, *, wait: bool, what: str = "state") -> int | None:
+    """Lock ``name`` in ``place`` (created 0600, no symlink followed): its descriptor, or ``None`` when
+    ``wait`` is off and another process holds it. Raises :class:`OSError` when it cannot be opened."""
+    _ensure(place, what)
+    fd = _open(place / name, os.O_RDWR | os.O_CREAT, 0o600)
+    if fcntl is None:  # pragma: no cover - Windows
+        return fd
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[bool]:
+    """Hold the lock ``name`` for the block; yields False when ``wait`` is off and it is taken."""
+    fd = acquire(place, name, wait=wait, what=what)
+    if fd is None:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
+
+
+def open_log(place: Place, name: str, what: str = "state") -> int:
+    """``name`` in ``place`` opened for appending (created 0600, no symlink followed). Raises :class:`OSError`."""
+    _ensure(place, what)
+    return _open(place / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)

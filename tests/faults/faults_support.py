@@ -1,0 +1,68 @@
+"""What the fault tests share (a plain module, as tests/support.py is): child processes of the real installed kvpatch, run the way a hostile
+environment or a careless operator would run them.
+
+The tests that need upstream (``needs_mlx_lm``) run where mlx-lm is importable, e.g. inside a matrix bucket::
+
+    .venv/bin/python scripts/in_bucket.py lm-0.32.2 -- python -m pytest tests/faults -q
+
+the others run anywhere. As root, "a user who may not enter a directory" is a child without the
+capabilities that let root past file modes (``setpriv``); elsewhere the test user already is one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import REPO, child_env
+
+HAS_MLX_LM = importlib.util.find_spec("mlx_lm") is not None
+needs_mlx_lm = pytest.mark.skipif(not HAS_MLX_LM, reason="needs mlx-lm (run tests/faults inside a matrix bucket)")
+#: The interpreter flag that keeps a child's working directory off its sys.path (3.11+).
+SAFE = ["-P"] if sys.version_info >= (3, 11) else []
+
+__all__ = ["HAS_MLX_LM", "REPO", "SAFE", "child_env", "needs_mlx_lm", "run_child", "unprivileged"]
+
+
+def unprivileged() -> list[str]:
+    """The command prefix that makes file modes apply to the child (empty when they already do)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: file modes do not apply to root")
+    caps = "-dac_override,-dac_read_search"
+    return [setpriv, f"--inh-caps={caps}", f"--bounding-set={caps}"]
+
+
+def run_child(
+    args: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    *,
+    prefix: list[str] | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """``python <args>`` with the session's child environment plus ``env`` (a value of None removes it)."""
+    environ = child_env({k: v for k, v in env.items() if v is not None})
+    for k, v in env.items():
+        if v is None:
+            environ.pop(k, None)
+    return subprocess.run(
+        [*(prefix or []), sys.executable, *args],
+        env=environ,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads([ln for ln in stdout.splitlines() if ln.startswith("@@")][-1][2:])
