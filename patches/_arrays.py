@@ -21,9 +21,10 @@ from kvpatch.record import Finding
 
 #: Deferred metadata lives in the cache's ``__dict__`` beside upstream's attribute, which keeps the array a writer
 #: last stored (the *base*): PENDING + name holds ``(base, total)``, the Python sum of the ``N`` advanced since that
-#: base was stored. One key, one tuple: every change is a single store, so a reader (another thread included) sees
-#: a base and a total that belong together. A pending entry whose base is not the stored array is stale (a writer
-#: stored a new one since) and counts for nothing.
+#: base was stored. One key, one tuple: every change is a single store, and a read that finds the entry computes
+#: from it alone, so it sees a base and a total that belong together (another thread's included). The entry holds
+#: its own base, so a ``__dict__`` copied or cloned value by value (mlx-vlm's inkling snapshots its ArraysCaches that
+#: way for speculative restore) keeps its value.
 PENDING = "_kvpatch_pending_"
 _METADATA = ("left_padding", "lengths")
 #: Caches whose decrements were deferred while a ``defer_advance`` was installed (weakly held): :func:`flush`.
@@ -46,32 +47,27 @@ def deferred_metadata(name: str) -> property:
     metadata the same way).
 
     A read is pure: it stores nothing, so an array it builds belongs to the reading thread alone (mlx streams are
-    per thread: an array cached by one thread's read fails to evaluate in another). It reads the pending entry
-    before the base, so a writer storing a new base in between makes the entry stale and the read returns the new
-    base, never the old base without its decrements. Its graph is one subtraction over what the last writer
-    stored, however often it is read. Writers (``prepare``, ``filter``, ``extend``, ``merge``, ``state``,
-    ``finalize``, ``__init__``) store a new base with one store and then drop the stale entry, as assigning the
-    attribute does upstream; storing the base itself again keeps its entry (the value does not change).
+    per thread: an array cached by one thread's read fails to evaluate in another). Its graph is one subtraction
+    over what the last writer stored, however often it is read. Writers (``prepare``, ``filter``, ``extend``,
+    ``merge``, ``state``, ``finalize``, ``__init__``) store a new base, then drop the entry, as assigning the
+    attribute does upstream: a read in between computes the value from before the write.
     """
     pending_key = PENDING + name
 
     def get(self: Any) -> Any:
         state = self.__dict__
         pending = state.get(pending_key)
+        if pending is not None:
+            return pending[0] - pending[1]
         try:
-            base = state[name]
+            return state[name]
         except KeyError:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
-        if pending is None or pending[0] is not base:
-            return base
-        return base - pending[1]
 
     def set(self: Any, value: Any) -> None:
         state = self.__dict__
         state[name] = value
-        pending = state.get(pending_key)
-        if pending is not None and pending[0] is not value:
-            state.pop(pending_key, None)
+        state.pop(pending_key, None)
 
     def delete(self: Any) -> None:
         state = self.__dict__
@@ -109,18 +105,18 @@ def defer_advance(original: Any) -> Any:
             return original(self, N)
         if lengths is not None:
             pending = state.get(lengths_key)
-            if pending is not None and pending[0] is lengths:
-                state[lengths_key] = (lengths, pending[1] + N)
-            else:
+            if pending is None:
                 state[lengths_key] = (lengths, N)
                 deferred.add(self)
+            else:
+                state[lengths_key] = (pending[0], pending[1] + N)
         if padding is not None:
             pending = state.get(padding_key)
-            if pending is not None and pending[0] is padding:
-                state[padding_key] = (padding, pending[1] + N)
-            else:
+            if pending is None:
                 state[padding_key] = (padding, N)
                 deferred.add(self)
+            else:
+                state[padding_key] = (pending[0], pending[1] + N)
 
     return advance
 
@@ -131,9 +127,8 @@ def upstream_state(state: dict[str, Any]) -> dict[str, Any]:
     out = {key: value for key, value in state.items() if not key.startswith(PENDING)}
     for name in _METADATA:
         pending = state.get(PENDING + name)
-        base = state.get(name)
-        if pending is not None and base is not None and pending[0] is base:
-            out[name] = base - pending[1]
+        if pending is not None:
+            out[name] = pending[0] - pending[1]
     return out
 
 
@@ -174,11 +169,10 @@ def flush(cls: type) -> None:
             found.setdefault(id(obj), obj)
     for obj in found.values():
         state = obj.__dict__
-        for name, value in upstream_state(state).items():
-            if name in _METADATA and state.get(name) is not value:
-                state[name] = value
         for name in _METADATA:
-            state.pop(PENDING + name, None)
+            pending = state.pop(PENDING + name, None)
+            if pending is not None:
+                state[name] = pending[0] - pending[1]
         _DEFERRED.discard(obj)
 
 

@@ -293,6 +293,35 @@ def vlm_fixed_class() -> Any:
     return ArraysCache
 
 
+def vars_snapshot_restores_as_upstream(cls: type, patch_id: str) -> None:
+    """mlx-vlm's inkling model (0.6.7+) snapshots an ArraysCache's ``vars`` value by value (each array copied with
+    ``mx.array``) and later restores it with ``__dict__.clear()`` / ``update``: the restored cache has the values it
+    had at the snapshot, as upstream's does."""
+    import mlx.core as mx
+
+    def clone(value: Any) -> Any:
+        if isinstance(value, mx.array):
+            return mx.array(value)
+        if isinstance(value, (tuple, list)):
+            return type(value)(clone(v) for v in value)
+        return value
+
+    def run() -> tuple[list[int], list[int]]:
+        cache = new_cache(cls, [4, 1], [6, 8])
+        advance(cache, 3)
+        snapshot = {key: clone(value) for key, value in vars(cache).items()}
+        advance(cache, 5)
+        vars(cache).clear()
+        vars(cache).update({key: clone(value) for key, value in snapshot.items()})
+        advance(cache, 1)
+        return metadata(cache)
+
+    expected = ([4 - 4, 1 - 4], [6 - 4, 8 - 4])
+    assert run() == expected
+    with without(patch_id):
+        assert run() == expected
+
+
 PICKLED = """
 import json, pickle
 cache = pickle.loads(bytes.fromhex({hex!r}))

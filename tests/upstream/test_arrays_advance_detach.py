@@ -246,3 +246,10 @@ def test_edits_and_references_as_mlx_vlm_fixed_its_own():
     if fixed is None:
         pytest.skip("no mlx-vlm 0.6.16+ here")
     assert checks.edit_cases(ArraysCache) == checks.edit_cases(fixed)
+
+
+def test_vars_snapshot_restores_as_upstream():
+    from mlx_lm.models.cache import ArraysCache
+
+    _patched_only()
+    checks.vars_snapshot_restores_as_upstream(ArraysCache, PATCH.id)

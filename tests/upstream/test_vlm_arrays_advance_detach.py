@@ -139,3 +139,7 @@ def test_pickle_loads_where_the_patch_is_off(run_py):
 
 def test_edits_and_references_as_documented():
     checks.edits_and_references_as_documented(_own_class(), PATCH.id)
+
+
+def test_vars_snapshot_restores_as_upstream():
+    checks.vars_snapshot_restores_as_upstream(_own_class(), PATCH.id)
