@@ -89,14 +89,16 @@ def decode(model_dir, max_tokens, with_reader):
     reader = threading.Thread(target=poll, args=(spy, stop, found), daemon=True)
     tokens = {uid: [] for uid in uids}
     try:
-        if with_reader:
-            reader.start()
         while responses := step():
             for r in responses:
                 tokens[r.uid].append(r.token)
+            # polled from the first decoded token on: the prompts are in (upstream's own make_mask reads an
+            # attribute twice, so a reader racing the prefill's finalize() can fail there with kvpatch off too)
+            if with_reader and reader.ident is None:
+                reader.start()
     finally:
         stop.set()
-        if with_reader:
+        if reader.ident is not None:
             reader.join()
         close = getattr(gen, "close", None)
         if close is not None:
