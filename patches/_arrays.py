@@ -1,8 +1,9 @@
 """Shared by the ArraysCache patches of mlx-lm and mlx-vlm's own copy (mlx-vlm 0.6.4+): one bug, two classes.
 
-* ``deferred_metadata`` / ``defer_advance`` / ``flush`` (arrays-advance-detach, vlm-arrays-advance-detach):
-  ``advance`` decrements ``left_padding`` / ``lengths`` lazily and nothing evaluates them; ``advance_growth``
-  measures it, and ``decode_ties`` which steps of a decode carry a node kvpatch added to the layer's graph.
+* ``deferred_metadata`` / ``defer_advance`` / ``pickle_upstream_values`` / ``flush`` (arrays-advance-detach,
+  vlm-arrays-advance-detach): ``advance`` decrements ``left_padding`` / ``lengths`` lazily and nothing evaluates
+  them; ``advance_growth`` measures it, and ``decode_ties`` which steps of a decode carry a node kvpatch added to
+  the layer's graph.
 * ``combined_make_mask``: ``make_mask`` returns only the left-padding mask when both ``left_padding`` and
   ``lengths`` are set (arrays-mask-lengths, vlm-arrays-mask-lengths); ``mask_drops_lengths`` measures it.
 
@@ -18,11 +19,13 @@ from kvpatch.patches._lazy import graph_edges
 
 from kvpatch.record import Finding
 
-#: Deferred metadata lives in the cache's ``__dict__`` beside upstream's attribute (which keeps the value a writer
-#: last stored, the *base*): TOTAL + name, the Python sum of the ``N`` advanced since; DERIVED + name, (that total,
-#: ``base - total``) as last read; OWNER, the ``id`` of the cache that registered itself for :func:`flush` (a copy
-#: has another id, so it registers itself at its first ``advance``).
-TOTAL, DERIVED, OWNER = "_kvpatch_advanced_", "_kvpatch_read_", "_kvpatch_deferring"
+#: Deferred metadata lives in the cache's ``__dict__`` beside upstream's attribute, which keeps the array a writer
+#: last stored (the *base*): PENDING + name holds ``(base, total)``, the Python sum of the ``N`` advanced since that
+#: base was stored. One key, one tuple: every change is a single store, and a read that finds the entry computes
+#: from it alone, so it sees a base and a total that belong together (another thread's included). The entry holds
+#: its own base, so a ``__dict__`` copied or cloned value by value (mlx-vlm's inkling snapshots its ArraysCaches that
+#: way for speculative restore) keeps its value.
+PENDING = "_kvpatch_pending_"
 _METADATA = ("left_padding", "lengths")
 #: Caches whose decrements were deferred while a ``defer_advance`` was installed (weakly held): :func:`flush`.
 _DEFERRED: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -40,43 +43,38 @@ def vlm_own_arrays_cache() -> Any:
 
 def deferred_metadata(name: str) -> property:
     """A data descriptor for ``left_padding`` / ``lengths`` on ArraysCache: the stored base minus the decrements
-    :func:`defer_advance` deferred, computed when read (one lazy subtraction, reused until the next advance).
+    :func:`defer_advance` deferred, computed afresh at every read (mlx-vlm 0.6.16's own ``ArraysCache`` reads its
+    metadata the same way).
 
-    Writers (``prepare``, ``filter``, ``extend``, ``merge``, ``state``, ``finalize``, ``__init__``) store a new base
-    and drop the deferred total, as assigning the attribute does upstream. A read builds its node on the base,
-    never on an earlier read's node: however often the attribute is read between evaluations, its graph is one
-    subtraction over what the last writer stored.
+    A read is pure: it stores nothing, so an array it builds belongs to the reading thread alone (mlx streams are
+    per thread: an array cached by one thread's read fails to evaluate in another). Its graph is one subtraction
+    over what the last writer stored, however often it is read. Writers (``prepare``, ``filter``, ``extend``,
+    ``merge``, ``state``, ``finalize``, ``__init__``) store a new base, then drop the entry, as assigning the
+    attribute does upstream: a read in between computes the value from before the write.
     """
-    total_key, derived_key = TOTAL + name, DERIVED + name
+    pending_key = PENDING + name
 
     def get(self: Any) -> Any:
         state = self.__dict__
+        pending = state.get(pending_key)
+        if pending is not None:
+            return pending[0] - pending[1]
         try:
-            base = state[name]
+            return state[name]
         except KeyError:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
-        total = state.get(total_key)
-        if not total or base is None:
-            return base
-        derived = state.get(derived_key)
-        if derived is None or derived[0] != total:
-            derived = state[derived_key] = (total, base - total)
-        return derived[1]
 
     def set(self: Any, value: Any) -> None:
         state = self.__dict__
         state[name] = value
-        if total_key in state:
-            del state[total_key]
-            state.pop(derived_key, None)
+        state.pop(pending_key, None)
 
     def delete(self: Any) -> None:
         state = self.__dict__
         if name not in state:
             raise AttributeError(name)
         del state[name]
-        state.pop(total_key, None)
-        state.pop(derived_key, None)
+        state.pop(pending_key, None)
 
     return property(get, set, delete, f"``{name}``, with kvpatch's deferred decrements applied when read")
 
@@ -85,50 +83,79 @@ def defer_advance(original: Any) -> Any:
     """``ArraysCache.advance`` that defers the metadata's decrements to Python integers (with
     :func:`deferred_metadata` installed on the same class).
 
-    The original decrements ``left_padding`` and ``lengths`` lazily (``-= N``, one graph node each per call) and
-    nothing reads them in most layers, so their chains grow without bound. The replacement calls the original
-    with both hidden (set to ``None`` for the call: it still does whatever else upstream's ``advance`` does) and
-    adds ``N`` to the attribute's deferred total; reading the attribute applies the total to the stored base.
-    A layer nobody reads builds no node at all; the one the model reads (its SSM mask) builds one subtraction per
-    read, as upstream builds one per step. No host synchronisation, values identical (integer arithmetic).
-    A non-integer ``N`` is left to the original (which then reads and writes through the descriptors).
+    The original's whole effect is ``lengths -= N`` then ``left_padding -= N`` where set (one lazy graph node
+    each per call, and nothing reads them in most layers, so their chains grow without bound; its source is
+    fingerprinted on every release in range, so a release where it does more is drift). The replacement makes
+    the same two changes, in the same order, as one store each of ``(base, total + N)``: a reader never sees
+    the attribute missing or ``None`` in between. A layer nobody reads builds no node at all; the one the model
+    reads (its SSM mask) builds one subtraction per read. No host synchronisation, values identical (integer
+    arithmetic). A non-integer ``N``, or a cache without the attributes, is left to the original (which then
+    reads and writes through the descriptors, and raises where upstream raises).
     """
     deferred = _DEFERRED
-    padding_total, lengths_total = TOTAL + "left_padding", TOTAL + "lengths"
+    lengths_key, padding_key = PENDING + "lengths", PENDING + "left_padding"
 
     def advance(self: Any, N: Any) -> Any:
         state = self.__dict__
-        padding, lengths = state.get("left_padding"), state.get("lengths")
-        if (padding is None and lengths is None) or type(N) is not int:
-            return original(self, N)
-        if padding is not None:
-            state["left_padding"] = None
-        if lengths is not None:
-            state["lengths"] = None
         try:
-            result = original(self, N)
-        finally:
-            if padding is not None:
-                state["left_padding"] = padding
-            if lengths is not None:
-                state["lengths"] = lengths
-        if padding is not None:
-            state[padding_total] = state.get(padding_total, 0) + N
+            lengths, padding = state["lengths"], state["left_padding"]
+        except KeyError:
+            return original(self, N)
+        if type(N) is not int:
+            return original(self, N)
         if lengths is not None:
-            state[lengths_total] = state.get(lengths_total, 0) + N
-        if state.get(OWNER) != id(self):
-            state[OWNER] = id(self)
-            deferred.add(self)
-        return result
+            pending = state.get(lengths_key)
+            if pending is None:
+                state[lengths_key] = (lengths, N)
+                deferred.add(self)
+            else:
+                state[lengths_key] = (pending[0], pending[1] + N)
+        if padding is not None:
+            pending = state.get(padding_key)
+            if pending is None:
+                state[padding_key] = (padding, N)
+                deferred.add(self)
+            else:
+                state[padding_key] = (pending[0], pending[1] + N)
 
     return advance
+
+
+def upstream_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a cache's ``__dict__`` in upstream's form: each attribute holds its value with the deferred
+    decrements applied (one lazy subtraction), and no key of kvpatch's is left."""
+    out = {key: value for key, value in state.items() if not key.startswith(PENDING)}
+    for name in _METADATA:
+        pending = state.get(PENDING + name)
+        if pending is not None:
+            out[name] = pending[0] - pending[1]
+    return out
+
+
+def pickle_upstream_values(original: Any) -> Any:
+    """``ArraysCache.__reduce_ex__`` (inherited from ``object`` upstream: the class pickles and copies through its
+    ``__dict__``) whose state is :func:`upstream_state`: a pickle carries upstream's values only, so it loads
+    right where kvpatch is absent or the patch is off, and ``copy.copy`` / ``copy.deepcopy`` (a server's prompt
+    cache) give a copy whose attributes hold the current values. Anything else the original returns (a state that
+    is not a plain ``__dict__`` with deferred decrements) is passed on as it is."""
+
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        reduced = original(self, protocol)
+        if type(reduced) is not tuple or len(reduced) < 3 or type(reduced[2]) is not dict:
+            return reduced
+        state = reduced[2]
+        if not any(key.startswith(PENDING) for key in state):
+            return reduced
+        return (*reduced[:2], upstream_state(state), *reduced[3:])
+
+    return __reduce_ex__
 
 
 def flush(cls: type) -> None:
     """Store every deferred total of ``cls``'s instances in upstream's form (``base - total`` in the attribute), for
     when the descriptors are taken out: caches that registered themselves, and any other instance the garbage
-    collector knows of (a copy taken before its first ``advance``; a copy that is also frozen by ``gc.freeze`` and
-    never advanced before the patch is taken out is not found)."""
+    collector knows of (a copy of a ``__dict__`` made by hand; one that is also frozen by ``gc.freeze`` and never
+    advanced before the patch is taken out is not found)."""
     import gc
 
     found = {id(obj): obj for obj in list(_DEFERRED) if isinstance(obj, cls)}
@@ -143,12 +170,9 @@ def flush(cls: type) -> None:
     for obj in found.values():
         state = obj.__dict__
         for name in _METADATA:
-            total = state.pop(TOTAL + name, None)
-            state.pop(DERIVED + name, None)
-            base = state.get(name)
-            if total and base is not None:
-                state[name] = base - total
-        state.pop(OWNER, None)
+            pending = state.pop(PENDING + name, None)
+            if pending is not None:
+                state[name] = pending[0] - pending[1]
         _DEFERRED.discard(obj)
 
 

@@ -5,6 +5,7 @@ Not a patch unit (the registry skips modules whose name starts with ``_``). Impo
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 #: The offset-detach family ties lazy cache metadata into the graph once every EVERY steps, not every step: the
@@ -73,38 +74,56 @@ class ClassValue(property):
         return super().__get__(obj, objtype)
 
 
+class _GrowthTie(ClassValue):
+    """:func:`growth_tie`'s descriptor: the tie is made in ``__get__`` itself, so the frame that called it is the
+    reader's."""
+
+    def __init__(self, step: Any, join: Any) -> None:
+        def get(obj: Any) -> Any:
+            return obj.__dict__.get("step", step)
+
+        def set(obj: Any, value: Any) -> None:
+            obj.__dict__["step"] = value
+
+        def delete(obj: Any) -> None:
+            state = obj.__dict__
+            if "step" not in state:
+                raise AttributeError("step")
+            del state["step"]
+
+        super().__init__(get, set, delete, "``step``; reading it to grow the buffer ties the offset in", value=step)
+        self.join = join
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self.value
+        state = obj.__dict__
+        keys = state.get("keys")
+        if keys is not None and sys._getframe(1).f_code.co_name == "update_and_fetch":
+            idx = state.get("_idx")
+            if state.get(TIED) != (id(keys), idx):
+                keys = state["keys"] = self.join(keys, obj.offset)
+                state[TIED] = (id(keys), idx)
+        return state.get("step", self.value)
+
+
 def growth_tie(step: Any, mx: Any) -> ClassValue:
     """A data descriptor for a KV cache class's ``step`` (the class attribute, ``step`` its value) that ties the
     cache's ``offset`` into its keys buffer whenever ``update_and_fetch`` grows the buffer.
 
     ``update_and_fetch`` of the batch KV caches reads ``self.step`` only when the buffer must grow, before it
-    concatenates the old keys with the new zeros. Reading ``step`` on an instance whose ``keys`` are set makes
-    them depend on the current ``offset`` (:func:`tie`, once per buffer: the reads that follow within the same
+    concatenates the old keys with the new zeros. Reading ``step`` there, on an instance whose ``keys`` are set,
+    makes them depend on the current ``offset`` (:func:`tie`, once per buffer: the reads that follow within the same
     growth find it done), so the grown buffer, which every later step writes into and the attention reads,
     evaluates the offset as it stood then. The pending chain is bounded by one buffer's worth of steps (``step``,
-    256 tokens) and the per-token path runs no code of kvpatch's at all. The value read is the instance's own
-    ``step`` if one was set, else ``step``; setting and deleting it on an instance work as on a plain attribute.
+    256 tokens) and the per-token path runs no code of kvpatch's at all. Any other read (another method, another
+    thread polling the cache) is pure: it returns the value and changes nothing, since a tie made there would
+    leave an array of the reader's stream in the cache (mlx streams are per thread). The tie is the writer's: it is
+    made where the reading frame is an ``update_and_fetch`` (upstream's, a subclass's or a vendored copy's), which
+    also writes the cache on its own stream. The value read is the instance's own ``step`` if one was set, else
+    ``step``; setting and deleting it on an instance work as on a plain attribute.
     """
-    join = tie(mx)
-
-    def get(self: Any) -> Any:
-        state = self.__dict__
-        keys, idx = state.get("keys"), state.get("_idx")
-        if keys is not None and state.get(TIED) != (id(keys), idx):
-            keys = state["keys"] = join(keys, self.offset)
-            state[TIED] = (id(keys), idx)
-        return state.get("step", step)
-
-    def set(self: Any, value: Any) -> None:
-        self.__dict__["step"] = value
-
-    def delete(self: Any) -> None:
-        state = self.__dict__
-        if "step" not in state:
-            raise AttributeError("step")
-        del state["step"]
-
-    return ClassValue(get, set, delete, "``step``; reading it to grow the buffer ties the offset in", value=step)
+    return _GrowthTie(step, tie(mx))
 
 
 def serve_step(original: Any) -> Any:

@@ -25,20 +25,31 @@ Upstream: partly fixed by 11a6ce75 (#1632), see above; not fixed as of 0.32.2. m
 (open) reports this ``advance`` leak through ``BatchGenerator`` after #1632.
 
 Fix: upstream's chains are never built (``_arrays``). ``left_padding`` and ``lengths`` become data descriptors on
-``ArraysCache`` (added: upstream's are plain instance attributes, and the stored value stays in the instance's
-``__dict__`` under the same name). ``advance`` calls the original with both hidden (``None`` for the call, so it
-does whatever else upstream's does) and adds ``N`` to a Python integer per attribute; reading the attribute
-returns the stored array minus that total (one lazy subtraction, reused until the next ``advance``, and always
-built on the stored array, never on an earlier read). Writers (``prepare``, ``filter``, ``extend``, ``merge``,
-``state``, ``finalize``) store a new array and drop the total. A layer the model never reads builds no node; the
-one it reads (its SSM mask) builds one subtraction per step, as upstream does. Values are identical (integer
+``ArraysCache`` (added: upstream's are plain instance attributes, and the stored array stays in the instance's
+``__dict__`` under the same name). ``advance`` makes upstream's two decrements as Python integers: one store each of
+``(stored array, total)`` in a kvpatch key beside the attribute. A read returns the stored array minus that total,
+computed afresh (one lazy subtraction over the stored array) and stored nowhere, as mlx-vlm 0.6.16's own class
+reads its metadata: a read is pure, so a thread that reads a cache never leaves an array of its own stream in it,
+and a reader never sees the attribute ``None`` or missing during ``advance``. Writers (``prepare``, ``filter``,
+``extend``, ``merge``, ``state``, ``finalize``) store a new array and drop the total. A layer the model never reads
+builds no node; the one it reads (its SSM mask) builds one subtraction per read. Values are identical (integer
 arithmetic), nothing is evaluated, no host synchronisation; a non-integer ``N`` goes to the original untouched
-(through the descriptors). Taking the patch out (``deactivate``, ``without``) writes every cache's total into
-its attribute (``after_restore``: caches that advanced while it was in, and copies the garbage collector
-knows of). Copies (``copy``/``deepcopy``, a server's prompt cache) carry the total with the array. Known limit:
-a copy made and frozen by ``gc.freeze`` and never advanced or read before the patch is taken out keeps its
-attribute short of the deferred total. mlx-vlm 0.6.16 fixed its own copy of this class the same way
-(Blaizzy/mlx-vlm#1984); this patch keeps its two attributes' values exactly as upstream's would be.
+(through the descriptors). Pickles and copies (``__reduce_ex__``, which upstream's class inherits from ``object``:
+it pickles and copies through its ``__dict__``) carry upstream's values only, with no kvpatch key, so a pickle
+loads right where kvpatch is absent or the patch is off. Taking the patch out (``deactivate``, ``without``) writes
+every cache's total into its attribute (``after_restore``: caches that advanced while it was in, and instances
+the garbage collector knows of). Known limit: an instance whose ``__dict__`` was copied by hand and that is frozen
+by ``gc.freeze`` before the patch is taken out keeps its attribute short of the deferred total.
+
+Where this differs from upstream's in-place ``-=`` (mx.array's ``__isub__`` changes the stored array itself):
+``vars(cache)['left_padding']`` is the stored array without the pending decrements (plus a ``_kvpatch_pending_*``
+key while some are pending); an array read before an ``advance``, and a ``copy.copy``'s attribute, keep their value
+instead of moving with the cache; an in-place edit of a read array (``lp[0] = 100``) reaches the cache only where no
+decrement is pending (the read then returns the stored array itself, as upstream's does); each read after an
+``advance`` is a new array. mlx-vlm 0.6.16+ behaves the same way in each of these (its ``vars`` hold
+``_left_padding`` and ``_left_padding_advance``). It cannot be otherwise: a stored array that moves on ``advance`` is
+upstream's chain. No mlx-lm or mlx-vlm code in this patch's range (or vlm-arrays-advance-detach's) reads a cache's
+``__dict__``, edits its metadata in place, holds it across an ``advance``, or copies a cache with ``copy.copy``.
 
 Cost (earlier versions rebased or tied the chains every 10th step, which freed during decoding the nodes
 upstream frees only when the caches are discarded, and cost an H100's 1.1B hybrid 2-3% of its decode speed):
@@ -86,6 +97,12 @@ def _lengths(_: Any) -> Any:
 @PATCH.replace("mlx_lm.models.cache", "ArraysCache.advance")
 def _build(original: Any) -> Any:
     return _arrays.defer_advance(original)
+
+
+@PATCH.replace("mlx_lm.models.cache", "ArraysCache.__reduce_ex__", optional=True)
+def _pickle(original: Any) -> Any:
+    # optional: upstream's class inherits object's, which has no source to fingerprint
+    return _arrays.pickle_upstream_values(original)
 
 
 @PATCH.after_restore

@@ -18,12 +18,13 @@ for ``ArraysCache.filter``/``extend``).
 Fix: no code on the per-token path. ``update_and_fetch`` reads the class attribute ``step`` (256) only when
 the keys buffer must grow, before it concatenates the old buffer with new zeros, and no other method of the class
 reads it. From 0.28.1, where ``step`` is a class attribute, kvpatch serves it through a data descriptor
-(``_lazy.growth_tie``): reading it on a cache whose keys are set makes those keys depend on the current ``offset``
-(``mx.depends``), once per growth, so the grown buffer (which every later step writes into and the attention
-reads) evaluates the offset as it stood then. At most one buffer's worth of steps (256 ``+ 1``, ~1290 graph
-edges) is ever pending, whatever the number of steps; reading ``BatchKVCache.step`` on the class still gives 256,
-and an instance's own ``step`` is still honoured. ``mx.depends`` shares the keys' buffer (no extra memory), does
-no arithmetic, adds no host synchronisation and leaves keys, values and offset bit-identical.
+(``_lazy.growth_tie``): reading it in ``update_and_fetch`` on a cache whose keys are set makes those keys depend on
+the current ``offset`` (``mx.depends``), once per growth, so the grown buffer (which every later step writes into
+and the attention reads) evaluates the offset as it stood then. At most one buffer's worth of steps (256 ``+ 1``,
+~1290 graph edges) is ever pending, whatever the number of steps; reading ``BatchKVCache.step`` on the class still
+gives 256, an instance's own ``step`` is still honoured, and a read anywhere else (another thread polling the cache
+included) changes nothing. ``mx.depends`` shares the keys' buffer (no extra memory), does no arithmetic, adds no
+host synchronisation and leaves keys, values and offset bit-identical.
 
 Why not a wrapper: an earlier version wrapped ``update_and_fetch`` and tied every 10th call. Measured on Python
 3.12 (the H100 host's), any extra Python frame there costs ~2-7 us per call inside a model's forward pass (a bare

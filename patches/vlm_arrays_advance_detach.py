@@ -18,14 +18,13 @@ the patch); a constant 5 (the read's own subtraction) on 0.6.16, 0.7.0 and 0.7.1
 Upstream: Blaizzy/mlx-vlm#1972, fixed by 72f37ca4 (#1984) in 0.6.16, which keeps the pending decrement
 as a Python int and subtracts it when the metadata is read.
 
-Fix: the same as ``arrays-advance-detach`` (``_arrays``): ``left_padding`` / ``lengths`` become data descriptors
-on mlx-vlm's own class, ``advance`` calls the original with both hidden and adds ``N`` to a Python integer per
-attribute, and a read returns the stored array minus that total (one lazy subtraction on the stored array); a
-writer's new array drops the total; taking the patch out writes every total into its attribute. Where
-``mlx_vlm.models.cache`` has mlx-lm's class the builders decline (that is arrays-advance-detach's). No host
-synchronisation; values identical. (Until 2026-11-25 this patch tied the whole chain into the state every 10th
-step, which evaluated every decrement: on an H100 its mlx-lm twin, the same code, cost a 1.1B hybrid 2-4% of its
-decode speed; until 2026-11-26 it rebased the chains every 10th step, which still freed them during decoding.)
+Fix: the same as ``arrays-advance-detach`` (``_arrays``; its record says where the result differs from upstream's
+in-place ``-=``, in each case as 0.6.16's own fix does): ``left_padding`` / ``lengths`` become data descriptors on
+mlx-vlm's own class, ``advance`` stores ``(stored array, total + N)`` per attribute in one store, and a read returns
+the stored array minus that total, computed afresh and stored nowhere (a pure read, as 0.6.16's); a writer's new
+array drops the total; pickles and copies carry upstream's values only (``__reduce_ex__``); taking the patch out
+writes every total into its attribute. Where ``mlx_vlm.models.cache`` has mlx-lm's class the builders decline (that
+is arrays-advance-detach's). No host synchronisation; values identical.
 """
 
 from __future__ import annotations
@@ -72,6 +71,14 @@ def _build(original: Any) -> Any:
     if _arrays.vlm_own_arrays_cache() is None:
         return original  # mlx-lm's class: arrays-advance-detach's business, left as it is
     return _arrays.defer_advance(original)
+
+
+@PATCH.replace("mlx_vlm.models.cache", "ArraysCache.__reduce_ex__", optional=True)
+def _pickle(original: Any) -> Any:
+    # optional: upstream's class inherits object's, which has no source to fingerprint
+    if _arrays.vlm_own_arrays_cache() is None:
+        return original  # mlx-lm's class: arrays-advance-detach's business, left as it is
+    return _arrays.pickle_upstream_values(original)
 
 
 @PATCH.after_restore

@@ -200,3 +200,56 @@ def test_descriptors_behave_as_the_attributes():
 def test_a_failing_restore_hook_is_noted_not_raised():
     _patched_only()
     checks.restore_hook_errors_are_noted(PATCH)
+
+
+def test_reads_are_pure_across_threads():
+    from mlx_lm.models.cache import ArraysCache
+
+    _patched_only()
+    checks.reads_are_pure(ArraysCache)
+
+
+def test_never_none_during_advance():
+    from mlx_lm.models.cache import ArraysCache
+
+    _patched_only()
+    checks.never_none_during_advance(ArraysCache)
+
+
+def test_copies_and_pickles_are_upstreams():
+    from mlx_lm.models.cache import ArraysCache
+
+    _patched_only()
+    checks.copies_and_pickles_are_upstreams(ArraysCache)
+
+
+def test_pickle_loads_where_the_patch_is_off(run_py):
+    from mlx_lm.models.cache import ArraysCache
+
+    _patched_only()
+    checks.pickle_loads_where_the_patch_is_off(ArraysCache, PATCH.id, run_py)
+
+
+def test_edits_and_references_as_documented():
+    from mlx_lm.models.cache import ArraysCache
+
+    _patched_only()
+    checks.edits_and_references_as_documented(ArraysCache, PATCH.id)
+
+
+def test_edits_and_references_as_mlx_vlm_fixed_its_own():
+    """The same cases give the same results as mlx-vlm's own property-based fix (0.6.16+), where it is installed."""
+    from mlx_lm.models.cache import ArraysCache
+
+    _patched_only()
+    fixed = checks.vlm_fixed_class()
+    if fixed is None:
+        pytest.skip("no mlx-vlm 0.6.16+ here")
+    assert checks.edit_cases(ArraysCache) == checks.edit_cases(fixed)
+
+
+def test_vars_snapshot_restores_as_upstream():
+    from mlx_lm.models.cache import ArraysCache
+
+    _patched_only()
+    checks.vars_snapshot_restores_as_upstream(ArraysCache, PATCH.id)

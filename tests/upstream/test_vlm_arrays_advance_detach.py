@@ -119,3 +119,27 @@ def test_copies_stay_exact():
 
 def test_descriptors_behave_as_the_attributes():
     checks.behaves_as_an_attribute(_own_class())
+
+
+def test_reads_are_pure_across_threads():
+    checks.reads_are_pure(_own_class())
+
+
+def test_never_none_during_advance():
+    checks.never_none_during_advance(_own_class())
+
+
+def test_copies_and_pickles_are_upstreams():
+    checks.copies_and_pickles_are_upstreams(_own_class())
+
+
+def test_pickle_loads_where_the_patch_is_off(run_py):
+    checks.pickle_loads_where_the_patch_is_off(_own_class(), PATCH.id, run_py)
+
+
+def test_edits_and_references_as_documented():
+    checks.edits_and_references_as_documented(_own_class(), PATCH.id)
+
+
+def test_vars_snapshot_restores_as_upstream():
+    checks.vars_snapshot_restores_as_upstream(_own_class(), PATCH.id)
