@@ -7,8 +7,9 @@ background verifier's lock and log) lives in one of these directories:
 ``<sys.prefix>/var/cache/kvpatch``
     The environment's own place: written when it can be (``kvpatch verify`` at image build time, as the
     environment's owner) and read by every user of the environment. Used only when kvpatch itself is
-    installed under ``sys.prefix`` of the running interpreter: a ``--user`` or ``--target`` install never
-    writes into the base interpreter's prefix (its state goes to the per-user place).
+    installed under ``sys.prefix`` of the running interpreter: a ``--user``, ``--target`` or editable
+    install never writes into the interpreter's prefix (for ``--user``, the base interpreter's); its state
+    goes to the per-user place.
 ``<cache root>/state/<hash of sys.prefix>``
     The per-user place: ``<cache root>`` is ``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else
     ``~/.cache/kvpatch`` (none when there is no home directory).
