@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import tiers
 from support import CPU_LINE, MATRIX_RESULTS, MATRIX_SELECTED, child_env, verdicts_dir
 
 HAS_MLX = importlib.util.find_spec("mlx") is not None
@@ -33,6 +32,8 @@ if HAS_MLX:
     # engine, which reads KVPATCH_ENABLE once, and in a session over all of tests/ the modules collected before
     # tests/upstream (tests/engine, ...) import kvpatch before that folder's conftest is loaded.
     os.environ.setdefault("KVPATCH_ENABLE", "*")
+
+import tiers  # noqa: E402  (after KVPATCH_ENABLE: it imports kvpatch, which builds the engine)
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -51,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
         path = Path(str(item.path))
-        tier = tiers.tier_of(path)
+        tier = tiers.tier_of(item.nodeid, path)
         item.add_marker(tier)
         if bucket and tier in ("patch", "integration"):
             wanted = tiers.runs_in_bucket(item.nodeid, path, bucket)

@@ -25,7 +25,7 @@ import tiers
 from matrix import BUCKETS, BY_NAME
 from support import CPU_LINE, MATRIX_RESULTS, MATRIX_SELECTED, REPO, child_env, skip_if_no_index
 
-from kvpatch.maint.envs import Bucket, bucket_environ, build, cache_dir, is_cached
+from kvpatch.maint.envs import Bucket, bucket_environ, build, cache_dir, is_cached, layer
 
 SELECT = os.environ.get("KVPATCH_MATRIX", "newest" if tiers.quick() else "all").strip()
 if SELECT in ("", "all"):
@@ -42,6 +42,7 @@ else:
     SELECTED = tuple(b for b in BUCKETS if b.name in wanted)
 
 JOBS = int(os.environ.get("KVPATCH_MATRIX_JOBS", "2"))
+LAYER_JOBS = 4
 #: _run_bucket's exit code when the bucket's layers could not be built (pytest's own codes are 0-5).
 BUILD_FAILED = 99
 
@@ -109,9 +110,21 @@ def start(config: pytest.Config, names: list[str], base: Path) -> None:
         f"cached in {cache_dir()}, {len(missing)} to download and build"
         + (f" ({', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''})" if missing else ""),
     )
+    if missing:
+        # Building a layer is mostly download and disk: LAYER_JOBS at a time, in the buckets' order, while the buckets
+        # run (a bucket waits on the per-layer lock for a layer being built; a failed build is reported by it).
+        builders = ThreadPoolExecutor(max_workers=LAYER_JOBS)
+        for req in dict.fromkeys(req for b in chosen for req in b.requirements if req in missing):
+            builders.submit(_prefetch, req)
+        config.add_cleanup(lambda: builders.shutdown(wait=True, cancel_futures=True))
     pool = ThreadPoolExecutor(max_workers=JOBS)
     config.stash[_RUNS] = {b.name: pool.submit(_run_bucket, b, base / b.name) for b in chosen}
     config.add_cleanup(lambda: pool.shutdown(wait=True, cancel_futures=True))
+
+
+def _prefetch(requirement: str) -> None:
+    with contextlib.suppress(Exception):  # the bucket that needs it builds it again and reports the error
+        layer(requirement)
 
 
 @pytest.fixture(scope="session")

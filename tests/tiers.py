@@ -2,7 +2,8 @@
 its tier, tests/test_matrix.py picks what a bucket runs, scripts/test.sh --quick picks a tier).
 
 ``unit``         needs no mlx: tests/engine, tests/test_commits.py, tests/test_envs.py and every other test file
-                 outside tests/upstream and tests/coexist that is not a runner. Runs once, in the test environment.
+                 outside tests/upstream and tests/coexist that is not a runner, less :data:`INTEGRATION_HERE`.
+                 Runs once, in the test environment.
 ``patch``        tests/upstream/test_<patch>.py, one file per patch (its regression and behaviour tests), and
                  tests/upstream/test_regressions.py (every patch's reproduction). Run in every matrix bucket: each test
                  skips itself where its patch's range is not in play (``kvpatch.testing.require_affected`` /
@@ -10,7 +11,8 @@ its tier, tests/test_matrix.py picks what a bucket runs, scripts/test.sh --quick
                  "not needed here" checks on the releases outside it.
 ``integration``  the generic mechanics in tests/upstream that start child processes (:data:`INTEGRATION`): run once,
                  in the buckets named there (the newest mlx-lm and the newest mlx-vlm unless a file says otherwise),
-                 except the tests in :data:`EVERY_RELEASE`, which run in every bucket.
+                 except the tests in :data:`EVERY_RELEASE`, which run in every bucket; and the tests in
+                 :data:`INTEGRATION_HERE` (a fresh virtualenv, layered releases), once, in the test environment.
 ``runner``       tests that run other tests in bucket processes (:data:`RUNNERS`): the matrix, the coexistence
                  buckets, upstream's own test suites.
 
@@ -67,6 +69,21 @@ EVERY_RELEASE: frozenset[str] = frozenset(
     }
 )
 
+#: Tests outside tests/upstream that need more than this environment: a fresh virtualenv, real releases layered
+#: from the cache, the upstream check. Integration tier: they run once, in the test environment, by the whole
+#: command (not by the quick tier).
+INTEGRATION_HERE: frozenset[str] = frozenset(
+    {
+        "test_autoactivate.py::test_editable_install_gets_the_bootstrap",
+        "test_expiry.py::test_upstream_check_on_a_pinned_release",
+        "test_pytest_plugin.py::test_required_and_applied_passes",
+        "test_pytest_plugin.py::test_disabled_patch_fails_the_session",
+        "test_pytest_plugin.py::test_kvpatch_off_fails_the_session_via_ini",
+        "test_pytest_plugin.py::test_option_off_ignores_a_disabled_patch",
+        "test_pytest_plugin.py::test_require_applied_at_server_start",
+    }
+)
+
 #: Test files (relative to tests/) that run other tests in bucket processes.
 RUNNERS: frozenset[str] = frozenset({"test_matrix.py", "test_coexist.py", "test_upstream_oracle.py"})
 
@@ -113,8 +130,8 @@ def _relative(path: Path) -> Path | None:
         return None
 
 
-def tier_of(path: Path) -> str:
-    """The tier of the tests in the file ``path``."""
+def tier_of(nodeid: str, path: Path) -> str:
+    """The tier of the test ``nodeid`` in the file ``path``."""
     rel = _relative(path)
     if rel is None:
         return "unit"
@@ -122,7 +139,9 @@ def tier_of(path: Path) -> str:
         return "integration" if rel.name in INTEGRATION else "patch"
     if rel.parts[0] == "coexist":
         return "runner"  # run only inside the coexistence buckets, by tests/test_coexist.py
-    return "runner" if rel.as_posix() in RUNNERS else "unit"
+    if rel.as_posix() in RUNNERS:
+        return "runner"
+    return "integration" if _node(nodeid) in INTEGRATION_HERE else "unit"
 
 
 def _node(nodeid: str) -> str:
@@ -133,7 +152,7 @@ def _node(nodeid: str) -> str:
 
 def runs_in_bucket(nodeid: str, path: Path, bucket: str) -> bool:
     """Whether the matrix runs this tests/upstream test in ``bucket`` (quick: the patch tier only)."""
-    tier = tier_of(path)
+    tier = tier_of(nodeid, path)
     if quick():
         return tier == "patch"
     if tier != "integration":
@@ -143,7 +162,7 @@ def runs_in_bucket(nodeid: str, path: Path, bucket: str) -> bool:
 
 def file_runs_in_bucket(path: Path, bucket: str) -> bool:
     """Whether any test of the file ``path`` can run in ``bucket`` (files that cannot are not even collected)."""
-    tier = tier_of(path)
+    tier = tier_of(path.name, path)
     if quick():
         return tier == "patch"
     if tier != "integration":
