@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 import tiers
-from matrix import BY_NAME
+from matrix import BY_NAME, LM_BUCKETS, VLM_BUCKETS
 
 TESTS = Path(__file__).resolve().parent
 
@@ -23,7 +23,7 @@ def _exists(node: str, folder: Path) -> bool:
 
 
 def test_named_files_and_tests_exist():
-    upstream = [*tiers.INTEGRATION, *tiers.EVERY_RELEASE, *tiers.MAY_LACK_KERNEL]
+    upstream = [*tiers.INTEGRATION, *tiers.EVERY_RELEASE, *tiers.MAY_LACK_KERNEL, *tiers.LM_ONLY]
     assert [node for node in upstream if not _exists(node, tiers.UPSTREAM)] == []
     assert [node for node in tiers.INTEGRATION_HERE if not _exists(node, TESTS)] == []
     assert [name for name in tiers.RUNNERS if not (TESTS / name).is_file()] == []
@@ -57,6 +57,18 @@ def test_integration_runs_once_and_restore_checks_everywhere(monkeypatch):
     monkeypatch.setenv(tiers.TIER_VAR, "quick")
     assert not tiers.runs_in_bucket(restore, lifecycle, tiers.NEWEST[0])
     assert tiers.runs_in_bucket("x::test_y", tiers.UPSTREAM / "test_offset_detach.py", tiers.NEWEST[0])
+
+
+def test_lm_only_files_run_on_every_mlx_lm_release_once():
+    offset = tiers.UPSTREAM / "test_offset_detach.py"
+    assert tiers.file_runs_in_bucket(offset, "lm-0.31.3")
+    assert not tiers.file_runs_in_bucket(offset, "vlm-0.6.16")  # mlx-lm 0.31.3 again
+    assert tiers.file_runs_in_bucket(tiers.UPSTREAM / "test_lm_filter_right_padding.py", "vlm-0.6.16")
+    for name in tiers.LM_ONLY:
+        text = (tiers.UPSTREAM / name).read_text(encoding="utf-8")
+        assert "mlx_vlm" not in text and "mlx-vlm" not in text, name
+    lm_releases = {b.version("mlx-lm") for b in LM_BUCKETS}
+    assert {b.version("mlx-lm") for b in VLM_BUCKETS} <= lm_releases
 
 
 def test_backend_gap_skips_are_named():

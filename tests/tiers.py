@@ -6,9 +6,10 @@ its tier, tests/test_matrix.py picks what a bucket runs, scripts/test.sh --quick
                  Runs once, in the test environment.
 ``patch``        tests/upstream/test_<patch>.py, one file per patch (its regression and behaviour tests), and
                  tests/upstream/test_regressions.py (every patch's reproduction). Run in every matrix bucket: each test
-                 skips itself where its patch's range is not in play (``kvpatch.testing.require_affected`` /
-                 ``require_applies``), so a patch's tests run on every release of its range the matrix has, and its
-                 "not needed here" checks on the releases outside it.
+                 skips itself where its patch's range is not in play (the ``requires_patch`` marker), so a patch's
+                 tests run on every release of its range the matrix has, and its "not needed here" checks on the
+                 releases outside it. (:data:`LM_ONLY` files skip the vlm buckets, whose mlx-lm releases have buckets
+                 of their own.)
 ``integration``  the generic mechanics in tests/upstream that start child processes (:data:`INTEGRATION`): run once,
                  in the buckets named there (the newest mlx-lm and the newest mlx-vlm unless a file says otherwise),
                  except the tests in :data:`EVERY_RELEASE`, which run in every bucket; and the tests in
@@ -87,6 +88,32 @@ INTEGRATION_HERE: frozenset[str] = frozenset(
 #: Test files (relative to tests/) that run other tests in bucket processes.
 RUNNERS: frozenset[str] = frozenset({"test_matrix.py", "test_coexist.py", "test_upstream_oracle.py"})
 
+#: Per-patch files of mlx-lm patches that exercise mlx-lm alone (no mlx-vlm class, reference or model). They run in
+#: the buckets without mlx-vlm: every mlx-lm release a vlm bucket carries has a bucket of its own (checked by
+#: :func:`file_runs_in_bucket`), so running them again next to mlx-vlm would repeat the same release's tests. A new
+#: file runs everywhere until it is named here.
+LM_ONLY: frozenset[str] = frozenset(
+    {
+        "test_arrays_advance_detach.py",
+        "test_arrays_mask_lengths.py",
+        "test_batch_extend_empty.py",
+        "test_batch_logits_processors.py",
+        "test_batch_merge_empty.py",
+        "test_batch_trim_capped.py",
+        "test_chunked_trim_front.py",
+        "test_max_kv_size_ignored.py",
+        "test_offset_detach.py",
+        "test_prompt_cache_exact_hit.py",
+        "test_prompt_cache_key_overrun.py",
+        "test_qsdpa_cuda_shapes.py",
+        "test_quantized_nbytes.py",
+        "test_rotating_merge_empty.py",
+        "test_rotating_merge_wrapped.py",
+        "test_rotating_offset_detach.py",
+        "test_speculative_stale_cache.py",
+    }
+)
+
 #: Tests that a kernel missing from the mlx backend (``kvpatch.testing.BACKEND_GAPS``, e.g. CUDA's quantized_matmul
 #: for some shapes) may stop without failing: they compare against upstream's own quantized or TurboQuant kernels
 #: (a reference or an unpatched run), which a backend may not have. tests/upstream/conftest.py turns such an error
@@ -160,9 +187,18 @@ def runs_in_bucket(nodeid: str, path: Path, bucket: str) -> bool:
     return bucket in INTEGRATION[path.name] or _node(nodeid) in EVERY_RELEASE
 
 
+def _repeats_an_lm_bucket(bucket: str) -> bool:
+    """True for a bucket with mlx-vlm whose mlx-lm release has an mlx-lm bucket of its own."""
+    own = BY_NAME[bucket]
+    lm = own.version("mlx-lm")
+    return own.version("mlx-vlm") is not None and any(b.version("mlx-lm") == lm for b in LM_BUCKETS)
+
+
 def file_runs_in_bucket(path: Path, bucket: str) -> bool:
     """Whether any test of the file ``path`` can run in ``bucket`` (files that cannot are not even collected)."""
     tier = tier_of(path.name, path)
+    if tier == "patch" and path.name in LM_ONLY and bucket in BY_NAME and _repeats_an_lm_bucket(bucket):
+        return False
     if quick():
         return tier == "patch"
     if tier != "integration":
