@@ -24,7 +24,7 @@ if [ "${1:-}" = "--quick" ] || [ "${1:-}" = "quick" ]; then
   fi
 fi
 
-step() { printf '\n== [%s] %s\n' "$1" "$2"; }
+step() { printf '\n== [%s] %s (at %d s)\n' "$1" "$2" "$SECONDS"; }
 # pip's own output (what it downloads and installs), without the "Requirement already satisfied" lines
 # that say nothing on a warm run.
 pip_install() {
