@@ -3,12 +3,28 @@
 # matrix of real mlx-lm / mlx-vlm releases (layered and cached under ${KVPATCH_CACHE:-~/.cache/kvpatch}).
 # Arguments go to pytest. The venv's bin is put first on PATH, so the ruff and mypy tests run (and fail
 # the suite when the tree is not clean) instead of skipping.
+#
+#   bash scripts/test.sh            everything (what CI runs): unit tests here, every matrix bucket (the
+#                                   patch tier in each, the integration tier where tests/tiers.py says)
+#   bash scripts/test.sh --quick    the unit tests, and the patch tier in the newest mlx-lm and mlx-vlm
+#                                   buckets; with an existing venv it only reinstalls kvpatch from this checkout
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${KVPATCH_VENV:-.venv}
+if [ "${1:-}" = "--quick" ] || [ "${1:-}" = "quick" ]; then
+  shift
+  export KVPATCH_TIER=quick
+  if [ -x "$VENV/bin/pytest" ]; then
+    printf '== [quick] kvpatch from this checkout into %s; tiers: unit, patch (buckets: %s)\n' "$VENV" "${KVPATCH_MATRIX:-newest}"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps .
+    PATH="$(cd "$VENV/bin" && pwd):$PATH"
+    export PATH
+    exec "$VENV/bin/pytest" -q "$@"
+  fi
+fi
 
-step() { printf '\n== [%s] %s\n' "$1" "$2"; }
+step() { printf '\n== [%s] %s (at %d s)\n' "$1" "$2" "$SECONDS"; }
 # pip's own output (what it downloads and installs), without the "Requirement already satisfied" lines
 # that say nothing on a warm run.
 pip_install() {

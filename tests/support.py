@@ -15,6 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: Matrix results for the closing summary (tests/conftest.py): bucket name -> (exit code, its pytest summary line).
 MATRIX_RESULTS = pytest.StashKey[dict]()
+#: How a matrix bucket's closing lines give its CPU time (the pytest process and its children, user and system).
+CPU_LINE = "bucket cpu time:"
 #: How many buckets were selected (KVPATCH_MATRIX), for the same summary.
 MATRIX_SELECTED = pytest.StashKey[int]()
 

@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -267,18 +266,15 @@ def test_distribution_names() -> None:
         load_index("mlx")
 
 
-def test_load_time() -> None:
-    timings = {}
+def test_index_is_parsed_once_and_shared() -> None:
+    """Each shipped index is parsed once per process and then shared (its cost belongs in a benchmark, not here)."""
     for dist in commits.DISTRIBUTIONS:
-        best = float("inf")
-        for _ in range(5):
-            commits._load.cache_clear()
-            start = time.perf_counter()
-            load_index(dist)
-            best = min(best, time.perf_counter() - start)
-        timings[dist] = best
+        commits._load.cache_clear()
+        first = load_index(dist)
+        assert len(first) > 0 and first.mainline[-1] == first.head
+        assert load_index(dist) is first
+        assert commits._load.cache_info().misses == 1
     commits._load.cache_clear()
-    assert all(t < 0.020 for t in timings.values()), timings
 
 
 def test_does_not_import_mlx() -> None:

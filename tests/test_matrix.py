@@ -2,8 +2,11 @@
 
 Each bucket's releases are layered (cached under ``~/.cache/kvpatch`` or ``$KVPATCH_CACHE``) over this
 test environment, which itself has no mlx, mlx-lm or mlx-vlm. Two buckets run at a time (CI has two
-cores). ``KVPATCH_MATRIX`` selects buckets: unset or ``all`` runs every bucket, ``none`` none, or a
-comma-separated list of bucket names (``lm-0.23.2,vlm-0.5.0``).
+cores), started as soon as the session's tests are collected, so they run while this process runs the unit
+tests. A bucket runs what tests/tiers.py gives it: the patch tier everywhere, the integration tier in the
+buckets it names (those start first: they take longest). ``KVPATCH_MATRIX`` selects buckets: unset or ``all``
+runs every bucket (under ``KVPATCH_TIER=quick``: the newest mlx-lm and mlx-vlm ones), ``newest`` those two,
+``none`` none, or a comma-separated list of bucket names (``lm-0.23.2,vlm-0.5.0``).
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from matrix import BUCKETS
-from support import MATRIX_RESULTS, MATRIX_SELECTED, REPO, child_env, skip_if_no_index
+import tiers
+from matrix import BUCKETS, BY_NAME
+from support import CPU_LINE, MATRIX_RESULTS, MATRIX_SELECTED, REPO, child_env, skip_if_no_index
 
-from kvpatch.maint.envs import Bucket, bucket_environ, build, cache_dir, is_cached
+from kvpatch.maint.envs import Bucket, bucket_environ, build, cache_dir, is_cached, layer
 
-SELECT = os.environ.get("KVPATCH_MATRIX", "all").strip()
+SELECT = os.environ.get("KVPATCH_MATRIX", "newest" if tiers.quick() else "all").strip()
 if SELECT in ("", "all"):
     SELECTED = BUCKETS
+elif SELECT == "newest":
+    SELECTED = tuple(BY_NAME[name] for name in tiers.NEWEST)
 elif SELECT == "none":
     SELECTED = ()
 else:
@@ -36,6 +42,7 @@ else:
     SELECTED = tuple(b for b in BUCKETS if b.name in wanted)
 
 JOBS = int(os.environ.get("KVPATCH_MATRIX_JOBS", "2"))
+LAYER_JOBS = 4
 #: _run_bucket's exit code when the bucket's layers could not be built (pytest's own codes are 0-5).
 BUILD_FAILED = 99
 
@@ -47,8 +54,8 @@ def _run_bucket(bucket: Bucket, workdir: Path) -> tuple[int, str, float]:
     except Exception as exc:
         return BUILD_FAILED, f"building {bucket.name} failed: {exc}", time.monotonic() - started
     # KVPATCH / KVPATCH_DISABLE pass through, so `KVPATCH_DISABLE=<id>` shows a regression test failing.
-    passed = {k: os.environ[k] for k in ("KVPATCH", "KVPATCH_DISABLE") if k in os.environ}
-    env = bucket_environ(bucket, base=child_env(passed))
+    passed = {k: os.environ[k] for k in ("KVPATCH", "KVPATCH_DISABLE", tiers.TIER_VAR) if k in os.environ}
+    env = bucket_environ(bucket, base=child_env({**passed, tiers.SELECT_VAR: "1"}))
     workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(REPO / "tests" / "upstream"), "-q", "-rfE", "-p", "no:cacheprovider"],
@@ -83,24 +90,48 @@ def summary_line(output: str) -> str:
     return ""
 
 
-@pytest.fixture(scope="session")
-def bucket_runs(request, tmp_path_factory) -> dict[str, Future]:
-    config = request.config
-    config.stash[MATRIX_SELECTED] = len(SELECTED)
+_RUNS = pytest.StashKey[dict]()
+
+
+def start(config: pytest.Config, names: list[str], base: Path) -> None:
+    """Start the buckets ``names`` (once per session), JOBS at a time, those with integration tests first."""
+    if _RUNS in config.stash:
+        return
+    chosen = [b for b in SELECTED if b.name in names]
+    busy = {name for where in tiers.INTEGRATION.values() for name in where}
+    chosen.sort(key=lambda b: b.name not in busy or tiers.quick())  # (stable: matrix order otherwise)
+    config.stash[MATRIX_SELECTED] = len(chosen)
     config.stash[MATRIX_RESULTS] = {}
-    layers = {req for b in SELECTED for req in b.requirements}
+    layers = {req for b in chosen for req in b.requirements}
     missing = sorted(req for req in layers if not is_cached(req))
     _say(
         config,
-        f"[matrix] {len(SELECTED)} of {len(BUCKETS)} buckets, {JOBS} at a time; layers: {len(layers) - len(missing)} "
+        f"[matrix] {len(chosen)} of {len(BUCKETS)} buckets, {JOBS} at a time; layers: {len(layers) - len(missing)} "
         f"cached in {cache_dir()}, {len(missing)} to download and build"
         + (f" ({', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''})" if missing else ""),
     )
+    if missing:
+        # Building a layer is mostly download and disk: LAYER_JOBS at a time, in the buckets' order, while the buckets
+        # run (a bucket waits on the per-layer lock for a layer being built; a failed build is reported by it).
+        builders = ThreadPoolExecutor(max_workers=LAYER_JOBS)
+        for req in dict.fromkeys(req for b in chosen for req in b.requirements if req in missing):
+            builders.submit(_prefetch, req)
+        config.add_cleanup(lambda: builders.shutdown(wait=True, cancel_futures=True))
     pool = ThreadPoolExecutor(max_workers=JOBS)
-    base = tmp_path_factory.mktemp("buckets")
-    runs = {b.name: pool.submit(_run_bucket, b, base / b.name) for b in SELECTED}
-    yield runs
-    pool.shutdown(wait=True, cancel_futures=True)
+    config.stash[_RUNS] = {b.name: pool.submit(_run_bucket, b, base / b.name) for b in chosen}
+    config.add_cleanup(lambda: pool.shutdown(wait=True, cancel_futures=True))
+
+
+def _prefetch(requirement: str) -> None:
+    with contextlib.suppress(Exception):  # the bucket that needs it builds it again and reports the error
+        layer(requirement)
+
+
+@pytest.fixture(scope="session")
+def bucket_runs(request, tmp_path_factory) -> dict[str, Future]:
+    """The selected buckets' runs (tests/conftest.py starts them right after collection)."""
+    start(request.config, [b.name for b in SELECTED], tmp_path_factory.mktemp("buckets"))
+    return request.config.stash[_RUNS]
 
 
 @pytest.mark.parametrize("bucket", SELECTED, ids=[b.name for b in SELECTED])
@@ -109,10 +140,12 @@ def test_bucket(bucket, bucket_runs, request):
     results = request.config.stash[MATRIX_RESULTS]
     results[bucket.name] = (code, summary_line(output))
     verdict = "ok" if code == 0 else f"FAILED (exit {code})"
+    cpu = re.search(rf"{re.escape(CPU_LINE)} (\d+) s", output)
     _say(
         request.config,
-        f"[matrix {len(results)}/{len(SELECTED)}] {bucket.name}: {verdict}: {summary_line(output) or 'no summary'} "
-        f"({seconds:.0f} s)",
+        f"[matrix {len(results)}/{request.config.stash[MATRIX_SELECTED]}] {bucket.name}: {verdict}: "
+        f"{summary_line(output) or 'no summary'} ({seconds:.0f} s"
+        + (f", tests' cpu {cpu.group(1)} s)" if cpu else ")"),
     )
     tail = "\n".join(output.strip().splitlines()[-60:])
     print(f"--- {bucket.name}: {', '.join(bucket.requirements)}\n{tail}")

@@ -20,11 +20,15 @@ from kvpatch.assertions import NotApplied, problems
 from kvpatch.config import Config
 from kvpatch.detect import Upstream
 from kvpatch.engine import Engine, State
+from kvpatch.maint.envs import CACHE_VAR, cache_dir
 from kvpatch.record import Patch
 
 pytest_plugins = ["pytester"]
 
 BUCKET = BY_NAME["lm-0.23.2"]
+#: The layer cache, resolved before pytester points HOME at a temporary directory (which would rebuild the bucket's
+#: layers, downloads included, for every test).
+LAYER_CACHE = str(cache_dir())
 USES_UPSTREAM = """
 def test_uses_upstream():
     import mlx_lm.models.base  # the module mask-fill and qsdpa-gqa-batch-mask patch
@@ -62,6 +66,7 @@ def upstream_env(clean_env):
     """PYTHONPATH with the lm-0.23.2 bucket's layers first (built once, cached)."""
     from kvpatch.maint.envs import EnvBuildError, build
 
+    clean_env.setenv(CACHE_VAR, LAYER_CACHE)
     try:
         layers = build(BUCKET)
     except EnvBuildError as exc:  # pragma: no cover - no index reachable

@@ -16,18 +16,12 @@ from packaging.version import Version
 from support import arrays_state_error
 
 import kvpatch
-from kvpatch.gate import Action
-from kvpatch.testing import error_and_tolerance, import_targets, natural_decision, without
+from kvpatch.testing import error_and_tolerance, without
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 def _patched() -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.batch_extend_empty import PATCH
 
-from kvpatch.testing import require_affected, tiny_llama
+from kvpatch.testing import tiny_llama
 
 PROMPTS = [[7, 3, 22, 41, 8], [9, 13, 2]]
 NEW = 17  # the one-token prompt that joins empty
@@ -18,9 +18,7 @@ MAX_SIZE = 16
 TOL = 0.05  # bf16 weights and activations
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    require_affected(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,9 @@ import pytest
 from kvpatch.patches import _right_padding
 from kvpatch.patches.batch_extract_right_padding_vlm import PATCH, classes
 
-from kvpatch.testing import require_affected, skip_unless_in_place
+from kvpatch.testing import skip_unless_in_place
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    require_affected(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 NAMES = ["BatchKVCache", "BatchRotatingKVCache", "BatchQuantizedKVCache"]

@@ -13,12 +13,9 @@ import pytest
 from kvpatch.patches import _unprimed
 from kvpatch.patches.batch_filter_unprimed import PATCH
 
-from kvpatch.testing import require_affected, without
+from kvpatch.testing import without
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    require_affected(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 def _steps(rows, *lengths):

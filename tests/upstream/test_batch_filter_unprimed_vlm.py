@@ -15,12 +15,9 @@ from kvpatch.patches import _unprimed
 from kvpatch.patches.batch_filter_unprimed_vlm import PATCH, own_batch_kv_cache
 
 from kvpatch import get_engine
-from kvpatch.testing import require_affected, without
+from kvpatch.testing import without
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    require_affected(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 def _makers():

@@ -10,15 +10,13 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.batch_merge_empty import PATCH
 
-from kvpatch.testing import require_affected, tiny_llama
+from kvpatch.testing import tiny_llama
 
 PREFIX = [7, 3, 22, 41, 8]
 NEXT = [[11, 12], [30, 31], [40, 41]]  # one decode step per entry: (filled row, empty row)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    require_affected(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,13 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.batch_trim_capped import PATCH
 
-from kvpatch.testing import error_and_tolerance, require_affected, require_applies, tiny_llama
+from kvpatch.testing import error_and_tolerance, tiny_llama
 
 SHORT, LONG = [9], [7, 3, 22, 41, 8]
 STEPS = [[11, 12], [30, 31], [40, 41]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    require_affected(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +77,9 @@ def test_ordinary_rollback_unchanged(model):
     _compare(model, caches, [SHORT, LONG])
 
 
+@pytest.mark.requires_patch(PATCH.id, applies=True)
 def test_no_host_sync():
     from mlx_lm.models.cache import BatchKVCache
 
-    require_applies(PATCH)
     names = set(BatchKVCache.trim.__code__.co_names)
     assert not names & {"item", "tolist", "eval", "async_eval"}, names

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from matrix import LM_BUCKETS, VLM_BUCKETS
 from support import child_env
 
 CHILD = r"""
@@ -36,14 +34,8 @@ os._exit(0)  # a process that imported mlx_vlm aborts at exit on some releases (
 """
 
 
-def _bucket_allowed() -> bool:
-    bucket = os.environ.get("KVPATCH_BUCKET")
-    return bucket is None or bucket in (LM_BUCKETS[-1].name, VLM_BUCKETS[-1].name)
-
-
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("_kvpatch_boot") is None, reason="kvpatch is not installed (no .pth)"),
-    pytest.mark.skipif(not _bucket_allowed(), reason="runs in the newest mlx-lm and mlx-vlm buckets only"),
 ]
 
 

@@ -9,19 +9,13 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.chunked_trim_front import PATCH
 
-from kvpatch.gate import Action
-from kvpatch.testing import error_and_tolerance, import_targets, natural_decision
+from kvpatch.testing import error_and_tolerance
 
 PROMPT = [7, 3, 22]
 STEPS = [11, 30, 40, 5, 9, 13, 2, 60, 17, 33]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 @pytest.fixture(scope="module")

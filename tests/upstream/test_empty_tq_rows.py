@@ -9,11 +9,8 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.empty_tq_rows import PATCH
 
-from kvpatch.gate import Action
 from kvpatch.testing import (
     error_and_tolerance,
-    import_targets,
-    natural_decision,
     quantization_gap,
     skip_unless_in_place,
     tiny_pixtral_language_model,
@@ -25,12 +22,11 @@ SHORT_PROMPT = [9, 13]
 STEPS = [[11, 12], [30, 31], [40, 41]]
 
 
+pytestmark = pytest.mark.requires_patch(PATCH.id)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
     # The merged batch is left-padded: on releases with V01 the decode mask needs left-padding-mask.
     skip_unless_in_place("left-padding-mask", "V01 (left padding not masked)")
 

@@ -8,15 +8,17 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.hybrid_quant_dtype import PATCH, policy
 
-from kvpatch.testing import require_affected, tiny_pixtral_language_model, without
+from kvpatch.testing import tiny_pixtral_language_model, without
 
 TOKENS = [5, 9, 2, 33, 17, 21]
 STEPS = [3, 40, 11]
 
 
+pytestmark = pytest.mark.requires_patch(PATCH.id)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _in_range():
-    require_affected(PATCH)
     pytest.importorskip("mlx_vlm.turboquant").HybridQuantKVCache  # noqa: B018
 
 

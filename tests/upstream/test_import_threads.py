@@ -29,7 +29,6 @@ import subprocess
 import sys
 
 import pytest
-from matrix import LM_BUCKETS, VLM_BUCKETS
 from support import child_env
 
 THREADS = 8
@@ -105,15 +104,9 @@ os._exit(0)
 """
 
 
-def _bucket_allowed() -> bool:
-    bucket = os.environ.get("KVPATCH_BUCKET")
-    return bucket is None or bucket in (LM_BUCKETS[-1].name, VLM_BUCKETS[-1].name)
-
-
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("_kvpatch_boot") is None, reason="kvpatch is not installed (no .pth)"),
-    pytest.mark.skipif(not _bucket_allowed(), reason="runs in the newest mlx-lm and mlx-vlm buckets only"),
 ]
 
 

@@ -12,11 +12,8 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.left_padding_mask import PATCH
 
-from kvpatch.gate import Action
 from kvpatch.testing import (
     error_and_tolerance,
-    import_targets,
-    natural_decision,
     tiny_pixtral_language_model,
 )
 
@@ -33,12 +30,7 @@ CASES = [  # (stage, N, return_array, window_size)
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 def _make(kind: str, left_padding: list[int]):

@@ -14,19 +14,13 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.lm_filter_right_padding import PATCH, PENDING, compare, new_cache, prefill_and_decode
 
-from kvpatch.gate import Action
 from kvpatch.record import Kind
-from kvpatch.testing import import_targets, natural_decision, without
+from kvpatch.testing import without
 
 CLASSES = [cls for cls, _ in PENDING]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 def _inputs(seed):

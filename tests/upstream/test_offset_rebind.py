@@ -18,7 +18,7 @@ import pytest
 from kvpatch.patches.offset_rebind import PATCH as LM_PATCH
 from kvpatch.patches.offset_rebind_vlm import PATCH as VLM_PATCH
 
-from kvpatch.testing import error_and_tolerance, require_affected
+from kvpatch.testing import error_and_tolerance
 
 PROMPTS = [[7, 3, 22], [5, 9, 2, 33, 17]]
 SAME_LENGTH = [[5, 9, 2, 33, 17], [1, 2, 3, 4, 5]]
@@ -70,8 +70,8 @@ def _lm_batch_caches(model, prompts):
     return out
 
 
+@pytest.mark.requires_patch(LM_PATCH.id)
 def test_gemma3n_batched_equals_rows_alone():
-    require_affected(LM_PATCH)
     import mlx.core as mx
 
     gemma3n = pytest.importorskip("mlx_lm.models.gemma3n")
@@ -104,8 +104,8 @@ def _bailing_args(cls):
     )  # fmt: skip
 
 
+@pytest.mark.requires_patch(LM_PATCH.id)
 def test_bailing_moe_linear_batched_equals_rows_alone():
-    require_affected(LM_PATCH)
     import mlx.core as mx
 
     bailing = pytest.importorskip("mlx_lm.models.bailing_moe_linear")
@@ -116,8 +116,8 @@ def test_bailing_moe_linear_batched_equals_rows_alone():
     assert _within(worst), f"batched bailing_moe_linear differs from each row alone by (error, tolerance) {worst}"
 
 
+@pytest.mark.requires_patch(VLM_PATCH.id)
 def test_vlm_bailing_moe_linear_batched_equals_rows_alone():
-    require_affected(VLM_PATCH)
     import mlx.core as mx
 
     language = pytest.importorskip("mlx_vlm.models.bailing_moe_linear.language")

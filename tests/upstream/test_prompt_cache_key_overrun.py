@@ -12,12 +12,7 @@ from _mlx_lm_server import Server, tiny_llama
 from kvpatch.patches._prompt_cache import prompt_cache_class
 from kvpatch.patches.prompt_cache_key_overrun import PATCH
 
-from kvpatch.testing import require_affected
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    require_affected(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 def test_next_turn_from_a_speculative_entry_equals_an_empty_cache():

@@ -23,12 +23,7 @@ HEADS = [(2, 2), (4, 1), (8, 2)]  # (query heads, KV heads): no GQA, GQA 4:1, GQ
 LEFT_PADDING = {1: [1], 2: [0, 2]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 def _mask_fill_missing() -> bool:

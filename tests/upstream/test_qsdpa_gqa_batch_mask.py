@@ -16,7 +16,6 @@ from kvpatch.patches.qsdpa_gqa_batch_mask import PATCH
 
 from kvpatch.gate import Action
 from kvpatch.testing import (
-    import_targets,
     natural_decision,
     skip_unless_in_place,
     tiny_pixtral_language_model,
@@ -27,12 +26,7 @@ PROMPTS = [[7, 3, 22, 41, 8], [9, 13]]
 STEPS = [[11, 12], [30, 31], [40, 41]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 @pytest.mark.parametrize("heads", [(4, 1), (8, 2)], ids=["4q1kv", "8q2kv"])

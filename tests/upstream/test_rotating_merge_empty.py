@@ -20,7 +20,6 @@ from kvpatch.testing import (
     error_and_tolerance,
     import_targets,
     natural_decision,
-    require_affected,
     tiny_llama,
     without,
 )
@@ -32,9 +31,7 @@ MAX_SIZE = 16
 TARGET = "mlx_lm.models.cache.BatchRotatingKVCache.merge"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    require_affected(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 @pytest.fixture(scope="module")

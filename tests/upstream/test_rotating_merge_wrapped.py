@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.rotating_merge_wrapped import PATCH
 
-from kvpatch.testing import error_and_tolerance, require_affected, skip_unless_in_place, tiny_llama
+from kvpatch.testing import error_and_tolerance, skip_unless_in_place, tiny_llama
 
 WINDOW = 8
 LONG = [7, 3, 22, 41, 8, 13, 2, 19, 30, 5, 11]  # 11 tokens: past the window in one chunk
@@ -18,9 +18,7 @@ SHORT = [5, 9, 2, 33, 17]
 STEPS = [11, 30, 40]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    require_affected(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 @pytest.fixture(scope="module")

@@ -12,19 +12,13 @@ import pytest
 from kvpatch.patches.rotating_offset_detach import PATCH, graph_edges
 
 import kvpatch
-from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision, without
+from kvpatch.testing import without
 
 STEPS = 3000
 WINDOW = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 def _patched() -> bool:

@@ -15,16 +15,11 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.tq_batch_prepare import PATCH
 
-from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _applied():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
     from mlx_vlm.turboquant import BatchTurboQuantKVCache
 
     if not hasattr(BatchTurboQuantKVCache, "prepare"):

@@ -14,16 +14,9 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.tq_dequantize_dtype import PATCH
 
-from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision, without
+from kvpatch.testing import without
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 def _inputs(rows, tokens, dtype_name="bfloat16"):

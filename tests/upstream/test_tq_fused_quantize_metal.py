@@ -8,16 +8,9 @@ import pytest
 from kvpatch.patches.tq_fused_quantize_metal import PATCH, measure
 
 import kvpatch
-from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision, without
+from kvpatch.testing import without
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE, Action.NOT_NEEDED):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id, needed=True)
 
 
 @pytest.fixture

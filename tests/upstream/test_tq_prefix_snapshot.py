@@ -15,16 +15,7 @@ import inspect
 import pytest
 from kvpatch.patches.tq_prefix_snapshot import PATCH
 
-from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 def _batch(dtype_name="bfloat16", left_padding=(2, 0), tokens=6):

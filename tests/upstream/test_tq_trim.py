@@ -18,11 +18,8 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.tq_trim import PATCH
 
-from kvpatch.gate import Action
 from kvpatch.testing import (
     error_and_tolerance,
-    import_targets,
-    natural_decision,
     skip_unless_in_place,
     tiny_pixtral_language_model,
 )
@@ -32,12 +29,11 @@ BLOCK = [[11, 12, 13], [30, 31, 32]]  # verify block of a speculative round: las
 NEXT = [[40], [50]]
 
 
+pytestmark = pytest.mark.requires_patch(PATCH.id)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
     # The batch is left-padded: on releases with V01 the decode mask needs left-padding-mask.
     skip_unless_in_place("left-padding-mask", "V01 (left padding not masked)")
 

@@ -8,18 +8,10 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.vlm_filter_right_padding import PATCH
 
-from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision
-
 CLASSES = ("BatchKVCache", "BatchRotatingKVCache", "BatchQuantizedKVCache")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 def _new(cls_name, rows):

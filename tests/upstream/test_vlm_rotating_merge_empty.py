@@ -6,16 +6,7 @@ from __future__ import annotations
 import pytest
 from kvpatch.patches.vlm_rotating_merge_empty import PATCH, _empty_with_storage
 
-from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _in_range():
-    decision = natural_decision(PATCH)
-    if decision.action in (Action.NOT_INSTALLED, Action.OUT_OF_RANGE):
-        pytest.skip(f"{PATCH.id}: {decision.reason}")
-    import_targets(PATCH)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
 
 
 def _full(length, seed):
