@@ -1,17 +1,13 @@
 """What the fault tests share (a plain module, as tests/support.py is): child processes of the real installed kvpatch, run the way a hostile
 environment or a careless operator would run them.
 
-The tests that need upstream (``needs_mlx_lm``) run where mlx-lm is importable, e.g. inside a matrix bucket::
-
-    .venv/bin/python scripts/in_bucket.py lm-0.32.2 -- python -m pytest tests/faults -q
-
-the others run anywhere. As root, "a user who may not enter a directory" is a child without the
+The fault tests that need upstream are tests/upstream/test_store_faults.py (run in the newest mlx-lm bucket); the
+others, tests/faults, run anywhere. As root, "a user who may not enter a directory" is a child without the
 capabilities that let root past file modes (``setpriv``); elsewhere the test user already is one.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -22,12 +18,18 @@ from pathlib import Path
 import pytest
 from support import REPO, child_env
 
-HAS_MLX_LM = importlib.util.find_spec("mlx_lm") is not None
-needs_mlx_lm = pytest.mark.skipif(not HAS_MLX_LM, reason="needs mlx-lm (run tests/faults inside a matrix bucket)")
 #: The interpreter flag that keeps a child's working directory off its sys.path (3.11+).
 SAFE = ["-P"] if sys.version_info >= (3, 11) else []
 
-__all__ = ["HAS_MLX_LM", "REPO", "SAFE", "child_env", "needs_mlx_lm", "run_child", "unprivileged"]
+__all__ = [
+    "REPO",
+    "SAFE",
+    "child_env",
+    "last_json",
+    "run_child",
+    "site_packages",
+    "unprivileged",
+]
 
 
 def unprivileged() -> list[str]:
@@ -66,3 +68,10 @@ def run_child(
 
 def last_json(stdout: str) -> dict:
     return json.loads([ln for ln in stdout.splitlines() if ln.startswith("@@")][-1][2:])
+
+
+def site_packages() -> str:
+    """This interpreter's site-packages (where the test environment installed kvpatch)."""
+    import sysconfig
+
+    return sysconfig.get_paths()["purelib"]
