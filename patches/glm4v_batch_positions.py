@@ -7,9 +7,11 @@ passes ``position_ids`` itself unless it is given a mask that is not 2-D (``rope
 batched path fails for callers that hand the model a 4-D mask or drive ``GLM4VModel`` directly, as servers do
 (vllm-mlx carries its own replacement of this method). Measured (Linux, mlx[cpu]; a tiny random glm4v_moe from
 its ``TextConfig``, a left-padded 2-row batch, ``GLM4VModel`` called with ``position_ids=None``): the TypeError
-on 0.4.3, 0.5.0, 0.6.4 and 0.7.10 (the line is unchanged since the model came, 0.3.3, git 287c20b3; kvpatch
-supports mlx-vlm from 0.4.3). The same line is in ``glm4v``, ``glm_ocr`` and ``paddleocr_vl`` (not measured, not
-patched here).
+on 0.4.4, 0.5.0, 0.6.4 and 0.7.10 (the line is unchanged since the model came, 0.3.3, git 287c20b3). In range from
+0.5.0, the first release whose batch path this model follows: on 0.4.4 ``GLM4VModel`` builds its mask with
+``create_attention_mask(h, cache)`` from the list of caches, which ignores left padding, so with positions fixed
+the padded row still differs from the row alone by 1.6 (batching this model there is not a kvpatch fix). The same
+``arange`` line is in ``glm4v``, ``glm_ocr`` and ``paddleocr_vl`` (not measured, not patched here).
 
 Upstream: not reported, not fixed as of 0.7.10 (``LanguageModel`` of the same file builds per-row positions from
 ``cache_offsets`` in its decode path; ``GLM4VModel`` was not given the same).
@@ -32,7 +34,7 @@ PATCH = Patch(
     id="glm4v-batch-positions",
     summary="glm4v_moe GLM4VModel builds position_ids with mx.arange(cache.offset): batch caches raise TypeError",
     distribution="mlx-vlm",
-    affected=">=0.4.3,<=0.7.10",
+    affected=">=0.5.0,<=0.7.10",
     checked_through="0.7.10",
     reference="not reported upstream (mlx_vlm/models/glm4v_moe/language.py, GLM4VModel.__call__; "
     "vllm-mlx patches it in vllm_mlx/patches/glm4v_moe_mllm.py)",
