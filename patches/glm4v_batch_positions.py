@@ -28,6 +28,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _mrope
+
 from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
@@ -51,7 +53,7 @@ PATCH = Patch(
 def _build(original: Any) -> Any:
     import mlx.core as mx
 
-    array, arange, broadcast_to = mx.array, mx.arange, mx.broadcast_to
+    positions = _mrope.row_positions(mx)
 
     def __call__(
         self: Any,
@@ -62,11 +64,8 @@ def _build(original: Any) -> Any:
         position_ids: Any = None,
     ) -> Any:
         if position_ids is None and cache and cache[0] is not None:
-            offset = cache[0].offset
-            if isinstance(offset, array) and offset.ndim == 1:
-                length = (inputs if inputs_embeds is None else inputs_embeds).shape[1]
-                rows = offset[:, None] + arange(length)
-                position_ids = broadcast_to(rows[None], (3, *rows.shape))
+            length = (inputs if inputs_embeds is None else inputs_embeds).shape[1]
+            position_ids = positions(cache[0].offset, length)
         return original(self, inputs, inputs_embeds, cache, mask, position_ids)
 
     return __call__
