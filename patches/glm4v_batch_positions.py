@@ -71,13 +71,11 @@ def _build(original: Any) -> Any:
     return __call__
 
 
-def tiny_model() -> Any:
-    """A tiny random glm4v_moe ``GLM4VModel`` (2 layers, hidden 64, 4 heads, 2 KV heads of 16, 4 experts)."""
-    import mlx.core as mx
+def tiny_config() -> Any:
+    """A tiny glm4v_moe ``TextConfig`` (2 layers, hidden 64, 4 heads, 2 KV heads of 16, 4 experts, vocabulary 64)."""
     from mlx_vlm.models.glm4v_moe.config import TextConfig
-    from mlx_vlm.models.glm4v_moe.language import GLM4VModel
 
-    config = TextConfig(
+    return TextConfig(
         model_type="glm4v_moe", vocab_size=64, hidden_size=64, intermediate_size=128, max_position_embeddings=512,
         moe_intermediate_size=32, norm_topk_prob=True, num_attention_heads=4, n_group=1, head_dim=16, topk_group=1,
         n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0, num_experts_per_tok=2,
@@ -85,8 +83,15 @@ def tiny_model() -> Any:
         attention_bias=False, partial_rotary_factor=0.5, rope_theta=10000.0,
         rope_scaling={"type": "default", "mrope_section": [2, 1, 1]},
     )  # fmt: skip
+
+
+def tiny_model() -> Any:
+    """A tiny random glm4v_moe ``GLM4VModel`` (:func:`tiny_config`)."""
+    import mlx.core as mx
+    from mlx_vlm.models.glm4v_moe.language import GLM4VModel
+
     mx.random.seed(0)
-    model = GLM4VModel(config)
+    model = GLM4VModel(tiny_config())
     mx.eval(model.parameters())
     return model
 

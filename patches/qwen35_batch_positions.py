@@ -68,13 +68,11 @@ def _build(original: Any) -> Any:
     return __call__
 
 
-def tiny_attention() -> Any:
-    """A tiny random Qwen3.5 full-attention layer (hidden 64, 4 heads, 2 KV heads of 16, mRoPE sections 2/1/1)."""
-    import mlx.core as mx
+def tiny_config() -> Any:
+    """A tiny Qwen3.5 ``TextConfig`` (4 layers, hidden 64, 4 heads, 2 KV heads of 16, mRoPE sections 2/1/1)."""
     from mlx_vlm.models.qwen3_5.config import TextConfig
-    from mlx_vlm.models.qwen3_5.language import Qwen3_5Attention
 
-    config = TextConfig(
+    return TextConfig(
         model_type="qwen3_5", hidden_size=64, intermediate_size=128, linear_num_value_heads=2, linear_num_key_heads=2,
         linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_hidden_layers=4,
         num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=2, max_position_embeddings=512,
@@ -82,8 +80,15 @@ def tiny_attention() -> Any:
         rope_parameters={"type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000,
                          "partial_rotary_factor": 0.5},
     )  # fmt: skip
+
+
+def tiny_attention() -> Any:
+    """A tiny random Qwen3.5 full-attention layer (:func:`tiny_config`)."""
+    import mlx.core as mx
+    from mlx_vlm.models.qwen3_5.language import Qwen3_5Attention
+
     mx.random.seed(0)
-    attention = Qwen3_5Attention(config)
+    attention = Qwen3_5Attention(tiny_config())
     mx.eval(attention.parameters())
     return attention
 

@@ -37,15 +37,9 @@ def tiny(name: str, window: int) -> Any:
     config = importlib.import_module(f"mlx_vlm.models.{name}.config").TextConfig
     language = importlib.import_module(f"mlx_vlm.models.{name}.language")
     if name == "qwen3_5":
-        text = config(
-            model_type="qwen3_5", hidden_size=64, intermediate_size=128, linear_num_value_heads=2,
-            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-            num_hidden_layers=4, num_attention_heads=4, rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=2,
-            max_position_embeddings=512, head_dim=16,
-            rope_parameters={"type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000,
-                             "partial_rotary_factor": 0.5},
-        )  # fmt: skip
-        return language.LanguageModel(text, VISION)
+        from kvpatch.patches.qwen35_batch_positions import tiny_config
+
+        return language.LanguageModel(tiny_config(), VISION)
     if name == "gemma4":
         text = config(
             hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4, head_dim=16,
@@ -54,15 +48,9 @@ def tiny(name: str, window: int) -> Any:
             max_position_embeddings=512,
         )  # fmt: skip
         return language.LanguageModel(text)
-    text = config(
-        model_type="glm4v_moe", vocab_size=64, hidden_size=64, intermediate_size=128, max_position_embeddings=512,
-        moe_intermediate_size=32, norm_topk_prob=True, num_attention_heads=4, n_group=1, head_dim=16, topk_group=1,
-        n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0, num_experts_per_tok=2,
-        first_k_dense_replace=1, num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-6, use_qk_norm=False,
-        attention_bias=False, partial_rotary_factor=0.5, rope_theta=10000.0,
-        rope_scaling={"type": "default", "mrope_section": [2, 1, 1]},
-    )  # fmt: skip
-    return language.LanguageModel(text, VISION)
+    from kvpatch.patches.glm4v_batch_positions import tiny_config
+
+    return language.LanguageModel(tiny_config(), VISION)
 
 
 def batch_caches(model: Any, padding: list[int]) -> Any:
