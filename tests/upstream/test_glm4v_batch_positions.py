@@ -1,0 +1,39 @@
+"""glm4v-batch-positions beyond its reproduction: a tiny glm4v_moe GLM4VModel over left-padded batches of several
+shapes gives each row what it gives alone (prefill and decode), with ``position_ids`` left to the model; given
+``position_ids`` or an integer offset, the model gets exactly what it got before."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from kvpatch.patches.glm4v_batch_positions import PATCH, batched_vs_alone, tiny_model
+
+from kvpatch.testing import require_affected, without
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_range():
+    require_affected(PATCH)
+
+
+@pytest.mark.parametrize("lengths", [(5, 9), (7, 3, 6), (4, 4)])
+def test_batched_rows_equal_each_row_alone(lengths):
+    errors = batched_vs_alone(tiny_model(), lengths, steps=3)
+    assert max(errors) <= 1e-4, errors
+
+
+def test_given_positions_and_int_offsets_are_upstreams():
+    import mlx.core as mx
+    from mlx_vlm.models.cache import BatchKVCache, KVCache
+
+    model = tiny_model()
+    tokens = mx.random.randint(1, 60, (2, 5), key=mx.random.key(3))
+    positions = mx.broadcast_to(mx.arange(5)[None, None], (3, 2, 5))
+    results = []
+    for patched in (True, False):
+        with without(PATCH.id) if not patched else contextlib.nullcontext():
+            given = model(tokens, cache=[BatchKVCache([0, 0]) for _ in model.layers], position_ids=positions)
+            single = model(tokens[:1], cache=[KVCache() for _ in model.layers])
+            results.append((given.tolist(), single.tolist()))
+    assert results[0] == results[1]
