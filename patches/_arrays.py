@@ -143,6 +143,8 @@ def pickle_upstream_values(original: Any) -> Any:
             return reduced
         return (*reduced[:2], upstream_state(state), *reduced[3:])
 
+    # object's method has no __module__ for the engine to copy onto its replacement: the replacement has none either
+    __reduce_ex__.__module__ = getattr(original, "__module__", None)  # type: ignore[assignment]
     return __reduce_ex__
 
 
