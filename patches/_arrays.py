@@ -103,20 +103,15 @@ def defer_advance(original: Any) -> Any:
             return original(self, N)
         if type(N) is not int:
             return original(self, N)
-        if lengths is not None:
-            pending = state.get(lengths_key)
+        for value, key in ((lengths, lengths_key), (padding, padding_key)):  # upstream's order
+            if value is None:
+                continue
+            pending = state.get(key)
             if pending is None:
-                state[lengths_key] = (lengths, N)
+                state[key] = (value, N)
                 deferred.add(self)
             else:
-                state[lengths_key] = (pending[0], pending[1] + N)
-        if padding is not None:
-            pending = state.get(padding_key)
-            if pending is None:
-                state[padding_key] = (padding, N)
-                deferred.add(self)
-            else:
-                state[padding_key] = (pending[0], pending[1] + N)
+                state[key] = (pending[0], pending[1] + N)
 
     return advance
 
@@ -148,6 +143,8 @@ def pickle_upstream_values(original: Any) -> Any:
             return reduced
         return (*reduced[:2], upstream_state(state), *reduced[3:])
 
+    # object's method has no __module__ for the engine to copy onto its replacement: the replacement has none either
+    __reduce_ex__.__module__ = getattr(original, "__module__", None)  # type: ignore[assignment]
     return __reduce_ex__
 
 

@@ -253,3 +253,33 @@ def test_vars_snapshot_restores_as_upstream():
 
     _patched_only()
     checks.vars_snapshot_restores_as_upstream(ArraysCache, PATCH.id)
+
+
+SAVED = """
+import json
+from mlx_lm.models.cache import load_prompt_cache
+cache = load_prompt_cache({path!r})[0]
+cache.advance(1)
+print(json.dumps([cache.left_padding.tolist(), cache.lengths.tolist()]))
+"""
+
+
+def test_saved_prompt_cache_loads_where_the_patch_is_off(run_py, tmp_path):
+    """``save_prompt_cache`` writes ``state`` (0.32.0+: the arrays and both metadata, read through the descriptors):
+    loaded with kvpatch off, ``advance(1)`` gives upstream's values."""
+    import json
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, save_prompt_cache
+
+    _patched_only()
+    cache = ArraysCache(1, left_padding=[2, 0])
+    cache.prepare(lengths=[6, 4])
+    cache[0] = mx.zeros((2, 3))
+    cache.advance(5)
+    if len(cache.state) != 3:
+        pytest.skip("this mlx-lm's ArraysCache.state holds the arrays alone (no metadata is saved)")
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, [cache])
+    out = json.loads(run_py(SAVED.format(path=path), env={"KVPATCH": "off"}).strip().splitlines()[-1])
+    assert out == [[-4, -6], [0, -2]], out
