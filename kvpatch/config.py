@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping
 
 from ._kvstruct import struct
+from ._site import boot as _boot
 
 __all__ = ["OFF_VALUES", "ON_VALUES", "SHOWN", "Config", "read_config"]
 
@@ -27,7 +28,7 @@ SHOWN = 60
 #: The most unknown ids one message names.
 _NAMED = 3
 
-OFF_VALUES = frozenset({"off", "0", "false", "no", "disable", "disabled"})
+OFF_VALUES = frozenset(_boot().OFF_VALUES)  # the bootstrap's: it reads KVPATCH before kvpatch can be imported
 ON_VALUES = frozenset({"", "on", "1", "true", "yes", "enable", "enabled", "auto"})
 
 
@@ -53,7 +54,7 @@ def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[s
     problems: list[str] = []
 
     raw = env.get("KVPATCH", "").strip().lower()
-    if raw in OFF_VALUES:
+    if _boot().is_off(env):
         enabled = False
     else:
         enabled = True
