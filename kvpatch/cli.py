@@ -125,7 +125,8 @@ class _Parser(argparse.ArgumentParser):
 
     def _print_message(self, message: str, file: Any = None) -> None:
         # argparse ignores a failed write (--help > /dev/full would exit 0 having printed nothing)
-        if message and file is not None and file is sys.stdout:
+        # (``file`` None: argparse meant stdout, which is closed; it passes stderr explicitly)
+        if message and (file is sys.stdout or (file is None and sys.stdout is None)):
             _emit(message, end="")
         else:
             super()._print_message(message, file)
@@ -442,7 +443,7 @@ def _add_upstream_check(sub: Any, *, full: bool) -> None:
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; maintainer commands' options are only loaded when ``command`` is one of them (or None)."""
+    """The parser; ``upstream-check``'s options (maintainer code) are only loaded when ``command`` is it."""
     parser = _TopParser(
         prog="kvpatch",
         usage="kvpatch [-h] [--version] COMMAND [ARGS ...]",
@@ -528,7 +529,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_version)
 
-    p = sub.add_parser("help", help=_HELP["help"], description="Show the help, or a command's.")
+    p = sub.add_parser(
+        "help",
+        help=_HELP["help"],
+        description="Show kvpatch's help (its commands and what they do), or one command's: kvpatch help status.",
+    )
     p.add_argument("topic", nargs="?", metavar="COMMAND", help="the command to describe")
     p.set_defaults(func=cmd_help)
 
@@ -553,7 +558,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_fingerprints)
 
-    _add_upstream_check(sub, full=command in (None, "upstream-check"))
+    _add_upstream_check(sub, full=command == "upstream-check")
     return parser
 
 

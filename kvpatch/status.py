@@ -358,6 +358,8 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
     """
     d = report.data
     lines = _header(d)
+    if verbose or width is not None:
+        lines = [part for line in lines for part in _fitted(line, width or 80)]
     lines.append("")
     lines.extend(_full_table(d, width or 80) if verbose else _compact(d, width))
     reasons = "\n".join(d["check"]["reasons"])  # what the check section lists is not repeated above it
@@ -490,19 +492,20 @@ def _compact(d: dict[str, Any], width: int | None) -> list[str]:
 
 
 def _full_table(d: dict[str, Any], width: int) -> list[str]:
-    """Every present patch: one row (id, state, affected releases), then its details wrapped to ``width``."""
+    """Every present patch: its id and state, then its details, each wrapped to ``width``."""
     absent = [e for e in d["patches"] if e["state"] == State.NOT_INSTALLED.value]
     present = [e for e in d["patches"] if e["state"] != State.NOT_INSTALLED.value]
     lines: list[str] = []
     if present:
-        header = ("patch", "state", "affected")
-        rows = [(e["id"], _state_text(e), e["affected"]) for e in present]
-        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        lines.append(fmt.format(*header).rstrip())
-        for e, row in zip(present, rows, strict=True):
-            lines.append(fmt.format(*row).rstrip())
-            details = [("fixed in", _fixed_text(e)), ("target", ", ".join(e["targets"])), ("why", e["reason"])]
+        pad = max(len(e["id"]) for e in present)
+        for e in present:
+            lines.append(f"{e['id']:<{pad}}  {_state_text(e)}")
+            details = [
+                ("affected", e["affected"]),
+                ("fixed in", _fixed_text(e)),
+                ("target", ", ".join(e["targets"])),
+                ("why", e["reason"]),
+            ]
             if e.get("error") and e["error"] not in e["reason"]:
                 details.append(("error", e["error"]))
             if e["verify"]:
@@ -533,6 +536,14 @@ def _cut(text: str, width: int | None) -> str:
     if width is None or len(text) <= width:
         return text
     return text[: max(width - 3, 10)] + "..."
+
+
+def _fitted(line: str, width: int) -> list[str]:
+    """``line`` wrapped to ``width`` under its own indentation (a line that fits is kept as it is)."""
+    if len(line) <= width:
+        return [line]
+    body = line.lstrip(" ")
+    return _wrapped(body, line[: len(line) - len(body)], width)
 
 
 def _wrapped(text: str, indent: str, width: int | None, hang: str = "  ") -> list[str]:
