@@ -316,7 +316,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_help(args: argparse.Namespace) -> int:
     topic = args.topic
     if topic is None:
-        _emit(build_parser().format_help(), end="")
+        _emit(build_parser("").format_help(), end="")
         return EXIT_CLEAN
     if topic not in _HELP:
         _unknown_command(topic)
@@ -443,7 +443,8 @@ def _add_upstream_check(sub: Any, *, full: bool) -> None:
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; ``upstream-check``'s options (maintainer code) are only loaded when ``command`` is it."""
+    """The parser; ``upstream-check``'s options (maintainer code) load only when ``command`` is it or None
+    (``""``: a command line that names no command, as ``kvpatch --help``)."""
     parser = _TopParser(
         prog="kvpatch",
         usage="kvpatch [-h] [--version] COMMAND [ARGS ...]",
@@ -558,7 +559,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_fingerprints)
 
-    _add_upstream_check(sub, full=command == "upstream-check")
+    _add_upstream_check(sub, full=command in (None, "upstream-check"))
     return parser
 
 
@@ -573,12 +574,12 @@ class _VersionAction(argparse.Action):
         parser.exit(EXIT_CLEAN)
 
 
-def _command(argv: Sequence[str]) -> str | None:
-    """The subcommand named in ``argv`` (its first word that is not an option), if any."""
+def _command(argv: Sequence[str]) -> str:
+    """The subcommand named in ``argv`` (its first word that is not an option); ``""`` if none."""
     for word in argv:
         if not word.startswith("-"):
             return word
-    return None
+    return ""
 
 
 def _unknown_command(word: str) -> NoReturn:
@@ -593,7 +594,7 @@ def _unknown_command(word: str) -> NoReturn:
 def _parse(argv: list[str]) -> argparse.Namespace:
     """Parse ``argv``; an unknown option is reported with the usage of the command it was given to."""
     command = _command(argv)
-    if command is not None and command not in _HELP:
+    if command and command not in _HELP:
         _unknown_command(command)
     parser = build_parser(command)
     args, extra = parser.parse_known_args(argv)
@@ -613,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             args = _parse(argv)
             if args.command is None:  # bare `kvpatch`: the help, as pip does
-                _emit(build_parser().format_help(), end="")
+                _emit(build_parser("").format_help(), end="")
                 code = EXIT_CLEAN
             else:
                 code = int(args.func(args) or 0)
