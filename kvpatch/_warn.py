@@ -7,6 +7,8 @@
 * Logged at INFO on the ``kvpatch`` logger, which has a ``NullHandler``: nothing is printed by logging's
   last-resort handler, and whoever configures logging for ``kvpatch`` gets every message.
 * Long messages (a 100 KB environment value) are cut.
+* The bootstrap's import machinery (``_kvpatch_hooks``, which cannot import kvpatch) warns through here
+  whenever this module is loaded.
 
 Imports nothing beyond the standard library, and never changes warning filters.
 """
@@ -47,7 +49,7 @@ def _internal(filename: str) -> bool:
         filename.startswith(_PACKAGE_DIR)
         or filename.startswith("<frozen importlib")
         or "importlib" in filename
-        or os.path.basename(filename) == "_kvpatch_boot.py"
+        or os.path.basename(filename) in ("_kvpatch_boot.py", "_kvpatch_hooks.py")
         or f"{os.sep}wrapt{os.sep}" in filename
     )
 

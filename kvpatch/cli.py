@@ -1,19 +1,16 @@
 """Command line: the ``kvpatch`` console script (also ``python -m kvpatch``).
 
-status [-v] [--json] [--check] [--verify] [--scan] audit what is applied and why
-verify [--json] [--missing]             measure and cache the verdicts this environment's imports read
-run -m MODULE [ARGS...] | run SCRIPT [ARGS...]   run a program with kvpatch active
-compat [--write | --check]              print, write or check COMPAT.md from the registry (maintainers)
-fingerprints                            source fingerprints of every target in the installed upstream (maintainers)
-upstream-check [--mlx-lm V|PATH] [--mlx-vlm V|PATH] [--json]   reproductions (kvpatch off) on the newest upstream
+Commands for everyone: ``status``, ``verify``, ``run``, ``list``, ``version``, ``help``; maintainer commands
+(``compat``, ``fingerprints``, ``upstream-check``) are listed apart in the help. ``kvpatch`` alone prints the
+help and exits 0, as ``pip`` does; an unknown command gets the closest known one as a suggestion.
 
 Exit status (one table, :data:`EXIT_CODES`, printed by ``kvpatch status --help``): 0 clean, 1 attention
-needed, 2 a patch failed or did not fix its bug, 64 usage error, 70 kvpatch's own internal error, 130
-interrupted. ``run`` exits with the program's own status. A closed pipe (``kvpatch status --json | head -1``)
-changes nothing: no traceback, the same exit status.
+needed, 2 a patch failed or did not fix its bug, 64 usage error, 70 kvpatch's own internal error, 74 the
+output could not be written (a closed stdout, a full disk), 130 interrupted. ``run`` exits with the
+program's own status. A reader that goes away (``kvpatch status --json | head -1``) changes nothing: no
+traceback, the same exit status.
 
-The maintainer commands (compat, fingerprints, upstream-check) import :mod:`kvpatch.maint` only when
-they run; ``status`` never does.
+The maintainer commands import :mod:`kvpatch.maint` only when they run; ``status`` never does.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_INTERNAL",
     "EXIT_INTERRUPTED",
+    "EXIT_IOERR",
     "EXIT_USAGE",
     "build_parser",
     "main",
@@ -45,25 +43,77 @@ EXIT_ATTENTION = 1
 EXIT_FAILED = 2
 EXIT_USAGE = 64  # sysexits.h EX_USAGE
 EXIT_INTERNAL = 70  # sysexits.h EX_SOFTWARE
+EXIT_IOERR = 74  # sysexits.h EX_IOERR
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
-#: The exit-code table (``status --help``, README): code, meaning.
+#: The exit-code table (``status --help``, ``kvpatch --help``, the docs): code, meaning.
 EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_CLEAN, "clean: nothing needs attention"),
     (EXIT_ATTENTION, "attention needed (with --check or --verify): the reasons are listed under 'check'"),
     (EXIT_FAILED, "a patch failed, did not fix its bug, or a patch unit could not be loaded (--check, --verify)"),
-    (EXIT_USAGE, "usage error: unknown command or option"),
+    (EXIT_USAGE, "usage error: unknown command or option, or a program for `run` that does not exist"),
     (EXIT_INTERNAL, "kvpatch's own internal error (a bug in kvpatch: please report the traceback)"),
+    (EXIT_IOERR, "the output could not be written (standard output closed, disk full)"),
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
 )
 
+_EXIT_TABLE = "exit status:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES)
+
 _STATUS_EPILOG = (
-    "exit status:\n"
-    + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES)
+    _EXIT_TABLE
     + "\n\nWithout --check or --verify, status exits 0 whatever it reports (1 and 2 are for scripts that ask).\n"
     "A closed pipe (kvpatch status --json | head -1) changes nothing: no traceback, the same exit status.\n"
     "The JSON output follows kvpatch/data/status.schema.json (schema id kvpatch.status/1)."
 )
+
+#: The commands as the help lists them: (section, ((name, one-line help), ...)).
+COMMANDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    (
+        "commands",
+        (
+            ("status", "show which patches apply here and why (--check for scripts, --verify to measure)"),
+            ("verify", "run the reproductions whose outcome depends on this environment and store the verdicts"),
+            ("run", "run a program (-c CODE, -m MODULE or SCRIPT) with kvpatch active, like python"),
+            ("list", "list every patch: id, upstream package, affected releases, the bug it fixes"),
+            ("version", "print kvpatch's version (also --version)"),
+            ("help", "show this help, or a command's (kvpatch help status)"),
+        ),
+    ),
+    (
+        "maintainer commands",
+        (
+            ("compat", "print, write or check COMPAT.md (the compatibility table) from the registry"),
+            ("fingerprints", "print the source fingerprint of every patch target in the installed upstream"),
+            ("upstream-check", "run every reproduction (kvpatch off) on the newest upstream releases"),
+        ),
+    ),
+)
+_HELP = {name: text for _, commands in COMMANDS for name, text in commands}
+_MAINTAINER = frozenset(name for name, _ in COMMANDS[1][1])
+
+_RUN_USAGE = "kvpatch run [-h] (-c CODE | -m MODULE | SCRIPT) [ARGS ...]"
+_RUN_DESCRIPTION = (
+    "Run a Python program with kvpatch active from its first line, the way `python` runs it:\n"
+    "-c CODE runs a string, -m MODULE runs a module as __main__, SCRIPT runs a file (or a directory\n"
+    "or zip with __main__.py). Everything after the program is its own arguments (sys.argv[1:]).\n"
+    "kvpatch activates before the program starts, also where the start-up hook does not run\n"
+    "(python -S, a source tree on PYTHONPATH)."
+)
+_RUN_EPILOG = (
+    "exit status: the program's own; 64 when there is no program to run (no such file, no -c code,\n"
+    "no -m module name).\n"
+    "examples:\n"
+    "  kvpatch run -c 'import mlx_lm, kvpatch; print(kvpatch.records())'\n"
+    "  kvpatch run -m mlx_lm.server --model ...\n"
+    "  kvpatch run serve.py --port 8080"
+)
+
+
+def _paragraph(text: str) -> str:
+    """``text`` wrapped for a help whose formatter keeps line breaks (the exit-status table needs them)."""
+    import textwrap
+
+    return textwrap.fill(text, width=78)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,6 +123,34 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
+    def _print_message(self, message: str, file: Any = None) -> None:
+        # argparse ignores a failed write (--help > /dev/full would exit 0 having printed nothing)
+        # (``file`` None: argparse meant stdout, which is closed; it passes stderr explicitly)
+        if message and (file is sys.stdout or (file is None and sys.stdout is None)):
+            _emit(message, end="")
+        else:
+            super()._print_message(message, file)
+
+
+class _TopParser(_Parser):
+    """The top-level parser: its help lists the user's commands and the maintainers' in two sections."""
+
+    def format_help(self) -> str:
+        formatter = self._get_formatter()
+        formatter.add_usage(self.usage, self._actions, self._mutually_exclusive_groups)
+        formatter.add_text(self.description)
+        for title, commands in COMMANDS:
+            formatter.start_section(title)
+            formatter.add_arguments(
+                [argparse.Action(option_strings=[], dest=name, metavar=name, help=text) for name, text in commands]
+            )
+            formatter.end_section()
+        formatter.start_section("options")
+        formatter.add_arguments(self._optionals._group_actions)
+        formatter.end_section()
+        formatter.add_text(self.epilog)
+        return formatter.format_help()
+
 
 def _engine() -> Engine:
     import kvpatch
@@ -80,13 +158,29 @@ def _engine() -> Engine:
     return kvpatch.get_engine()
 
 
+class _OutputError(Exception):
+    """Standard output cannot take what kvpatch writes (closed, full disk): exit :data:`EXIT_IOERR`."""
+
+
 def _emit(text: str, *, end: str = "\n") -> None:
-    """Write to stdout; a reader that went away (``| head -1``) ends the output quietly."""
+    """Write to stdout; a reader that went away (``| head -1``) ends the output quietly, any other failure to
+    write is an :class:`_OutputError`."""
+    stream = sys.stdout
+    if stream is None:
+        raise _OutputError("standard output is closed")
     try:
-        sys.stdout.write(text + end)
-        sys.stdout.flush()
+        stream.write(text + end)
+        stream.flush()
     except BrokenPipeError:
         _silence_stdout()
+    except (OSError, ValueError) as exc:  # ValueError: the stream object itself was closed
+        raise _OutputError(_describe(exc)) from None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
 
 
 def _silence_stdout() -> None:
@@ -97,6 +191,45 @@ def _silence_stdout() -> None:
         os.close(devnull)
     except (OSError, ValueError, AttributeError):  # no real file descriptor behind stdout
         pass
+
+
+def _finish_output() -> None:
+    """Flush what ``print`` left buffered, so a failure is reported here rather than at interpreter exit."""
+    stream = sys.stdout
+    if stream is None:
+        return
+    try:
+        stream.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+    except (OSError, ValueError) as exc:
+        raise _OutputError(_describe(exc)) from None
+
+
+def _stdout_unwritable() -> bool:
+    """Whether stdout is what failed (an OSError from a command's own ``print``)."""
+    try:
+        _finish_output()
+    except _OutputError:
+        return True
+    return False
+
+
+def _io_error(message: str) -> int:
+    _silence_stdout()
+    try:
+        print(f"kvpatch: cannot write the output: {message} (exit {EXIT_IOERR})", file=sys.stderr)
+    except Exception:  # stderr gone too: the exit status says it
+        pass
+    return EXIT_IOERR
+
+
+def _version() -> str:
+    import kvpatch
+
+    where = os.path.dirname(os.path.abspath(kvpatch.__file__))
+    python = ".".join(str(n) for n in sys.version_info[:3])
+    return f"kvpatch {kvpatch.__version__} from {where} (Python {python})"
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -112,11 +245,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         copies = scan(engine, installed=True)
         report.data["vendored"] = [c.as_dict() for c in copies]
-    code = report.exit_code if (args.check or args.verify) else EXIT_CLEAN
+    asked = args.check or args.verify
+    code = report.exit_code if asked else EXIT_CLEAN
     if args.json:
         _emit(json.dumps(report.data, indent=2, sort_keys=False))
     else:
-        _emit(format_text(report, verbose=args.verbose, width=_terminal_width()))
+        width = _wrap_width() if args.verbose else _terminal_width()
+        _emit(format_text(report, verbose=args.verbose, width=width, check=asked))
         if copies is not None:
             _emit(format_copies(copies))
     return code
@@ -129,36 +264,130 @@ def _terminal_width() -> int | None:
             return None
     except (AttributeError, ValueError):
         return None
+    return _wrap_width()
+
+
+def _wrap_width() -> int:
+    """The width to wrap to: the terminal's, ``$COLUMNS``, or 80 (pipes and files)."""
     import shutil
 
     return shutil.get_terminal_size().columns
 
 
+def cmd_version(args: argparse.Namespace) -> int:
+    _emit(_version())
+    return EXIT_CLEAN
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    import json
+
+    from .registry import load
+
+    reg = load()
+    patches = sorted(reg.patches, key=lambda p: (p.distribution, p.id))
+    if args.json:
+        rows = [
+            {
+                "id": p.id,
+                "distribution": p.distribution,
+                "affected": p.affected,
+                "opt_in": p.opt_in,
+                "summary": p.summary,
+            }
+            for p in patches
+        ]
+        _emit(json.dumps({"patches": rows, "broken": dict(reg.broken)}, indent=2))
+    else:
+        width = _terminal_width()
+        pad = max((len(p.id) for p in patches), default=0)
+        for p in patches:
+            summary = ("opt-in: " if p.opt_in else "") + p.summary
+            line = f"{p.id:<{pad}}  {p.distribution:<7}  {p.affected:<18}  {summary}"
+            if width is not None and len(line) > width:
+                line = line[: max(width - 3, 10)] + "..."
+            _emit(line)
+        _emit(f"{len(patches)} patches; `kvpatch status` says which apply here")
+    for module, error in reg.broken.items():
+        print(f"kvpatch: patch module {module} cannot be loaded: {error}", file=sys.stderr)
+    return EXIT_FAILED if reg.broken else EXIT_CLEAN
+
+
+def cmd_help(args: argparse.Namespace) -> int:
+    topic = args.topic
+    if topic is None:
+        _emit(build_parser("").format_help(), end="")
+        return EXIT_CLEAN
+    if topic not in _HELP:
+        _unknown_command(topic)
+    parser = build_parser(topic)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    _emit(sub.choices[topic].format_help(), end="")
+    return EXIT_CLEAN
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """``run``'s arguments, for its help: :func:`cmd_run` reads them itself, because everything after the
+    program is the program's own (``kvpatch run -m mod --help`` is ``mod``'s ``--help``)."""
+    p.add_argument("-c", metavar="CODE", help="program passed in as a string")
+    p.add_argument("-m", metavar="MODULE", help="run a library module as a script (like python -m)")
+    p.add_argument("SCRIPT", nargs="?", help="program read from a file (or a directory / zip with __main__.py)")
+    p.add_argument("ARGS", nargs="*", help="the program's arguments (its sys.argv[1:])")
+
+
+def _run_usage_error(message: str) -> int:
+    try:
+        print(f"usage: {_RUN_USAGE}\nkvpatch run: error: {message}", file=sys.stderr)
+    except Exception:
+        pass
+    return EXIT_USAGE
+
+
 def cmd_run(argv: Sequence[str]) -> int:
-    """``run -m MODULE [ARGS...]`` or ``run SCRIPT [ARGS...]``: everything after is the program's."""
+    """``run -c CODE | -m MODULE | SCRIPT [ARGS...]``: everything after the program is the program's, as with
+    ``python``; the program's own exceptions and exit status are its own (Python reports them)."""
     import runpy
+
+    argv = list(argv)
+    if not argv:
+        return _run_usage_error("say what to run: -c CODE, -m MODULE or SCRIPT")
+    first = argv[0]
+    kind = first[:2] if first[:2] in ("-c", "-m") else None
+    if kind is not None:
+        value = first[2:] or (argv[1] if len(argv) > 1 else "")
+        rest = argv[1:] if first[2:] else argv[2:]
+        if not value:
+            return _run_usage_error(f"{kind} needs " + ("the code to run" if kind == "-c" else "a module name"))
+    elif first.startswith("-"):
+        return _run_usage_error(f"unknown option {first!r} (the program comes first: -c CODE, -m MODULE or SCRIPT)")
+    else:
+        value, rest = first, argv[1:]
+        if not os.path.exists(value):
+            return _run_usage_error(f"can't open file {value!r}: no such file or directory")
 
     import kvpatch
 
-    argv = list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: kvpatch run -m MODULE [ARGS...] | kvpatch run SCRIPT [ARGS...]", file=sys.stderr)
-        return EXIT_CLEAN if argv else EXIT_USAGE
     kvpatch.activate()
-    if argv[0] == "-m" or (argv[0].startswith("-m") and len(argv[0]) > 2):
-        module = argv[0][2:] or (argv[1] if len(argv) > 1 else "")
-        rest = argv[2:] if argv[0] == "-m" else argv[1:]
-        if not module:
-            print("kvpatch run: -m needs a module name", file=sys.stderr)
-            return EXIT_USAGE
-        sys.argv = [module, *rest]
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return 0
-    script, *rest = argv
-    sys.argv = [script, *rest]
-    sys.path.insert(0, str(Path(script).resolve().parent))
-    runpy.run_path(script, run_name="__main__")
-    return 0
+    if kind == "-c":
+        import builtins
+        import types
+
+        # As `python -c`: the code runs in a fresh __main__, with the working directory first on sys.path.
+        main_module = types.ModuleType("__main__")
+        main_module.__dict__["__builtins__"] = builtins
+        sys.modules["__main__"] = main_module
+        sys.argv = ["-c", *rest]
+        sys.path.insert(0, "")
+        exec(compile(value, "<string>", "exec"), main_module.__dict__)
+    elif kind == "-m":
+        sys.argv = [value, *rest]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(value, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [value, *rest]
+        sys.path.insert(0, str(Path(value).resolve().parent))
+        runpy.run_path(value, run_name="__main__")
+    return EXIT_CLEAN
 
 
 def cmd_compat(args: argparse.Namespace) -> int:
@@ -196,27 +425,50 @@ def cmd_fingerprints(args: argparse.Namespace) -> int:
     return 0
 
 
+_UPSTREAM_CHECK_DESCRIPTION = (
+    "For maintainers: install the newest mlx-lm / mlx-vlm releases (or the ones named) into throwaway "
+    "environments, run every patch's reproduction there with kvpatch off, and compare each outcome with what "
+    "the patch's record says (still affected, fixed upstream, first fixed release). Needs the package index."
+)
+
+
 def _add_upstream_check(sub: Any, *, full: bool) -> None:
     if full:
         from .maint.upstream_check import add_parser
 
         add_parser(sub)
+        sub.choices["upstream-check"].description = _UPSTREAM_CHECK_DESCRIPTION
     else:  # listed in the help; its options load with the command itself
-        sub.add_parser(
-            "upstream-check",
-            help="run every reproduction (kvpatch off) on the newest upstream releases and compare with the records",
-        )
+        sub.add_parser("upstream-check", help=_HELP["upstream-check"], description=_UPSTREAM_CHECK_DESCRIPTION)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; maintainer commands' options are only loaded when ``command`` is one of them (or None)."""
-    parser = _Parser(prog="kvpatch", description="Audited fixes for mlx-lm / mlx-vlm KV-cache bugs.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    """The parser; ``upstream-check``'s options (maintainer code) load only when ``command`` is it or None
+    (``""``: a command line that names no command, as ``kvpatch --help``)."""
+    parser = _TopParser(
+        prog="kvpatch",
+        usage="kvpatch [-h] [--version] COMMAND [ARGS ...]",
+        description=(
+            "Version-gated, audited fixes for known KV-cache bugs in mlx-lm and mlx-vlm. Installed, kvpatch "
+            "activates itself in every Python process of this environment on the first mlx_lm / mlx_vlm "
+            "import; KVPATCH=off turns it off."
+        ),
+        epilog=(
+            "`kvpatch help COMMAND` or `kvpatch COMMAND --help` describes a command; "
+            "`kvpatch status --help` lists the exit statuses."
+        ),
+    )
+    parser.add_argument("--version", action=_VersionAction, help="print kvpatch's version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, prog="kvpatch")
 
     p = sub.add_parser(
         "status",
-        help="show what is applied and why",
-        description="Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and why.",
+        help=_HELP["status"],
+        description=_paragraph(
+            "Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and why. "
+            "It reads package metadata and, once per environment, imports the upstream modules to settle "
+            "what an import would do; --verify runs every relevant reproduction with and without its patch."
+        ),
         epilog=_STATUS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -241,53 +493,148 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_status)
 
-    sub.add_parser("run", help="run -m MODULE [ARGS...] or SCRIPT [ARGS...] with kvpatch active")
-
     from .verify import add_arguments as add_verify_arguments
 
-    p = sub.add_parser("verify", help="run the reproductions the facts leave open and cache their verdicts")
+    p = sub.add_parser(
+        "verify",
+        help=_HELP["verify"],
+        description=(
+            "Settle, in this process, every verdict this environment's imports will read: for each patch whose "
+            "outcome the installed release does not decide by itself (a release newer than the patch was checked "
+            "on, an editable, directory or git install, drifted target code), run its reproduction without and "
+            "with the patch and store the verdict, so later imports measure nothing. Run it after installing or "
+            "upgrading (a Dockerfile's last step, CI, a deployment hook). To audit every relevant patch, "
+            "whatever decides it, run `kvpatch status --verify`."
+        ),
+        epilog="exit status: 0 every patch settled, 1 a verdict is inconclusive, a patch drifted or failed.",
+    )
     add_verify_arguments(p)
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("compat", help="render COMPAT.md from the registry (maintainers)")
+    p = sub.add_parser(
+        "run",
+        help=_HELP["run"],
+        usage=_RUN_USAGE,
+        description=_RUN_DESCRIPTION,
+        epilog=_RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_run_arguments(p)
+
+    p = sub.add_parser("list", help=_HELP["list"], description="List every patch kvpatch ships, one line each.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser(
+        "version", help=_HELP["version"], description="Print kvpatch's version, where it is, and Python's."
+    )
+    p.set_defaults(func=cmd_version)
+
+    p = sub.add_parser(
+        "help",
+        help=_HELP["help"],
+        description="Show kvpatch's help (its commands and what they do), or one command's: kvpatch help status.",
+    )
+    p.add_argument("topic", nargs="?", metavar="COMMAND", help="the command to describe")
+    p.set_defaults(func=cmd_help)
+
+    p = sub.add_parser(
+        "compat",
+        help=_HELP["compat"],
+        description="For maintainers: render COMPAT.md, the table of patches by upstream release, from the registry.",
+    )
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--write", action="store_true")
-    group.add_argument("--check", action="store_true")
-    p.add_argument("--path", default="COMPAT.md")
+    group.add_argument("--write", action="store_true", help="write the table to --path")
+    group.add_argument("--check", action="store_true", help="exit 1 when --path is not what --write would write")
+    p.add_argument("--path", default="COMPAT.md", help="the file to write or check (default: COMPAT.md)")
     p.set_defaults(func=cmd_compat)
 
-    p = sub.add_parser("fingerprints", help="print source fingerprints of every target (imports upstream; maintainers)")
+    p = sub.add_parser(
+        "fingerprints",
+        help=_HELP["fingerprints"],
+        description=(
+            "For maintainers: import the installed mlx-lm / mlx-vlm and print, as JSON, the source fingerprint "
+            "of every target each patch replaces (what kvpatch/data/fingerprints.json records for drift checks)."
+        ),
+    )
     p.set_defaults(func=cmd_fingerprints)
 
     _add_upstream_check(sub, full=command in (None, "upstream-check"))
     return parser
 
 
-def _command(argv: Sequence[str]) -> str | None:
-    """The subcommand named in ``argv`` (its first word that is not an option), if any."""
+class _VersionAction(argparse.Action):
+    """``--version``: the version line as ``version`` prints it (argparse's own action rewraps it)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> NoReturn:
+        _emit(_version())
+        parser.exit(EXIT_CLEAN)
+
+
+def _command(argv: Sequence[str]) -> str:
+    """The subcommand named in ``argv`` (its first word that is not an option); ``""`` if none."""
     for word in argv:
         if not word.startswith("-"):
             return word
     return ""
 
 
+def _unknown_command(word: str) -> NoReturn:
+    import difflib
+
+    close = difflib.get_close_matches(word, list(_HELP), n=1, cutoff=0.6)
+    hint = f" - did you mean {close[0]!r}?" if close else " (`kvpatch help` lists the commands)"
+    print("usage: kvpatch [-h] [--version] COMMAND [ARGS ...]", file=sys.stderr)
+    raise SystemExit(f"kvpatch: error: unknown command {word!r}{hint}") from None
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; an unknown option is reported with the usage of the command it was given to."""
+    command = _command(argv)
+    if command and command not in _HELP:
+        _unknown_command(command)
+    parser = build_parser(command)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        owner = sub.choices.get(args.command) if args.command else None
+        (owner or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see :data:`EXIT_CODES`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "run":
+    if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
         return cmd_run(argv[1:])  # the program's own errors are its own: Python reports them
     try:
         try:
-            args = build_parser(_command(argv)).parse_args(argv)
-        except SystemExit as exc:  # --help (0) or a usage error (64)
-            return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-        return int(args.func(args) or 0)
+            args = _parse(argv)
+            if args.command is None:  # bare `kvpatch`: the help, as pip does
+                _emit(build_parser("").format_help(), end="")
+                code = EXIT_CLEAN
+            else:
+                code = int(args.func(args) or 0)
+        except SystemExit as exc:  # --help, --version (0) or a usage error (64)
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
+                return EXIT_USAGE
+            code = EXIT_CLEAN if exc.code is None else exc.code
+        _finish_output()
+        return code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_CLEAN
-    except Exception:
+    except _OutputError as exc:
+        return _io_error(str(exc))
+    except Exception as exc:
+        if isinstance(exc, OSError) and _stdout_unwritable():
+            return _io_error(_describe(exc))
         _internal_error()
         return EXIT_INTERNAL
 

@@ -29,6 +29,7 @@ import os
 from collections.abc import Mapping
 
 from ._kvstruct import struct
+from ._site import boot as _boot
 
 __all__ = [
     "OFF_VALUES",
@@ -51,7 +52,7 @@ SHOWN = 60
 #: The most unknown ids one message names.
 _NAMED = 3
 
-OFF_VALUES = frozenset({"off", "0", "false", "no", "disable", "disabled"})
+OFF_VALUES = frozenset(_boot().OFF_VALUES)  # the bootstrap's: it reads KVPATCH before kvpatch can be imported
 ON_VALUES = frozenset({"", "on", "1", "true", "yes", "enable", "enabled", "auto"})
 
 OFF = "KVPATCH"
@@ -91,7 +92,7 @@ def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[s
     problems: list[str] = []
 
     raw = env.get(OFF, "").strip().lower()
-    if raw in OFF_VALUES:
+    if is_off(env):
         enabled = False
     else:
         enabled = True
@@ -119,8 +120,8 @@ def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
 
 
 def is_off(environ: Mapping[str, str] | None = None) -> bool:
-    """``KVPATCH=off``: kvpatch does nothing in this process."""
-    return _env(environ).get(OFF, "").strip().lower() in OFF_VALUES
+    """``KVPATCH=off``: kvpatch does nothing in this process (the bootstrap's one reading of it)."""
+    return bool(_boot().is_off(_env(environ)))
 
 
 def background_verification(environ: Mapping[str, str] | None = None) -> bool:

@@ -370,21 +370,25 @@ def _notable_verify(entry: dict[str, Any]) -> str | None:
     return None if outcome.startswith(_EXPECTED_OUTCOMES) else outcome
 
 
-def format_text(report: Report, *, verbose: bool = False, width: int | None = None) -> str:
+def format_text(report: Report, *, verbose: bool = False, width: int | None = None, check: bool = False) -> str:
     """The text of ``kvpatch status``: compact by default, every patch with ``verbose`` (``-v``).
 
-    ``width`` cuts one-line summaries to fit a terminal (``None``: never cut, for pipes and logs).
+    ``width`` cuts one-line summaries to fit a terminal (``None``: never cut, for pipes and logs); with
+    ``verbose`` it is the width every line wraps to (default 80). ``check``: the command was asked for an
+    exit status (``--check``, ``--verify``), so the check line says which.
     """
     d = report.data
     lines = _header(d)
+    if verbose or width is not None:
+        lines = [part for line in lines for part in _fitted(line, width or 80)]
     lines.append("")
-    lines.extend(_full_table(d) if verbose else _compact(d, width))
+    lines.extend(_full_table(d, width or 80) if verbose else _compact(d, width))
     reasons = "\n".join(d["check"]["reasons"])  # what the check section lists is not repeated above it
     lines.extend(f"BROKEN patch module {m}: {e}" for m, e in d["broken"].items() if f"{m}: " not in reasons)
     lines.extend(f"config: {problem}" for problem in d["problems"] if problem not in reasons)
     if lines[-1]:
         lines.append("")
-    lines.extend(_check(d))
+    lines.extend(_check(d, asked=check))
     if not verbose:
         lines.append("`kvpatch status -v` lists every patch with its targets and reason.")
     return "\n".join(lines)
@@ -418,22 +422,46 @@ def _header(d: dict[str, Any]) -> list[str]:
             notes.append(f"  {name}: {where}")
     lines.append("upstream: " + ", ".join(shown))
     lines.extend(notes)
-    counts = ", ".join(f"{n} {s}" for s, n in sorted(d["summary"].items(), key=lambda kv: (-kv[1], kv[0])))
-    lines.append(f"{len(d['patches'])} patches: {counts}" if d["patches"] else "no patches loaded")
+    lines.append(f"{len(d['patches'])} patches: {_state_counts(d)}" if d["patches"] else "no patches loaded")
     verified = _verify_counts(d)
     if verified:
         lines.append(f"verified: {verified}")
     return lines
 
 
+def _state_counts(d: dict[str, Any]) -> str:
+    """``"13 not needed, 11 pending, 25 for mlx-vlm (not installed)"``: patches by state, the ones whose
+    package is absent by package (so "not installed" cannot read as "failed to install")."""
+    counts = {s: n for s, n in d["summary"].items() if s != State.NOT_INSTALLED.value}
+    parts = [f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    absent: dict[str, int] = {}
+    for e in d["patches"]:
+        if e["state"] == State.NOT_INSTALLED.value:
+            absent[e["distribution"]] = absent.get(e["distribution"], 0) + 1
+    parts.extend(f"{n} for {dist} (not installed)" for dist, n in absent.items())
+    return ", ".join(parts)
+
+
+#: How many patch ids a count names ("1 skipped (offset-detach)") before it says "...".
+_NAMED_IDS = 4
+
+
 def _verify_counts(d: dict[str, Any]) -> str:
-    counts: dict[str, int] = {}
+    """Outcomes of ``--verify`` by count; a skipped reproduction names its patches (a skip hides a check)."""
+    ids: dict[str, list[str]] = {}
     for e in d["patches"]:
         if e.get("verify"):
             outcome = str(e["verify"].get("outcome") or "")
             key = "skipped" if outcome.startswith("skipped") else outcome
-            counts[key] = counts.get(key, 0) + 1
-    return "; ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+            ids.setdefault(key, []).append(e["id"])
+    parts = []
+    for key, named in sorted(ids.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        text = f"{len(named)} {key}"
+        if key == "skipped":
+            shown = ", ".join(named[:_NAMED_IDS]) + (", ..." if len(named) > _NAMED_IDS else "")
+            text += f" ({shown}: `kvpatch status -v` says why)"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def _not_installed_lines(d: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
@@ -486,26 +514,30 @@ def _compact(d: dict[str, Any], width: int | None) -> list[str]:
     return lines
 
 
-def _full_table(d: dict[str, Any]) -> list[str]:
+def _full_table(d: dict[str, Any], width: int) -> list[str]:
+    """Every present patch: its id and state, then its details, each wrapped to ``width``."""
     absent = [e for e in d["patches"] if e["state"] == State.NOT_INSTALLED.value]
     present = [e for e in d["patches"] if e["state"] != State.NOT_INSTALLED.value]
     lines: list[str] = []
     if present:
-        header = ("patch", "state", "affected", "fixed in", "reference")
-        rows = [(e["id"], _state_text(e), e["affected"], _fixed_text(e), e["reference"]) for e in present]
-        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        lines.append(fmt.format(*header).rstrip())
-        for e, row in zip(present, rows, strict=True):
-            lines.append(fmt.format(*row).rstrip())
-            lines.append(f"    target: {', '.join(e['targets'])}")
-            lines.append(f"    why:    {e['reason']}")
+        pad = max(len(e["id"]) for e in present)
+        for e in present:
+            lines.append(f"{e['id']:<{pad}}  {_state_text(e)}")
+            details = [
+                ("affected", e["affected"]),
+                ("fixed in", _fixed_text(e)),
+                ("target", ", ".join(e["targets"])),
+                ("why", e["reason"]),
+            ]
             if e.get("verdict_file"):
-                lines.append(f"    verdict from: {e['verdict_file']}")
+                details.append(("verdict", e["verdict_file"]))
             if e.get("error") and e["error"] not in e["reason"]:
-                lines.append(f"    error:  {e['error']}")
+                details.append(("error", e["error"]))
             if e["verify"]:
-                lines.append(f"    verify: {e['verify']['outcome']}")
+                details.append(("verify", str(e["verify"]["outcome"])))
+            details.append(("reference", e["reference"]))
+            for label, text in details:
+                lines.extend(_wrapped(text, f"    {label + ':':<11}", width, hang=""))
     if absent:
         if lines:
             lines.append("")
@@ -514,13 +546,15 @@ def _full_table(d: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _check(d: dict[str, Any]) -> list[str]:
+def _check(d: dict[str, Any], *, asked: bool) -> list[str]:
+    """The check's verdict; its exit status is named only to a command that asked for one (``--check``)."""
     check = d["check"]
     code = check["exit"]
     if not check["reasons"]:
-        return [f"check: clean (--check exits {code})"]
+        return [f"check: clean (exit {code})" if asked else "check: clean, nothing needs attention"]
     what = {1: "attention needed", 2: "a patch failed or did not fix its bug"}.get(code, f"exit {code}")
-    return [f"check: {what} (--check exits {code}):", *(f"  - {r}" for r in check["reasons"])]
+    exits = f"exit {code}" if asked else f"`kvpatch status --check` exits {code}"
+    return [f"check: {what} ({exits}):", *(f"  - {r}" for r in check["reasons"])]
 
 
 def _cut(text: str, width: int | None) -> str:
@@ -529,11 +563,26 @@ def _cut(text: str, width: int | None) -> str:
     return text[: max(width - 3, 10)] + "..."
 
 
-def _wrapped(text: str, indent: str, width: int | None) -> list[str]:
+def _fitted(line: str, width: int) -> list[str]:
+    """``line`` wrapped to ``width`` under its own indentation (a line that fits is kept as it is)."""
+    if len(line) <= width:
+        return [line]
+    body = line.lstrip(" ")
+    return _wrapped(body, line[: len(line) - len(body)], width)
+
+
+def _wrapped(text: str, indent: str, width: int | None, hang: str = "  ") -> list[str]:
+    """``text`` wrapped after ``indent`` (continuation lines under it, plus ``hang``); a word longer than the
+    line (a URL, a dotted target name) is kept whole."""
     import textwrap
 
     return textwrap.wrap(
-        text, width=max(width or 120, len(indent) + 40), initial_indent=indent, subsequent_indent=indent + "  "
+        text,
+        width=max(width or 120, len(indent) + 40),
+        initial_indent=indent,
+        subsequent_indent=" " * len(indent) + hang,
+        break_long_words=False,
+        break_on_hyphens=False,
     ) or [indent.rstrip()]
 
 

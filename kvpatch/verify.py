@@ -136,10 +136,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['id']:<26} {r['state']:<20} {r['verdict'] or r['error'] or r['reason']}")
     for module, error in reg.broken.items():
         print(f"BROKEN {module}: {error}")
-    settled = sum(1 for r in rows if r["verdict"])
+    verified = sum(1 for r in rows if r["verdict"])
+    decided = sum(1 for r in rows if r["action"] in ("apply", "not needed"))
+    stored = f"stored in {where / verdicts.FILE}" if where else "not stored: no writable cache"
     print(
-        f"kvpatch verify: {settled} verdict(s) for this environment, {len(unsettled)} need attention; "
-        f"cache: {where / verdicts.FILE if where else 'nowhere writable'} (exit {code})",
+        f"kvpatch verify: verified {verified} patch(es) whose outcome depends on a reproduction here ({stored}); "
+        f"{decided} decided by the installed release need none (`kvpatch status --verify` measures those too); "
+        f"{len(unsettled)} need attention (exit {code})",
         file=sys.stdout,
     )
     if lost:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install kvpatch with its test extra into a virtualenv and run the whole test suite, including the
+# Install kvpatch with its test dependency group into a virtualenv and run the whole test suite, including the
 # matrix of real mlx-lm / mlx-vlm releases (layered and cached under ${KVPATCH_CACHE:-~/.cache/kvpatch}).
 # Arguments go to pytest. The venv's bin is put first on PATH, so the ruff and mypy tests run (and fail
 # the suite when the tree is not clean) instead of skipping.
@@ -36,9 +36,9 @@ step 1/4 "virtualenv $VENV ($("$PY" --version 2>&1))"
 "$PY" -m venv "$VENV"
 step 2/4 "pip"
 pip_install --upgrade pip
-step 3/4 "kvpatch from this checkout, then its test extra (pytest, ruff, mypy, numpy, transformers, jinja2, pillow, requests)"
+step 3/4 "kvpatch from this checkout, then its test dependency group (pytest, ruff, mypy, zizmor, numpy, transformers, jinja2, pillow, requests)"
 pip_install --force-reinstall --no-deps .
-pip_install ".[test]"
+pip_install . --group test  # PEP 735 dependency group: pip >= 25.1 (step 2 upgrades it)
 PATH="$(cd "$VENV/bin" && pwd):$PATH"
 export PATH
 step 4/4 "pytest $* (matrix buckets: ${KVPATCH_MATRIX:-all}; upstream layers cached under ${KVPATCH_CACHE:-~/.cache/kvpatch})"

@@ -10,7 +10,7 @@ VENV=${KVPATCH_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps .
-"$VENV/bin/python" -m pip install -q ".[test]"
+"$VENV/bin/python" -m pip install -q . --group test
 
 echo "== upstream check: reproductions (KVPATCH=off) on the newest upstream releases =="
 set +e

@@ -12,7 +12,7 @@ import os
 import sys
 from types import ModuleType
 
-__all__ = ["hooks"]
+__all__ = ["boot", "hooks"]
 
 
 def hooks() -> ModuleType | None:
@@ -30,6 +30,16 @@ def hooks() -> ModuleType | None:
         return boot.hooks()
     except Exception:
         return None
+
+
+def boot() -> ModuleType:
+    """The bootstrap module (``_kvpatch_boot``): the one kvpatch.pth / kvpatch.start run, loaded here for a
+    process that did not start through them. Its ``is_off`` is the one reading of ``KVPATCH=off``
+    (:mod:`kvpatch.config` uses it). Raises ImportError when the install lacks it."""
+    module = sys.modules.get("_kvpatch_boot") or _load_boot()
+    if module is None:
+        raise ImportError("kvpatch's bootstrap (_kvpatch_boot.py) cannot be loaded: reinstall kvpatch")
+    return module
 
 
 def _load_boot() -> ModuleType | None:

@@ -1,17 +1,22 @@
 """kvpatch's bootstrap finder. PYTEST_DONT_REWRITE
 
-Up to Python 3.14 kvpatch.pth puts a one-line stand-in finder on sys.meta_path at start-up, which
-loads this file on the first import of an mlx_* module and hands over (``from_shim``). From 3.15
-(PEP 829) ``site`` runs ``install`` from kvpatch.start instead, at every start: keep this file small.
-The machinery itself is _kvpatch_hooks.py beside it, loaded on the first mlx_lm / mlx_vlm import.
+Up to Python 3.14 kvpatch.pth's stand-in finder loads this file on the first mlx_* import and
+hands over (``from_shim``); from 3.15 (PEP 829) site runs ``install`` (kvpatch.start) at every start:
+keep this file small. The machinery is _kvpatch_hooks.py beside it, loaded on the first mlx_lm /
+mlx_vlm import. ``is_off`` is the one reading of KVPATCH=off (kvpatch.config's too).
 """
 
 import os
 import sys
 
 _impl = None
-_OFF = ("off", "0", "false", "no", "disable", "disabled")
+OFF_VALUES = ("off", "0", "false", "no", "disable", "disabled")
 _startup_path = None  # the start-up sys.path entries that stay trusted (None: not recorded yet)
+
+
+def is_off(environ=None):
+    """Whether KVPATCH (in ``environ``, default os.environ) turns kvpatch off entirely."""
+    return (os.environ if environ is None else environ).get("KVPATCH", "").strip().lower() in OFF_VALUES
 
 
 class KvpatchBootstrapFinder:
@@ -30,8 +35,7 @@ def hooks():
     if _impl is None:
         module = sys.modules.get("_kvpatch_hooks")
         if module is None:
-            # No import statement: this runs inside the import system's lock (in find_spec), where
-            # importing a module not loaded yet could wait on another thread's import for good.
+            # No import statement: under the import lock (find_spec) it could wait on another thread.
             here = os.path.join(os.path.dirname(__file__), "_kvpatch_hooks.py")
             try:
                 spec = sys.modules["_frozen_importlib_external"].spec_from_file_location("_kvpatch_hooks", here)
@@ -43,7 +47,8 @@ def hooks():
                 KvpatchBootstrapFinder.find_spec = staticmethod(lambda name, path=None, target=None: None)
                 sys.stderr.write(f"kvpatch: bootstrap disabled ({type(exc).__name__}: {exc})\n")
                 return None
-        module._setup(KvpatchBootstrapFinder, tuple(sys.path) if _startup_path is None else _startup_path, __file__)
+        start = tuple(sys.path) if _startup_path is None else _startup_path
+        module._setup(KvpatchBootstrapFinder, start, __file__, is_off)
         _impl = module
     return _impl
 
@@ -51,7 +56,7 @@ def hooks():
 def install(force=False):
     """Put the finder first on sys.meta_path (idempotent); nothing with KVPATCH=off unless forced."""
     global _startup_path
-    if not force and os.environ.get("KVPATCH", "").strip().lower() in _OFF:
+    if not force and is_off():
         return
     if _startup_path is None:
         _startup_path = tuple(sys.path)  # before the interpreter adds the script's or working directory
@@ -60,11 +65,12 @@ def install(force=False):
 
 
 def from_shim(name, path=None, target=None, startup_path=None):
-    """Take over from kvpatch.pth's stand-in finder: the first stand-in becomes this finder and any
-    duplicate goes (one slice assignment: threads iterating sys.meta_path meanwhile skip nothing).
-    With KVPATCH=off every stand-in goes and nothing is installed."""
+    """Take over from kvpatch.pth's stand-in (any duplicate goes, in one slice assignment); with
+    KVPATCH=off every stand-in goes. ``name`` "": kvpatch.pth at start-up with KVPATCH set."""
     global _startup_path
-    if os.environ.get("KVPATCH", "").strip().lower() in _OFF:
+    if not name:
+        return install()
+    if is_off():
         sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
         return None
     if _startup_path is None:
@@ -83,8 +89,7 @@ def from_shim(name, path=None, target=None, startup_path=None):
 
 
 def _explicit_path():
-    """The sys.path entries a user named at start-up (PYTHONPATH), which stay trusted even where they
-    are the working or script directory; the stand-in itself records nothing, to start faster."""
+    """The start-up entries a user named (PYTHONPATH): trusted even as the working directory."""
     if sys.flags.ignore_environment:
         return ()
     return tuple(os.path.abspath(e) for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e)

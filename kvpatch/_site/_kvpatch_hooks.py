@@ -25,7 +25,8 @@ Rules, each the answer to a deadlock or a lost patch seen with a finder that imp
 - Hooks registered with wrapt (``wrapt.register_post_import_hook``) for mlx modules fire too, through
   wrapt's public ``notify_module_loaded``; this finder stays in front of wrapt's, which is skipped
   for these modules (its lookup is the deadlock described above).
-- Nothing here raises into an import: errors become one warning each (``_warn``).
+- Nothing here raises into an import: errors become one warning each, through kvpatch's one warning
+  path (``kvpatch._warn``) when it is loaded (``_warn``).
 """
 
 import _thread
@@ -33,7 +34,6 @@ import os
 import sys
 
 _WATCHED = ("mlx_lm", "mlx_vlm")
-_OFF = ("off", "0", "false", "no", "disable", "disabled")
 
 _lock = _thread.allocate_lock()  # guards the tables below; never held while importing or calling out
 _hooks: dict = {}  # module name -> callables waiting for it
@@ -44,13 +44,15 @@ _activated = False
 _finder = None
 _startup_path = ()
 _site_dir = ""
+_is_off = None  # _kvpatch_boot.is_off: the one reading of KVPATCH=off
 
 
-def _setup(finder, startup_path, boot_file):
-    global _finder, _startup_path, _site_dir
+def _setup(finder, startup_path, boot_file, is_off):
+    global _finder, _startup_path, _site_dir, _is_off
     _finder = finder
     _startup_path = tuple(startup_path)
     _site_dir = os.path.dirname(os.path.abspath(boot_file))
+    _is_off = is_off
 
 
 # -- public: post-import hooks ---------------------------------------------------------------------
@@ -228,7 +230,7 @@ def _activate():
     global _activated
     if _activated or getattr(_tls, "activating", False):
         return
-    if os.environ.get("KVPATCH", "").strip().lower() in _OFF:
+    if _is_off is not None and _is_off():
         _activated = True
         return
     _tls.activating = True
@@ -242,10 +244,17 @@ def _activate():
     _ensure_first()
 
 
-# -- the one warning path --------------------------------------------------------------------------
+# -- warnings --------------------------------------------------------------------------------------
 def _warn(message):
-    """Warn once per message; never raise (under ``-W error`` the warning goes to stderr instead)."""
+    """Warn once per message, never raise: through kvpatch's one warning path (``kvpatch._warn.emit``:
+    category ``kvpatch.KvpatchWarning``, stderr under ``-W error``) whenever it is loaded. Only a kvpatch
+    that could not import even that falls back to a plain ``UserWarning``; then no ``KvpatchWarning``
+    exists for a filter to name."""
     try:
+        one_path = sys.modules.get("kvpatch._warn")
+        if one_path is not None:
+            one_path.emit(message)
+            return
         if message in _warned:
             return
         _warned.add(message)

@@ -396,3 +396,105 @@ def test_editable_install_gets_the_bootstrap(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert Path(proc.stdout.strip()).parent == REPO / "kvpatch"
+
+
+# -- the finder a person sees on sys.meta_path, and KVPATCH=off --------------------------------------------
+
+FINDERS = (
+    "import sys, json\n"
+    "mine = [f for f in sys.meta_path if getattr(f, '__name__', '') == 'KvpatchBootstrapFinder' or 'kvpatch' in repr(f)]\n"
+    "print(json.dumps({'finders': [repr(f) for f in mine], 'modules': [getattr(f, '__module__', None) for f in mine],"
+    " 'first': repr(sys.meta_path[0]), 'kvpatch': 'kvpatch' in sys.modules, 'hooks': '_kvpatch_hooks' in sys.modules}))"
+)
+
+
+def test_start_up_finder_has_a_recognisable_name(run_py):
+    """It was ``<function <lambda>>`` with ``__module__`` None: a person debugging imports could not tell whose."""
+    out = json.loads(run_py(FINDERS))
+    # (one per time site processes kvpatch.pth: some virtualenvs list their site-packages twice)
+    assert out["finders"] and out["first"] == out["finders"][0]
+    for finder in out["finders"]:
+        assert finder.startswith(
+            "<function kvpatch._site finder (activates kvpatch on the first mlx_lm/mlx_vlm import) at 0x"
+        ), out
+    assert set(out["modules"]) == {"_kvpatch_boot"}
+
+
+@pytest.mark.parametrize("value", ["off", "0", "false", "no", "disable", "Disabled", " OFF "])
+def test_kvpatch_off_installs_no_finder_at_all(run_py, tmp_path, value):
+    """With KVPATCH=off nothing of kvpatch's is on sys.meta_path, before or after an mlx import."""
+    env = {"PYTHONPATH": _trigger_dir(tmp_path), "KVPATCH": value}
+    before = json.loads(run_py(FINDERS, env=env))
+    assert before["finders"] == [] and before["kvpatch"] is False, before
+    after = json.loads(run_py("import mlx_lm\n" + FINDERS, env=env))
+    assert after["finders"] == [] and after["kvpatch"] is False and after["hooks"] is False, after
+
+
+@pytest.mark.parametrize("value", ["on", "1", "", "auto"])
+def test_kvpatch_set_and_on_installs_the_bootstrap_finder_at_start(run_py, tmp_path, value):
+    env = {"PYTHONPATH": _trigger_dir(tmp_path), "KVPATCH": value}
+    out = json.loads(run_py(FINDERS, env=env))
+    assert out["finders"] == ["<class '_kvpatch_boot.KvpatchBootstrapFinder'>"] == [out["first"]], out
+    assert out["hooks"] is False  # the machinery still waits for the first mlx import
+    assert json.loads(run_py("import mlx_lm\n" + FINDERS, env=env))["kvpatch"] is True
+
+
+def test_one_reading_of_kvpatch_off():
+    """The bootstrap (which cannot import kvpatch) and kvpatch.config read KVPATCH=off through one function."""
+    import _kvpatch_boot
+
+    from kvpatch import _site, config
+
+    assert _site.boot() is sys.modules["_kvpatch_boot"] is _kvpatch_boot
+    assert config.OFF_VALUES == frozenset(_kvpatch_boot.OFF_VALUES)
+    for value in ("off", "OFF", " disabled ", "0", "no", "false", "disable", "on", "", "1", "auto", "offf"):
+        env = {"KVPATCH": value}
+        assert config.read_config(env).enabled is not _kvpatch_boot.is_off(env), value
+    # the bootstrap's files hold no second list of the values
+    for name in ("_kvpatch_hooks.py", "kvpatch.pth", "kvpatch.start"):
+        assert '"disabled"' not in (SITE / name).read_text(), name
+
+
+def test_hook_failures_warn_as_kvpatch_warnings(tmp_path):
+    """The import machinery's warnings take kvpatch's one path: ``KvpatchWarning`` (a filter on it silences them;
+    they were ``UserWarning``)."""
+    env = {"PYTHONPATH": _trigger_dir(tmp_path, "0.32.2")}
+    code = textwrap.dedent(
+        """
+        import json, sys, warnings
+        import kvpatch, _kvpatch_boot
+        def broken(module):
+            raise RuntimeError("hook boom")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _kvpatch_boot.hooks().register_post_import_hook(broken, "mlx_lm")
+            import mlx_lm
+        with warnings.catch_warnings(record=True) as ignored:
+            warnings.simplefilter("always")
+            warnings.filterwarnings("ignore", category=kvpatch.KvpatchWarning)
+            _kvpatch_boot.hooks()._call(broken, mlx_lm)
+        print(json.dumps({"caught": [(w.category.__name__, str(w.message)) for w in caught], "ignored": len(ignored)}))
+        """
+    )
+    proc = _run(["-c", code], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["caught"] == [["KvpatchWarning", "post-import hook for mlx_lm failed: RuntimeError: hook boom"]], out
+    assert out["ignored"] == 0
+
+
+def test_activation_failure_warns_as_kvpatch_warning(tmp_path):
+    env = {"PYTHONPATH": _trigger_dir(tmp_path, "0.32.2")}
+    code = textwrap.dedent(
+        """
+        import sys, warnings, json
+        sys.modules["kvpatch.engine"] = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import mlx_lm
+        print(json.dumps([w.category.__mro__[0].__module__ + "." + w.category.__name__ for w in caught]))
+        """
+    )
+    proc = _run(["-c", code], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["kvpatch._warn.KvpatchWarning"]

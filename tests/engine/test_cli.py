@@ -54,11 +54,197 @@ def test_launcher_and_cli_agree_on_the_internal_error_code():
     assert _kvpatch_cli.EXIT_INTERNAL == cli.EXIT_INTERNAL
 
 
-@pytest.mark.parametrize("args", [["status", "--bogus"], [], ["no-such-command"], ["status", "--check", "x"]])
+@pytest.mark.parametrize("args", [["status", "--bogus"], ["no-such-command"], ["status", "--check", "x"]])
 def test_usage_errors_exit_64_not_2(tmp_path, args):
     proc = _run(args, cwd=tmp_path)
     assert proc.returncode == cli.EXIT_USAGE, (proc.returncode, proc.stderr)
     assert "usage:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_bad_option_gets_its_commands_usage(tmp_path):
+    proc = _run(["status", "--bogus"], cwd=tmp_path)
+    assert proc.returncode == cli.EXIT_USAGE
+    assert proc.stderr.startswith("usage: kvpatch status [-h]"), proc.stderr
+    assert "kvpatch status: error: unrecognized arguments: --bogus" in proc.stderr and "COMMAND" not in proc.stderr
+
+
+@pytest.mark.parametrize(("typo", "meant"), [("stauts", "status"), ("verfy", "verify"), ("lsit", "list")])
+def test_unknown_command_gets_a_suggestion(tmp_path, typo, meant):
+    proc = _run([typo], cwd=tmp_path)
+    assert proc.returncode == cli.EXIT_USAGE and proc.stdout == ""
+    assert f"kvpatch: error: unknown command {typo!r} - did you mean {meant!r}?" in proc.stderr, proc.stderr
+    far = _run(["zzzz"], cwd=tmp_path)
+    assert far.returncode == cli.EXIT_USAGE and "did you mean" not in far.stderr and "kvpatch help" in far.stderr
+
+
+# -- help, version, list -----------------------------------------------------------------------------------
+
+
+def _help_sections(text: str) -> dict[str, list[str]]:
+    """``{section title: [command or option names]}`` of a help text."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            current = sections.setdefault(line[:-1], [])
+        elif current is not None and line.startswith("  ") and not line.startswith("   "):
+            current.append(line.split()[0].rstrip(","))
+    return sections
+
+
+def test_bare_kvpatch_prints_the_help_and_exits_0(tmp_path):
+    """As pip does (a help request, not an error); ``python -m kvpatch`` the same."""
+    bare = _run([], cwd=tmp_path)
+    assert bare.returncode == 0 and bare.stderr == "", bare.stderr
+    for args in (["--help"], ["help"], ["-h"]):
+        assert _run(args, cwd=tmp_path).stdout == bare.stdout, args
+    module = subprocess.run(
+        [sys.executable, "-m", "kvpatch"], cwd=tmp_path, env=child_env(), capture_output=True, text=True
+    )
+    assert module.returncode == 0 and module.stdout == bare.stdout, module.stderr
+
+
+def test_help_groups_maintainer_commands_apart(tmp_path):
+    sections = _help_sections(_run(["--help"], cwd=tmp_path).stdout)
+    assert sections["commands"] == ["status", "verify", "run", "list", "version", "help"]
+    assert sections["maintainer commands"] == ["compat", "fingerprints", "upstream-check"]
+    assert sections["options"] == ["-h", "--version"]
+
+
+def test_every_command_has_a_description_and_every_option_a_help():
+    parser = cli.build_parser("upstream-check")  # with its options (loaded only for it)
+    sub = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    assert sorted(sub.choices) == sorted(name for _, commands in cli.COMMANDS for name, _ in commands)
+    for name, command in sub.choices.items():
+        assert command.description and len(command.description) > 40, name
+        for action in command._actions:
+            assert action.help, (name, action.option_strings or action.dest)
+
+
+@pytest.mark.parametrize("command", ["verify", "fingerprints", "upstream-check", "compat", "run", "list"])
+def test_command_help_describes_it(tmp_path, command):
+    """``kvpatch COMMAND --help`` and ``kvpatch help COMMAND``: a description paragraph between usage and options."""
+    proc = _run([command, "--help"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    blocks = proc.stdout.split("\n\n")
+    assert blocks[0].startswith(f"usage: kvpatch {command}") and not blocks[1].startswith(("options:", "positional"))
+    assert len(blocks[1]) > 40, proc.stdout
+    assert _run(["help", command], cwd=tmp_path).stdout == proc.stdout
+
+
+def test_compat_options_have_help(tmp_path):
+    sections = _help_sections(_run(["compat", "--help"], cwd=tmp_path).stdout)
+    assert sections["options"] == ["-h", "--write", "--check", "--path"]
+    text = _run(["compat", "--help"], cwd=tmp_path).stdout
+    assert "  --write " in text and "write the table" in text and "default: COMPAT.md" in text
+
+
+def test_version(tmp_path):
+    import kvpatch
+
+    option = _run(["--version"], cwd=tmp_path)
+    command = _run(["version"], cwd=tmp_path)
+    assert option.returncode == command.returncode == 0
+    assert option.stdout == command.stdout and len(option.stdout.splitlines()) == 1
+    assert option.stdout.startswith(f"kvpatch {kvpatch.__version__} from "), option.stdout
+    assert f"(Python {sys.version_info.major}.{sys.version_info.minor}." in option.stdout
+
+
+def test_list_names_every_patch_one_line_each(tmp_path):
+    from kvpatch import registry
+
+    ids = sorted(p.id for p in registry.load().patches)
+    proc = _run(["list"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sorted(line.split()[0] for line in lines[:-1]) == ids
+    assert lines[-1].startswith(f"{len(ids)} patches")
+    as_json = json.loads(_run(["list", "--json"], cwd=tmp_path).stdout)
+    assert sorted(p["id"] for p in as_json["patches"]) == ids and as_json["broken"] == {}
+
+
+# -- run ------------------------------------------------------------------------------------------------------
+
+
+def test_run_c_is_python_c(tmp_path):
+    code = "import sys, kvpatch; print(sys.argv, __name__, kvpatch.get_engine() is not None)"
+    proc = _run(["run", "-c", code, "a", "--b"], cwd=tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.strip() == "['-c', 'a', '--b'] __main__ True"
+    assert _run(["run", "-c", "raise SystemExit(3)"], cwd=tmp_path).returncode == 3  # the program's own status
+
+
+def test_run_module_and_script_from_the_working_directory(tmp_path):
+    (tmp_path / "kvpatch_demo_prog.py").write_text("import sys; print(__name__, sys.argv[1:])\n")
+    module = _run(["run", "-m", "kvpatch_demo_prog", "x"], cwd=tmp_path)
+    assert module.returncode == 0 and module.stdout.strip() == "__main__ ['x']", module.stderr
+    script = _run(["run", "kvpatch_demo_prog.py", "--y"], cwd=tmp_path)
+    assert script.returncode == 0 and script.stdout.strip() == "__main__ ['--y']", script.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["nonexist.py"], "can't open file 'nonexist.py'"),
+        ([], "say what to run"),
+        (["-c"], "-c needs the code to run"),
+        (["-m"], "-m needs a module name"),
+        (["--bogus"], "unknown option '--bogus'"),
+    ],
+)
+def test_run_without_a_program_is_a_usage_error(tmp_path, args, message):
+    proc = _run(["run", *args], cwd=tmp_path)
+    assert proc.returncode == cli.EXIT_USAGE, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[0].startswith("usage: kvpatch run") and len(proc.stderr.splitlines()) == 2
+
+
+def test_run_help_describes_it(tmp_path):
+    proc = _run(["run", "--help"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for text in ("-c CODE", "-m MODULE", "SCRIPT", "the way `python` runs it", "exit status: the program's own"):
+        assert text in proc.stdout, (text, proc.stdout)
+    # after the program, --help is the program's
+    child = _run(["run", "-c", "import sys; print(sys.argv)", "--help"], cwd=tmp_path)
+    assert child.stdout.strip() == "['-c', '--help']"
+
+
+# -- words ---------------------------------------------------------------------------------------------------
+
+
+def test_status_names_the_check_exit_only_when_asked(tmp_path):
+    plain = _run(["status"], cwd=tmp_path)
+    assert plain.returncode == 0 and "--check exits" not in plain.stdout, plain.stdout
+    assert "check: clean, nothing needs attention" in plain.stdout
+    check = _run(["status", "--check"], cwd=tmp_path)
+    assert check.returncode == 0 and "check: clean (exit 0)" in check.stdout, check.stdout
+
+
+def test_verify_summary_says_what_it_verified(tmp_path):
+    """``kvpatch verify`` measures only what the installed release leaves open; its summary says so (it said
+    "0 verdict(s) for this environment" right after `status --verify` had measured 23)."""
+    proc = _run(["verify"], cwd=tmp_path, env={"KVPATCH_VERDICTS": str(tmp_path / "v")})
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.splitlines()[-1]
+    assert last.startswith("kvpatch verify: verified 0 patch(es) whose outcome depends on a reproduction here"), last
+    assert "decided by the installed release need none" in last and last.endswith("0 need attention (exit 0)")
+
+
+@pytest.mark.parametrize("columns", ["60", "100"])
+def test_status_verbose_wraps_to_the_terminal_and_json_does_not(tmp_path, columns):
+    """Not a terminal: ``$COLUMNS`` or 80. A word longer than the line (a URL) is kept whole, on its own."""
+    site = _fake_mlx_lm(tmp_path / "site", b"Metadata-Version: 2.1\nName: mlx-lm\nVersion: 0.32.2\n")
+    env = {"COLUMNS": columns, "PYTHONPATH": str(site)}
+    text = _run(["status", "-v", "--no-settle"], cwd=tmp_path, env=env).stdout
+    assert "reference: " in text  # mlx-lm's patches are listed
+    long = [line for line in text.splitlines() if len(line) > int(columns) and len(line.split()) > 2]
+    assert not long, long
+    default = _run(["status", "-v", "--no-settle"], cwd=tmp_path, env={"PYTHONPATH": str(site)}).stdout
+    assert max(len(line) for line in default.splitlines() if len(line.split()) > 2) <= 80
+    narrow = json.loads(_run(["status", "--json", "--no-settle"], cwd=tmp_path, env=env).stdout)
+    env["COLUMNS"] = "400"
+    wide = json.loads(_run(["status", "--json", "--no-settle"], cwd=tmp_path, env=env).stdout)
+    assert [p["reason"] for p in narrow["patches"]] == [p["reason"] for p in wide["patches"]]
 
 
 def test_internal_error_exits_70_with_the_traceback(monkeypatch, capsys):
@@ -80,6 +266,54 @@ def test_a_kvpatch_that_cannot_be_imported_exits_70(tmp_path):
     proc = _run(["status", "--check"], cwd=tmp_path, env={"PYTHONPATH": str(broken)})
     assert proc.returncode == cli.EXIT_INTERNAL, (proc.returncode, proc.stdout, proc.stderr)
     assert "cannot be imported" in proc.stderr and "simulated broken install" in proc.stderr
+
+
+# -- output that cannot be written ----------------------------------------------------------------------------
+
+OUTPUT_COMMANDS = [
+    ["status"],
+    ["status", "--json"],
+    ["status", "-v"],
+    ["--help"],
+    ["status", "--help"],
+    ["list"],
+    ["version"],
+    [],
+    ["run", "--help"],
+]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+@pytest.mark.parametrize("args", OUTPUT_COMMANDS, ids=" ".join)
+def test_full_disk_is_an_io_error(tmp_path, args):
+    """``> /dev/full``: exit 74 (EX_IOERR) and one line on stderr, not a "bug in kvpatch" traceback (70)."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [str(SCRIPT), *args], cwd=tmp_path, env=child_env(), stdout=full, stderr=subprocess.PIPE, text=True
+        )
+    assert proc.returncode == cli.EXIT_IOERR, (proc.returncode, proc.stderr)
+    assert proc.stderr.splitlines() == ["kvpatch: cannot write the output: No space left on device (exit 74)"], (
+        proc.stderr
+    )
+
+
+@pytest.mark.parametrize("args", OUTPUT_COMMANDS[:4], ids=" ".join)
+def test_closed_stdout_is_an_io_error(tmp_path, args):
+    """``kvpatch status >&-``: Python starts with ``sys.stdout`` None; exit 74, one line."""
+    proc = subprocess.run(
+        ["bash", "-c", f"'{SCRIPT}' {' '.join(args)} >&-"],
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == cli.EXIT_IOERR, (proc.returncode, proc.stderr)
+    assert proc.stderr.splitlines() == ["kvpatch: cannot write the output: standard output is closed (exit 74)"]
+
+
+def test_io_error_is_in_the_exit_status_table(tmp_path):
+    assert cli.EXIT_IOERR == 74 and 74 in dict(cli.EXIT_CODES)
+    assert "  74   the output could not be written" in _run(["status", "--help"], cwd=tmp_path).stdout
 
 
 # -- closed pipe -------------------------------------------------------------------------------------------

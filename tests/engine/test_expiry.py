@@ -9,6 +9,7 @@ otherwise it warns.
 from __future__ import annotations
 
 import datetime as dt
+import sys
 import warnings
 
 import pytest
@@ -336,6 +337,7 @@ def test_cli_has_upstream_check():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="mlx-lm 0.32.2 needs Python 3.11")
 def test_upstream_check_on_a_pinned_release(tmp_path):
     """A real run (layers cached like the matrix): every relevant patch is measured, none fails to run."""
     import json

@@ -61,7 +61,57 @@ def test_newest_releases_fit_one_screen_and_show_only_what_is_active():
 def test_verbose_lists_every_patch_with_target_and_reason():
     text = format_text(_report(NEWEST), verbose=True)
     assert _ids_shown(text) == {p.id for p in PATCHES}
-    assert text.count("    target: ") == len(PATCHES) and text.count("    why:    ") == len(PATCHES)
+    for label in ("affected:  ", "fixed in:  ", "target:    ", "why:       ", "reference: "):
+        assert text.count(f"\n    {label}") == len(PATCHES), label
+
+
+@pytest.mark.parametrize("width", [60, 80, 132])
+def test_verbose_wraps_to_the_width(width):
+    """``status -v`` ran to 238 characters a line; every line now fits, but a single word longer than the
+    line (a URL, a dotted target) is kept whole rather than broken."""
+    report = _report(NEWEST)
+    text = format_text(report, verbose=True, width=width)
+    too_long = [line for line in text.splitlines() if len(line) > width and len(line.split()) > 2]
+    assert not too_long, too_long
+    assert max(len(line) for line in format_text(report, verbose=True).splitlines()) <= 80 + 40  # default: 80
+    # every reason is there in full, only wrapped
+    flat = " ".join(text.split())
+    assert all(" ".join(e["reason"].split()) in flat for e in report.data["patches"])
+
+
+def test_not_installed_count_names_the_package():
+    """ "50 patches: 25 not installed" read as "25 failed to install": it says whose package is absent."""
+    upstream = dict(NEWEST)
+    upstream["mlx-vlm"] = NOTHING["mlx-vlm"]
+    report = _report(upstream)
+    header = format_text(report).splitlines()[2]
+    vlm = sum(1 for p in PATCHES if p.distribution == "mlx-vlm")
+    assert header.startswith(f"{len(PATCHES)} patches: ") and header.endswith(f", {vlm} for mlx-vlm (not installed)")
+    assert "0 not installed" not in header and ": 25 not installed" not in header
+
+
+def test_check_line_names_an_exit_status_only_when_asked():
+    report = _report(NEWEST)
+    assert report.data["check"]["exit"] == 0
+    assert format_text(report).splitlines()[-2] == "check: clean, nothing needs attention"
+    assert format_text(report, check=True).splitlines()[-2] == "check: clean (exit 0)"
+    config = read_config({"KVPATCH_DISABLE": "*"}, known_ids=frozenset(p.id for p in PATCHES))
+    attention = _report(NEWEST, config)
+    if attention.data["check"]["reasons"]:
+        code = attention.data["check"]["exit"]
+        assert f"(`kvpatch status --check` exits {code}):" in format_text(attention)
+        assert f"(exit {code}):" in format_text(attention, check=True)
+
+
+def test_skipped_reproductions_are_named():
+    """ "verified: ...; 1 skipped" did not say which patch's check was skipped."""
+    report = _report(NEWEST)
+    entries = report.data["patches"]
+    entries[0]["verify"] = {"outcome": "skipped: Metal only"}
+    entries[1]["verify"] = {"outcome": "bug present, fixed by patch"}
+    line = next(line for line in format_text(report).splitlines() if line.startswith("verified: "))
+    assert f"1 skipped ({entries[0]['id']}: `kvpatch status -v` says why)" in line, line
+    assert entries[1]["id"] not in line
 
 
 @pytest.mark.parametrize("verbose", [False, True])
@@ -74,6 +124,7 @@ def test_not_installed_is_one_line_per_distribution_not_one_per_patch(verbose):
         assert "mlx-lm not installed: its" in text and "mlx-vlm not installed: its" in text
     else:
         assert "nothing to patch here: neither mlx-lm nor mlx-vlm is installed" in text
+    assert "for mlx-lm (not installed)" in text.splitlines()[2]
 
 
 def test_attention_comes_first_and_disabled_is_one_line():

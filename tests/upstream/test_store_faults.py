@@ -97,7 +97,7 @@ def test_verify_fails_when_a_verdict_was_not_stored_and_status_names_where_each_
     assert decided, [(p["id"], p["action"], p["state"]) for p in report["patches"]]
     assert {p["verdict_file"] for p in decided} == {str(verdicts / "verdicts.json")}, decided
     text = run_child(["-m", "kvpatch", "status", "-v"], env, tmp_path).stdout
-    assert f"verdict from: {verdicts / 'verdicts.json'}" in text, text[-3000:]
+    assert f"verdict:   {verdicts / 'verdicts.json'}" in text, text[-3000:]
 
 
 def test_a_changed_fingerprint_is_not_hidden_by_the_settled_status_cache(tmp_path):
