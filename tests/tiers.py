@@ -96,7 +96,6 @@ RUNNERS: frozenset[str] = frozenset({"test_matrix.py", "test_coexist.py", "test_
 #: file runs everywhere until it is named here.
 LM_ONLY: frozenset[str] = frozenset(
     {
-        "test_arrays_advance_detach.py",
         "test_arrays_mask_lengths.py",
         "test_batch_extend_empty.py",
         "test_batch_logits_processors.py",
