@@ -35,14 +35,16 @@ from ._warn import KvpatchWarning, emit
 from .config import Config, read_config
 from .detect import Upstream, detect
 from .gate import Action, Decision, decide
-from .record import DISTRIBUTIONS, Finding, Kind, Patch, Target
+from .record import DISTRIBUTIONS, Bug, Finding, Kind, Patch, Target
 from .registry import Stub
 from .surgery import MISSING as _MISSING
 from .surgery import Change
+from .verdicts import Outcome
 
 __all__ = [
     "Engine",
     "KvpatchWarning",
+    "Measurement",
     "PatchStatus",
     "State",
     "fingerprint",
@@ -80,6 +82,21 @@ _FROM_ACTION = {
 }
 
 
+@struct(frozen=True)
+class Measurement:
+    """A reproduction run without its patch (``before``) and with it (``after``): see :meth:`Engine.measure`."""
+
+    before: Finding
+    #: ``None`` when the patch was not tried (the bug was not present without it, or it is not installed).
+    after: Finding | None = None
+    #: Targets holding another library's code during the run without the patch.
+    foreign: tuple[str, ...] = ()
+
+    def outcome(self, applied: bool = True) -> tuple[Outcome, str]:
+        """The outcome and its detail (:func:`kvpatch.verdicts.judge`); ``applied`` false ignores the run with."""
+        return verdicts.judge(self.before, self.after if applied else None, self.foreign)
+
+
 @struct
 class PatchStatus:
     """What happened to one patch in this process."""
@@ -103,6 +120,8 @@ class PatchStatus:
     wrapped: list[str] = field(default_factory=list)
     #: Targets that hold another library's replacement (not upstream's code, no link to it).
     foreign: list[str] = field(default_factory=list)
+    #: The reproduction's run without and with the patch, when this process measured it (:meth:`Engine.measure`).
+    measurement: Measurement | None = None
 
     @property
     def needs_verify(self) -> bool:
@@ -406,18 +425,10 @@ class Engine:
                 return  # a hook fired by this very measurement (importing the targets): the outer call decides
             verdicts.MEASURING.add(patch.id)
             try:
-                import_target_modules(patch)
-                before = run_reproduction(patch)
-                after = None
-                if before.verdict == "present":
-                    self._install_available(st)
-                    try:
-                        after = run_reproduction(patch)
-                    finally:
-                        self._uninstall(st)
+                st.measurement = self.measure(patch, install=True)
             finally:
                 verdicts.MEASURING.discard(patch.id)
-            found = verdicts.from_findings(before, after, by=by)
+            found = verdicts.verdict_of(st.measurement.before, st.measurement.after, by=by)
             verdicts.store(verdict_key, patch, found, self.upstream)
         if found is None:
             st.state = State.UNVERIFIED
@@ -425,7 +436,7 @@ class Engine:
             return
         st.verified = found.describe()
         st.reason = f"{why}; verdict: {st.verified}"
-        if found.outcome == verdicts.FIXED:
+        if found.outcome is Outcome.FIXED:
             st.state = State.PENDING  # installed now for the modules already imported, by their hooks later
             self._install_available(st)
             if st.drift:
@@ -433,19 +444,58 @@ class Engine:
                     f"kvpatch: {patch.id} applied to drifted code after its reproduction confirmed it: {why}",
                     key=f"drift:{patch.id}",
                 )
-        elif found.outcome == verdicts.ABSENT:
+        elif found.outcome is Outcome.ABSENT:
             st.state = State.NOT_NEEDED
-        elif found.outcome == verdicts.INCONCLUSIVE:
+        elif found.outcome is Outcome.INCONCLUSIVE:
             st.state, st.error = State.INCONCLUSIVE, found.detail
             st.reason = f"{why}; the reproduction was inconclusive here ({found.detail}): not applied"
             self.warn(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"verdict:{patch.id}")
-        elif found.outcome == verdicts.SKIPPED and not st.drift:
+        elif found.outcome is Outcome.SKIPPED and not st.drift:
             st.state = State.NOT_NEEDED
             st.reason = f"{why}; the reproduction cannot run on this backend ({found.detail}): not applied"
         else:  # NOT_FIXED, or SKIPPED on drifted code
             st.state = State.DRIFTED
             st.reason = f"{why}; verdict: {st.verified}: not applied"
             self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
+
+    def measure(self, patch: Patch, *, install: bool = True) -> Measurement:
+        """Run ``patch``'s reproduction without the patch and with it: kvpatch's one "with and without".
+
+        *Without* means the patch's own changes and those of every other installed patch on one of its
+        targets taken out, enablers kept (:attr:`kvpatch.record.Patch.enabler`). Siblings go because a
+        patch on the same attribute can hide the same symptom, and the run without must see upstream's own
+        code; enablers stay because without them the reproduction cannot run on this backend at all.
+        Targets that meanwhile hold another library's code are named in ``foreign`` (an absent bug is then
+        that library's fix). *With*: the patch as this process has it; when it is not installed and ``install``
+        is on, it is installed for that run and taken out again, if the bug was present without it.
+        The target modules are imported first (their hooks run).
+        """
+        import_target_modules(patch)
+        st = self.status[patch.id]
+        with self.without(*self._sharing(patch)):
+            foreign = tuple(verdicts.foreign_targets(patch))
+            before = run_reproduction(patch)
+        after = None
+        if st.installed:
+            after = run_reproduction(patch)
+        elif install and before.bug is Bug.PRESENT:
+            self._install_available(st)
+            try:
+                after = run_reproduction(patch)
+            finally:
+                self._uninstall(st)
+        return Measurement(before, after, foreign)
+
+    def _sharing(self, patch: Patch) -> list[str]:
+        """Ids of installed patches that change one of ``patch``'s targets (itself included), less the enablers."""
+        mine = {(t.module, t.qualname) for t in patch.targets}
+        return [
+            other.id
+            for other in self.patches
+            if self.status[other.id].installed
+            and (other is patch or not other.enabler)
+            and mine & {(t.module, t.qualname) for t in other.targets}
+        ]
 
     def _install_available(self, st: PatchStatus) -> None:
         patch = st.patch

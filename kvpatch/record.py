@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DISTRIBUTIONS",
+    "Bug",
     "Expiry",
     "Finding",
     "Kind",
@@ -81,6 +82,15 @@ class Target:
         return self.qualname.rsplit(".", 1)[-1]
 
 
+class Bug(str, enum.Enum):
+    """What one reproduction run says of its bug (:attr:`Finding.bug`)."""
+
+    PRESENT = "present"
+    ABSENT = "absent"
+    INCONCLUSIVE = "inconclusive"
+    SKIPPED = "skipped"
+
+
 @struct(frozen=True)
 class Finding:
     """What a reproduction observed in the running upstream: present, absent, or inconclusive.
@@ -100,13 +110,13 @@ class Finding:
     inconclusive: str | None = None
 
     @property
-    def verdict(self) -> str:
-        """``present``, ``absent``, ``inconclusive`` or ``skipped``."""
+    def bug(self) -> Bug:
+        """What the finding says of the bug: present, absent, inconclusive or skipped."""
         if self.skipped:
-            return "skipped"
+            return Bug.SKIPPED
         if self.inconclusive:
-            return "inconclusive"
-        return "present" if self.present else "absent"
+            return Bug.INCONCLUSIVE
+        return Bug.PRESENT if self.present else Bug.ABSENT
 
     @classmethod
     def from_error(cls, exc: BaseException) -> Finding:

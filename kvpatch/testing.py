@@ -27,6 +27,7 @@ __all__ = [
     "reproduce",
     "reproduce_without",
     "same_greedy",
+    "skip_on_gap",
     "tolerance",
     "without",
 ]
@@ -51,12 +52,12 @@ def without(*patch_ids: str) -> Iterator[None]:
 
 def reproduce(patch: Patch) -> Finding:
     """``run_reproduction`` for tests: a reproduction stopped by a kernel this backend lacks skips the test."""
-    return _skip_on_gap(run_reproduction(patch))
+    return skip_on_gap(run_reproduction(patch))
 
 
 def reproduce_without(patch: Patch) -> Finding:
     with without(patch.id):
-        return _skip_on_gap(run_reproduction(patch))
+        return skip_on_gap(run_reproduction(patch))
 
 
 # -- what the backend computes, and how exactly ----------------------------------------------------------------
@@ -76,7 +77,7 @@ def backend_gap(text: str) -> str | None:
     return text if any(gap in text for gap in BACKEND_GAPS) else None
 
 
-def _skip_on_gap(finding: Finding) -> Finding:
+def skip_on_gap(finding: Finding) -> Finding:
     if finding.inconclusive and backend_gap(finding.inconclusive):
         import pytest
 

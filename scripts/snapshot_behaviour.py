@@ -8,7 +8,10 @@ machine's caches is read or written) and no background verification:
 1. ``kvpatch status --json`` (no verdicts yet),
 2. ``records()`` after importing every target module,
 3. ``kvpatch verify --json``,
-4. ``kvpatch status --json`` and ``records()`` again, with the verdicts ``verify`` stored.
+4. ``kvpatch status --json`` and ``records()`` again, with the verdicts ``verify`` stored;
+
+with ``--verify``, only ``kvpatch status --verify --json`` (every relevant reproduction, without and with
+its patch: slow).
 
 Timestamps, process ids and temporary paths are replaced by placeholders; nothing else is dropped.
 """
@@ -76,13 +79,18 @@ def main() -> int:
             KVPATCH_VERIFY="never",
             PYTHONWARNINGS="ignore",
         )
-        parts = [
-            ("status --json (no verdicts)", ["-m", "kvpatch", "status", "--json", "--fresh"]),
-            ("records() (no verdicts)", ["-c", RECORDS]),
-            ("verify --json", ["-m", "kvpatch", "verify", "--json"]),
-            ("status --json (verdicts stored)", ["-m", "kvpatch", "status", "--json", "--fresh"]),
-            ("records() (verdicts stored)", ["-c", RECORDS]),
-        ]
+        verify = [("status --verify --json", ["-m", "kvpatch", "status", "--verify", "--json", "--fresh"])]
+        parts = (
+            verify
+            if "--verify" in sys.argv[1:]
+            else [
+                ("status --json (no verdicts)", ["-m", "kvpatch", "status", "--json", "--fresh"]),
+                ("records() (no verdicts)", ["-c", RECORDS]),
+                ("verify --json", ["-m", "kvpatch", "verify", "--json"]),
+                ("status --json (verdicts stored)", ["-m", "kvpatch", "status", "--json", "--fresh"]),
+                ("records() (verdicts stored)", ["-c", RECORDS]),
+            ]
+        )
         for title, args in parts:
             print(f"===== {title}")
             print(_run(args, env, tmp))
