@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_KEEP: Any = object()
 
 
 class State(enum.Enum):
@@ -205,6 +206,23 @@ class Engine:
             return PatchStatus(patch, decision, State.FAILED, "the gate raised", error=_describe(exc))
         return PatchStatus(patch, decision, _FROM_ACTION[decision.action], decision.reason)
 
+    # -- state -------------------------------------------------------------------------------------
+    @staticmethod
+    def _set(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _KEEP) -> None:
+        """The one place a patch's state changes (``reason`` / ``error``: ``None`` / unset keep the current one)."""
+        st.state = state
+        if reason is not None:
+            st.reason = reason
+        if error is not _KEEP:
+            st.error = error
+
+    def import_failed(self, patch_id: str, module: str, exc: BaseException) -> None:
+        """A target module of a patch failed to import outside the engine's hooks (``status`` settling it):
+        its targets went with it, so the patch failed."""
+        error = f"importing {module} failed: {_describe(exc)}"
+        with self._lock:
+            self._set(self.status[patch_id], State.FAILED, f"failed: {error}", error=error)
+
     # -- activation --------------------------------------------------------------------------------
     @property
     def active(self) -> bool:
@@ -256,7 +274,7 @@ class Engine:
             self._hooked.clear()
             for st in self.status.values():
                 if st.state is State.PENDING:
-                    st.state, st.error, st.reason = State.FAILED, error, error
+                    self._set(st, State.FAILED, error, error=error)
         self.warn(error, key="activate")
 
     def deactivate(self) -> None:
@@ -272,8 +290,7 @@ class Engine:
             self._uninstall(st)
             with self._lock:
                 if st.state in (State.APPLIED, State.OVERRIDDEN):
-                    st.state = State.PENDING
-                    st.reason = st.decision.reason
+                    self._set(st, State.PENDING, st.decision.reason)
 
     def _hooking(self) -> set[str]:
         hooking: set[str] | None = getattr(self._local, "hooking", None)
@@ -410,10 +427,11 @@ class Engine:
         if self._declined(st):
             return  # nothing would change here (e.g. a CUDA-only fix on the CPU): no verdict needed
         if st.foreign:
-            st.state = State.DRIFTED
-            st.reason = (
+            self._set(
+                st,
+                State.DRIFTED,
                 f"{why}: kvpatch's fix was validated on {patch.distribution}'s code and a verdict measures that "
-                "code, not this replacement: not applied"
+                "code, not this replacement: not applied",
             )
             self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
             return
@@ -431,13 +449,12 @@ class Engine:
             found = verdicts.verdict_of(st.measurement.before, st.measurement.after, by=by)
             verdicts.store(verdict_key, patch, found, self.upstream)
         if found is None:
-            st.state = State.UNVERIFIED
-            st.reason = f"{why}; {verdicts.request_verification([verdict_key])}"
+            self._set(st, State.UNVERIFIED, f"{why}; {verdicts.request_verification([verdict_key])}")
             return
         st.verified = found.describe()
-        st.reason = f"{why}; verdict: {st.verified}"
+        verdict = f"{why}; verdict: {st.verified}"
         if found.outcome is Outcome.FIXED:
-            st.state = State.PENDING  # installed now for the modules already imported, by their hooks later
+            self._set(st, State.PENDING, verdict)  # installed now for the modules already imported, by hooks later
             self._install_available(st)
             if st.drift:
                 self.warn(
@@ -445,17 +462,16 @@ class Engine:
                     key=f"drift:{patch.id}",
                 )
         elif found.outcome is Outcome.ABSENT:
-            st.state = State.NOT_NEEDED
+            self._set(st, State.NOT_NEEDED, verdict)
         elif found.outcome is Outcome.INCONCLUSIVE:
-            st.state, st.error = State.INCONCLUSIVE, found.detail
-            st.reason = f"{why}; the reproduction was inconclusive here ({found.detail}): not applied"
+            why_not = f"{why}; the reproduction was inconclusive here ({found.detail}): not applied"
+            self._set(st, State.INCONCLUSIVE, why_not, error=found.detail)
             self.warn(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"verdict:{patch.id}")
         elif found.outcome is Outcome.SKIPPED and not st.drift:
-            st.state = State.NOT_NEEDED
-            st.reason = f"{why}; the reproduction cannot run on this backend ({found.detail}): not applied"
+            why_not = f"{why}; the reproduction cannot run on this backend ({found.detail}): not applied"
+            self._set(st, State.NOT_NEEDED, why_not)
         else:  # NOT_FIXED, or SKIPPED on drifted code
-            st.state = State.DRIFTED
-            st.reason = f"{why}; verdict: {st.verified}: not applied"
+            self._set(st, State.DRIFTED, f"{why}; verdict: {st.verified}: not applied")
             self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
 
     def measure(self, patch: Patch, *, install: bool = True) -> Measurement:
@@ -512,9 +528,7 @@ class Engine:
                 raise
         with self._lock:
             if st.installed and st.state is not State.APPLIED:
-                st.state = State.APPLIED
-                if not st.verified:
-                    st.reason = st.decision.reason
+                self._set(st, State.APPLIED, None if st.verified else st.decision.reason)
         if not st.installed:
             self._declined(st)
 
@@ -542,8 +556,8 @@ class Engine:
             seen += 1
         if not seen:
             return False
-        st.state = State.NOT_NEEDED
-        st.reason = f"{st.decision.reason}; nothing to change here: the patch declined this backend (see its record)"
+        why = f"{st.decision.reason}; nothing to change here: the patch declined this backend (see its record)"
+        self._set(st, State.NOT_NEEDED, why)
         return True
 
     def _locate(self, target: Target, module: types.ModuleType) -> Any:
@@ -645,8 +659,8 @@ class Engine:
             if note not in st.notes:
                 st.notes.append(note)
             if st.state is State.PENDING:
-                st.state = State.APPLIED
-                st.reason = f"{st.decision.reason}; installed by another kvpatch engine in this process"
+                why = f"{st.decision.reason}; installed by another kvpatch engine in this process"
+                self._set(st, State.APPLIED, why)
 
     def _upstream_original(self, target: Target, module: types.ModuleType) -> Any:
         """The upstream object at ``target``, looking through kvpatch's own changes."""
@@ -727,9 +741,8 @@ class Engine:
             self._uninstall(st)
         except Exception as inner:  # pragma: no cover - restoring failed too
             log.error("kvpatch: restoring %s failed: %s", st.patch.id, inner)
-        st.state = state
-        st.error = _describe(exc)
-        st.reason = f"{state.value}: {st.error}"
+        error = _describe(exc)
+        self._set(st, state, f"{state.value}: {error}", error=error)
         self.warn(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
 
     # -- live truth --------------------------------------------------------------------------------
@@ -750,11 +763,9 @@ class Engine:
                 gone = [detail for state, detail in results if state in ("overridden", "removed")]
                 st.wrapped = [detail for state, detail in results if state == "wrapped"]
                 if gone and st.state is State.APPLIED:
-                    st.state = State.OVERRIDDEN
-                    st.reason = "; ".join(gone)
+                    self._set(st, State.OVERRIDDEN, "; ".join(gone))
                 elif not gone and st.state is State.OVERRIDDEN:
-                    st.state = State.APPLIED
-                    st.reason = st.decision.reason
+                    self._set(st, State.APPLIED, st.decision.reason)
 
     def live_function(self, target_path: str) -> Any:
         """kvpatch's replacement function installed at ``target_path`` (``None`` when none is)."""

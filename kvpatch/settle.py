@@ -154,14 +154,11 @@ def settle(engine: Engine, *, fresh: bool = False) -> Settled:
             for module in st.patch.modules:
                 try:
                     importlib.import_module(module)
-                except Exception:
+                except Exception as exc:
                     # A module that fails to import takes its patch's targets with it: the hooks never ran.
                     # Only optional targets may live in modules that fail (e.g. Metal-only upstream modules).
                     if not all(t.optional for t in st.patch.targets if t.module == module):
-                        raise_for = sys.exc_info()[1]
-                        st.state = State.FAILED
-                        st.error = f"importing {module} failed: {type(raise_for).__name__}: {raise_for}"
-                        st.reason = f"failed: {st.error}"
+                        engine.import_failed(st.patch.id, module, exc)
         engine.refresh()
     outcomes = {
         pid: {"state": st.state.value, "reason": st.reason, "error": st.error, "notes": list(st.notes)}
