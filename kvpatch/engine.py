@@ -379,7 +379,7 @@ class Engine:
             module = sys.modules.get(target.module)
             if module is None:
                 continue
-            original = self._upstream_original(target, module)
+            original = self.upstream_original(target, module)
             if original is _MISSING:
                 continue
             st.fingerprinted.add(target)  # once per target per process
@@ -546,7 +546,7 @@ class Engine:
                 if target.optional:
                     continue  # may never exist in this release; imported later, its own hook decides again
                 return False
-            original = self._upstream_original(target, module)
+            original = self.upstream_original(target, module)
             if original is _MISSING:
                 if target.optional:
                     continue
@@ -662,7 +662,7 @@ class Engine:
                 why = f"{st.decision.reason}; installed by another kvpatch engine in this process"
                 self._set(st, State.APPLIED, why)
 
-    def _upstream_original(self, target: Target, module: types.ModuleType) -> Any:
+    def upstream_original(self, target: Target, module: types.ModuleType) -> Any:
         """The upstream object at ``target``, looking through kvpatch's own changes."""
         owner: Any = module
         for part in target.owner_path:

@@ -238,12 +238,16 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
     for module, error in engine.broken.items():
         reasons_2.append(f"{module}: could not be loaded: {error}")
     if engine.config.enforce:
-        # Review-by dates are the project's own deadlines: they fail kvpatch's CI (KVPATCH_ENFORCE=1), never
-        # an operator's health check on a calendar day with nothing changed in the environment. The runtime
-        # never imports kvpatch.maint otherwise.
-        from .maint.expiry import expiry_reasons
-
-        reasons_1.extend(expiry_reasons(engine.patches))
+        # Review-by dates are the project's own deadlines: they fail kvpatch's CI (KVPATCH_ENFORCE=1), never an
+        # operator's health check on a calendar day with nothing changed in the environment. (A patch fixed in
+        # every supported release fails kvpatch's own tests: tests/engine/test_expiry.py.)
+        for p in engine.patches:
+            if p.expiry.overdue():
+                assert p.expiry.review_by is not None
+                reasons_1.append(
+                    f"{p.id}: review-by date {p.expiry.review_by.isoformat()} has passed ({p.expiry.condition}): run "
+                    "`python -m kvpatch upstream-check`, then retire the patch or set a new Expiry(review_by=...)"
+                )
     reasons_1.extend(engine.config.problems)
     exit_code = 2 if reasons_2 else 1 if reasons_1 else 0
     data: dict[str, Any] = {

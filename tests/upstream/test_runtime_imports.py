@@ -1,0 +1,42 @@
+"""The runtime never imports maintainer tooling or test helpers.
+
+In a child process of the bucket: import kvpatch, settle ``status``, then ``status --verify`` (every relevant
+patch's reproduction without and with its patch) and ``kvpatch verify`` (every patch considered, opt-in ones
+too): afterwards no ``kvpatch.maint`` module and no ``kvpatch.testing`` is in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from support import child_env
+
+CHILD = r"""
+import argparse, contextlib, io, json, sys
+import kvpatch
+from kvpatch import status, verify
+
+engine = kvpatch.get_engine()
+status.build_report(engine)
+status.build_report(engine, verify=True)
+with contextlib.redirect_stdout(io.StringIO()):
+    verify.run(argparse.Namespace(background=False, json=True, missing=False, lock_fd=None, for_keys=""))
+loaded = sorted(m for m in sys.modules if m.startswith(("kvpatch.maint", "kvpatch.testing")))
+print("@@" + json.dumps(loaded))
+"""
+
+
+def test_runtime_imports_no_maintainer_tooling(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        env=child_env({"KVPATCH_VERDICTS": str(tmp_path / "verdicts"), "KVPATCH_CACHE": str(tmp_path / "cache")}),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("@@"))
+    assert json.loads(line[2:]) == []
