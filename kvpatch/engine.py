@@ -767,14 +767,6 @@ class Engine:
                 elif not gone and st.state is State.OVERRIDDEN:
                     self._set(st, State.APPLIED, st.decision.reason)
 
-    def live_function(self, target_path: str) -> Any:
-        """kvpatch's replacement function installed at ``target_path`` (``None`` when none is)."""
-        with self._lock:
-            for change in self._changes:
-                if change.target.path == target_path:
-                    return change.function
-        return None
-
     # -- public helpers ----------------------------------------------------------------------------
     def warn(self, message: str, *, key: str) -> None:
         """Warn once per key, through the one guarded path (never raises, never under the lock)."""

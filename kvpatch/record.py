@@ -192,15 +192,12 @@ class Patch:
     introduced_commit: str | None = None
     #: Newest upstream release on which the bug was measured (for unfixed bugs: "not fixed as of").
     checked_through: str | None = None
-    #: Catalogue id(s) in UPSTREAM-BUGS.md.
+    #: Catalogue id(s) of the bug in kvpatch's bug catalogue (e.g. ``A1+A2``), as the status report shows them.
     catalogue: str = ""
     #: Called per token / per layer per step: the replacement must be a plain function.
     hot_path: bool = False
     #: Composition order when several patches change one target: lower installs first (innermost).
     order: int = 100
-    #: Source fingerprints (see :func:`kvpatch.engine.fingerprint`) of target code this patch was
-    #: validated against. Empty means "no fingerprint check". A mismatch means drift.
-    validated: frozenset[str] = frozenset()
     #: True when the bug cannot be observed on this backend (e.g. Metal-only kernels).
     metal_only: bool = False
     #: True when the fix changes documented upstream behaviour (a policy, not a bug fix): the patch is
@@ -247,7 +244,6 @@ class Patch:
             raise RecordError(f"{self.id}: affected range {self.affected!r} has no upper bound")
         if self.fixed_in is None and self.checked_through is None:
             raise RecordError(f"{self.id}: an unfixed bug needs checked_through (the newest release measured)")
-        self.validated = frozenset(self.validated)
 
     @cached_property
     def specifier(self) -> SpecifierSet:
@@ -314,6 +310,3 @@ class Patch:
             return f"not fixed as of {self.checked_through}"
         return "not fixed"
 
-    @property
-    def target_text(self) -> str:
-        return ", ".join(t.path for t in self.targets)

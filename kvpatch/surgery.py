@@ -1,6 +1,6 @@
 """Surgery on someone else's objects: install a replacement, know whether it is still there, put things back.
 
-The rules (the anchors' way, see STYLE.md "Living in someone else's process"):
+The rules:
 
 * **Mark and metadata.** Every replacement kvpatch installs is a plain function carrying the original's
   metadata (``functools.update_wrapper``: ``__name__``, ``__qualname__``, ``__module__``, ``__doc__``,

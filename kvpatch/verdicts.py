@@ -677,9 +677,7 @@ def shipped() -> dict[str, dict[str, frozenset[str]]]:
 
 
 def validated(patch: Patch) -> dict[str, frozenset[str]]:
-    """Target path -> fingerprints the patch was validated on (the record's own ``validated`` wins)."""
-    if patch.validated:
-        return {t.path: patch.validated for t in patch.targets}
+    """Target path -> fingerprints the patch was validated on (``kvpatch/data/fingerprints.json``)."""
     return shipped().get(patch.id, {})
 
 

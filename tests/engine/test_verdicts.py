@@ -218,9 +218,10 @@ CHILD = textwrap.dedent(
     from kvpatch.record import Expiry, Finding, Patch
     mode = sys.argv[1]
     p = Patch(id="demo-bug", summary="demo", distribution="mlx-lm", affected=">=0.1.0,<=0.2.0",
-              checked_through="0.2.0", reference="none", expiry=Expiry("never"),
-              validated=frozenset(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else frozenset())
+              checked_through="0.2.0", reference="none", expiry=Expiry("never"))
     p.module = "kvpatch"
+    if len(sys.argv) > 2 and sys.argv[2]:  # the fingerprints the patch was validated on (shipped data)
+        verdicts.shipped()["demo-bug"] = {"mlx_lm.models.cache.C.f": frozenset(sys.argv[2].split(","))}
 
     @p.replace("mlx_lm.models.cache", "C.f")
     def build(original):

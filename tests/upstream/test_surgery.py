@@ -257,7 +257,7 @@ def test_aliases_outside_upstream_follow_late_activation_and_restore(run_py):
             for m in st.patch.modules:
                 if m in sys.modules:
                     eng._hook(sys.modules[m])
-        live = eng.live_function(c.target.path)
+        live = next((x.function for x in eng._changes if x.target.path == c.target.path), None)
         rebound = getattr(server, name) is live and live is not None
         kvpatch.deactivate()
         back = getattr(server, name) is original
