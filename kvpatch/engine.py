@@ -169,6 +169,8 @@ class Engine:
         self.broken = dict(broken or {})
         self.status: dict[str, PatchStatus] = {}
         self._changes: list[Change] = []  # in install order
+        #: Changes on objects a re-executed module no longer holds (see :meth:`_reinstall_reloaded`).
+        self._orphans: list[Change] = []
         #: (id(owner), name) -> the change whose original restore spliced in under a foreign wrapt proxy:
         #: resuming that patch puts its replacement back under the same proxy, not on top of it.
         self._spliced: dict[tuple[int, str], Change] = {}
@@ -291,6 +293,10 @@ class Engine:
             with self._lock:
                 if st.state in (State.APPLIED, State.OVERRIDDEN):
                     self._set(st, State.PENDING, st.decision.reason)
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+        for change in reversed(orphans):
+            surgery.restore(change)
 
     def _hooking(self) -> set[str]:
         hooking: set[str] | None = getattr(self._local, "hooking", None)
@@ -751,7 +757,9 @@ class Engine:
 
         A replacement that something else replaced (without calling it) makes the patch ``overridden``;
         one reached only through a foreign wrapper stays ``applied`` with the wrapper named in ``wrapped``.
+        A target module executed again since (``importlib.reload``) gets the patch installed again first.
         """
+        self._reinstall_reloaded()
         with self._lock:
             changes = list(self._changes)
         by_patch: dict[str, list[tuple[str, str]]] = {}
@@ -766,6 +774,27 @@ class Engine:
                     self._set(st, State.OVERRIDDEN, "; ".join(gone))
                 elif not gone and st.state is State.OVERRIDDEN:
                     self._set(st, State.APPLIED, st.decision.reason)
+
+    def _reinstall_reloaded(self) -> None:
+        """Install again what a re-executed target module (``importlib.reload``) lost.
+
+        A reload runs the module's code again in the same module object: its classes and functions are new
+        objects without kvpatch's replacements, and no import hook fires (the module is imported already).
+        The changes on the objects the module no longer holds stay where they are (instances made before the
+        reload still use them; :meth:`deactivate` restores them) and the patch is installed on the new ones.
+        """
+        with self._lock:
+            stale = [c for c in self._changes if _reexecuted(c)]
+            for change in stale:
+                self._changes.remove(change)
+                self._orphans.append(change)
+                st = self.status[change.patch_id]
+                if change.target in st.installed:
+                    st.installed.remove(change.target)
+            again = [self.status[pid] for pid in dict.fromkeys(c.patch_id for c in stale)]
+        for st in again:
+            if st.state in (State.APPLIED, State.OVERRIDDEN) and not st.suspended:
+                self._advance(st)
 
     # -- public helpers ----------------------------------------------------------------------------
     def warn(self, message: str, *, key: str) -> None:
@@ -881,6 +910,30 @@ def _mlx_state_kept() -> Iterator[None]:
             state[:] = saved
         mx.set_default_device(device)
         mx.set_default_stream(stream)
+
+
+def _reexecuted(change: Change) -> bool:
+    """True when ``change``'s module was executed again since the change (``importlib.reload``): the module
+    reaches a different owner now, or (a module-level target) holds a new function of its own code there."""
+    module = sys.modules.get(change.target.module)
+    if module is None or _executing(module):
+        return False
+    owner: Any = module
+    for part in change.target.owner_path:
+        owner = getattr(owner, part, _MISSING)
+        if owner is _MISSING:
+            return False
+    if owner is not change.owner:
+        return True
+    if change.target.owner_path:
+        return False
+    current = vars(owner).get(change.name, _MISSING)
+    return (
+        type(current) is types.FunctionType
+        and current is not change.original
+        and current.__globals__ is vars(owner)
+        and surgery.mark_of(current) is None
+    )
 
 
 def _executing(module: types.ModuleType) -> bool:

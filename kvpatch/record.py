@@ -309,4 +309,3 @@ class Patch:
         if self.checked_through:
             return f"not fixed as of {self.checked_through}"
         return "not fixed"
-
