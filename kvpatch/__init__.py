@@ -48,13 +48,11 @@ _lock = globals().get("_lock") or threading.Lock()
 
 
 def _build() -> Engine:
-    from typing import cast
-
     from . import registry
 
     stubs = registry.index()  # the units' gate facts from the shipped index: only units that apply get imported
     if stubs is not None:
-        return Engine(cast("list[Patch]", stubs))  # a Stub reads like its Patch (kvpatch.registry.Stub)
+        return Engine(stubs)
     reg = registry.load()
     return Engine(reg.patches, broken=reg.broken)
 
@@ -101,11 +99,14 @@ def records() -> list[PatchStatus]:
     """The status of every patch in this process as it is now, for servers that assert kvpatch is active.
 
     Each installed replacement is looked up again: one that something else has since replaced shows as
-    ``overridden`` (call this, or :func:`require_applied`, after your own patches are in).
+    ``overridden`` (call this, or :func:`require_applied`, after your own patches are in), and a target
+    module re-executed since (``importlib.reload``) gets its patches again. Every patch unit is imported here,
+    so each status's ``patch`` is a :class:`Patch`.
     """
     engine = get_engine()
+    patches = engine.materialise()  # every status's patch is its kvpatch.Patch (units imported now)
     engine.refresh()
-    return [engine.status[p.id] for p in engine.patches]
+    return [engine.status[p.id] for p in patches]
 
 
 def __getattr__(name: str) -> object:

@@ -70,7 +70,7 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
     engine.refresh()  # "applied" means reachable now, not installed once
     applicable: list[PatchStatus] = []
     found: list[Problem] = []
-    for patch in engine.patches:
+    for patch in engine.materialise():
         st = engine.status[patch.id]
         action = _natural(engine, st)
         if action is Action.APPLY:
@@ -105,7 +105,7 @@ def require_applied(*, import_targets: bool = True) -> list[PatchStatus]:
     if import_targets:
         for st in engine.status.values():
             if _natural(engine, st) is Action.APPLY and st.state is State.PENDING:
-                for module in st.patch.modules:
+                for module in st.record.modules:
                     with contextlib.suppress(ImportError):
                         __import__(module)
     applicable, found = problems(engine)

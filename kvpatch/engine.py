@@ -102,7 +102,7 @@ class Measurement:
 class PatchStatus:
     """What happened to one patch in this process."""
 
-    patch: Patch
+    patch: Patch | Stub
     decision: Decision
     state: State
     reason: str
@@ -123,6 +123,17 @@ class PatchStatus:
     foreign: list[str] = field(default_factory=list)
     #: The reproduction's run without and with the patch, when this process measured it (:meth:`Engine.measure`).
     measurement: Measurement | None = None
+    #: Targets whose builder returned the original it was given (that original): not asked again for it.
+    declined: dict[Target, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def record(self) -> Patch:
+        """``patch`` as its record: a patch the engine installs, verifies or restores is never an index stub
+        (those are resolved when decided, :class:`Engine`)."""
+        patch = self.patch
+        if not isinstance(patch, Patch):
+            raise TypeError(f"{patch!r} is not resolved")
+        return patch
 
     @property
     def needs_verify(self) -> bool:
@@ -156,13 +167,15 @@ class Engine:
 
     def __init__(
         self,
-        patches: Iterable[Patch],
+        patches: Iterable[Patch | Stub],
         *,
         upstream: dict[str, Upstream] | None = None,
         config: Config | None = None,
         broken: dict[str, str] | None = None,
     ) -> None:
-        self.patches = sorted(patches, key=lambda p: (p.order, p.id))
+        #: Every patch, in install order; a :class:`kvpatch.registry.Stub` stands for a unit not imported (its gate
+        #: settled it without its code) until :meth:`materialise`.
+        self.patches: list[Patch | Stub] = sorted(patches, key=lambda p: (p.order, p.id))
         self.upstream = upstream if upstream is not None else detect()
         known = frozenset(p.id for p in self.patches)
         self.config = config if config is not None else read_config(known_ids=known)
@@ -199,7 +212,7 @@ class Engine:
             self.warn(f"patch module {module} could not be loaded: {error}", key=f"broken:{module}")
 
     # -- decisions ---------------------------------------------------------------------------------
-    def _decide(self, patch: Patch) -> PatchStatus:
+    def _decide(self, patch: Patch | Stub) -> PatchStatus:
         try:
             upstream = self.upstream.get(patch.distribution) or Upstream(patch.distribution, None)
             decision = decide(patch, upstream, self.config)
@@ -207,6 +220,37 @@ class Engine:
             decision = Decision(Action.DISABLED, "gate raised")
             return PatchStatus(patch, decision, State.FAILED, "the gate raised", error=_describe(exc))
         return PatchStatus(patch, decision, _FROM_ACTION[decision.action], decision.reason)
+
+    # -- records -----------------------------------------------------------------------------------
+    def materialise(self) -> list[Patch]:
+        """Every patch as its record, in install order: the units the gate settled without their code (index
+        stubs, :func:`kvpatch.registry.index`) are imported now. A unit that fails to import is left out and
+        reported in :attr:`broken`. For readers of every record (``records()``, ``status``, vendored copies)."""
+        with self._lock:
+            stubs = [p for p in self.patches if isinstance(p, Stub)]
+        resolved: dict[str, Patch] = {}
+        failed: dict[str, str] = {}
+        for stub in stubs:  # outside the lock: importing a unit runs its code
+            try:
+                resolved[stub.id] = stub.resolve()
+            except Exception as exc:
+                failed[stub.module] = _describe(exc)
+        with self._lock:
+            for stub in stubs:
+                if stub.id in resolved and stub in self.patches:
+                    self.patches[self.patches.index(stub)] = resolved[stub.id]
+                    self.status[stub.id].patch = resolved[stub.id]
+                elif stub.module in failed and stub in self.patches:
+                    self.patches.remove(stub)
+                    self.status.pop(stub.id, None)
+                    self.broken[stub.module] = failed[stub.module]
+            return [p for p in self.patches if isinstance(p, Patch)]
+
+    @staticmethod
+    def record_of(st: PatchStatus) -> Patch:
+        """The status's patch as its record (a patch being installed or verified is never a stub)."""
+        patch = st.patch
+        return patch if isinstance(patch, Patch) else patch.resolve()
 
     # -- state -------------------------------------------------------------------------------------
     @staticmethod
@@ -242,7 +286,7 @@ class Engine:
                     names[st.patch.import_name] = None
             for st in self.status.values():
                 if st.state in (State.PENDING, State.APPLIED):
-                    for module in st.patch.modules:
+                    for module in st.record.modules:
                         names[module] = None
             fresh = [n for n in names if n not in self._hooked]
             again = [n for n in names if n in self._hooked]
@@ -328,7 +372,7 @@ class Engine:
                     self._advance(st)
             return
         for st in self._in_order():
-            if st.state in (State.PENDING, State.APPLIED) and name in st.patch.modules:
+            if st.state in (State.PENDING, State.APPLIED) and name in st.record.modules:
                 self._advance(st)
 
     def _in_order(self) -> Iterator[PatchStatus]:
@@ -372,7 +416,7 @@ class Engine:
         fingerprint is cached by its file's stat (:func:`kvpatch.verdicts.fingerprint_cached`), so a
         verified environment reads no source here. A mismatch sends the patch to its verdict.
         """
-        patch = st.patch
+        patch = self.record_of(st)
         if st.decision.action is Action.VERIFY:
             return  # the verdict decides whatever the code is (its key covers the target files)
         known = verdicts.validated(patch)
@@ -428,7 +472,7 @@ class Engine:
         verification``) and one background verification is requested. Only a verification process
         (``kvpatch verify``, ``status --verify``, the background child) measures here and stores the verdict.
         """
-        patch = st.patch
+        patch = self.record_of(st)
         why = "; ".join(st.drift) or st.decision.reason
         if self._declined(st):
             return  # nothing would change here (e.g. a CUDA-only fix on the CPU): no verdict needed
@@ -511,16 +555,16 @@ class Engine:
     def _sharing(self, patch: Patch) -> list[str]:
         """Ids of installed patches that change one of ``patch``'s targets (itself included), less the enablers."""
         mine = {(t.module, t.qualname) for t in patch.targets}
+        installed = [self.status[p.id] for p in self.patches if self.status[p.id].installed]
         return [
-            other.id
-            for other in self.patches
-            if self.status[other.id].installed
-            and (other is patch or not other.enabler)
-            and mine & {(t.module, t.qualname) for t in other.targets}
+            st.record.id
+            for st in installed
+            if (st.record is patch or not st.record.enabler)
+            and mine & {(t.module, t.qualname) for t in st.record.targets}
         ]
 
     def _install_available(self, st: PatchStatus) -> None:
-        patch = st.patch
+        patch = st.record
         for target in patch.targets:
             if any(t == target for t in st.installed):
                 continue
@@ -542,7 +586,7 @@ class Engine:
         """True (and the patch settled as not needed) when every builder whose target is imported returns the
         original: the patch has decided, from this process's backend or versions, that nothing needs changing
         (e.g. a CUDA-only fix on the CPU). A patch with a target not imported yet stays pending."""
-        patch = st.patch
+        patch = st.record
         seen = 0
         for target in patch.targets:
             module = sys.modules.get(target.module)
@@ -557,13 +601,23 @@ class Engine:
                 if target.optional:
                     continue
                 return False
-            if patch.builders[target](original) is not original:
+            if not self._builder_declines(st, target, original):
                 return False
             seen += 1
         if not seen:
             return False
         why = f"{st.decision.reason}; nothing to change here: the patch declined this backend (see its record)"
         self._set(st, State.NOT_NEEDED, why)
+        return True
+
+    @staticmethod
+    def _builder_declines(st: PatchStatus, target: Target, original: Any) -> bool:
+        """Whether the patch's builder for ``target`` returns ``original`` itself (asked once per original)."""
+        if st.declined.get(target, _MISSING) is original:
+            return True
+        if st.record.builders[target](original) is not original:
+            return False
+        st.declined[target] = original
         return True
 
     def _locate(self, target: Target, module: types.ModuleType) -> Any:
@@ -578,7 +632,7 @@ class Engine:
 
     def _install_target(self, st: PatchStatus, target: Target, module: types.ModuleType) -> Change | None:
         """Build the replacement (outside the lock: builders may import), then commit it under the lock."""
-        patch = st.patch
+        patch = st.record
         owner = self._locate(target, module)
         if owner is _MISSING:
             return None
@@ -614,9 +668,12 @@ class Engine:
                         "or it moved (retarget it)"
                     )
                 original = None
+            if st.declined.get(target, _MISSING) is original:
+                return None  # the builder declined this very original already
             function = surgery.prepare(patch.id, target, owner, original, patch.builders[target])
             if function is original:
-                return None  # the builder declined: this target needs no change here
+                st.declined[target] = original  # the builder declined: this target needs no change here
+                return None
             stored = wrapper_type(function) if wrapper_type is not None else function
             with self._lock:
                 if vars(owner).get(name, _MISSING) is not raw:
@@ -638,7 +695,7 @@ class Engine:
     def _splice_back(self, st: PatchStatus, old: Change, proxy: Any) -> Change | None:
         """Resume a patch whose original restore spliced in under a foreign proxy: splice the fix back there."""
         key = (id(old.owner), old.name)
-        function = surgery.prepare(st.patch.id, old.target, old.owner, old.original, st.patch.builders[old.target])
+        function = surgery.prepare(st.patch.id, old.target, old.owner, old.original, st.record.builders[old.target])
         with self._lock:
             self._spliced.pop(key, None)
             if proxy is not old.spliced_into or not surgery.splice_under(proxy, old.original, function):
@@ -732,7 +789,7 @@ class Engine:
     def _after_restore(self, st: PatchStatus) -> None:
         """Run the patch's restore hooks (state its replacements kept on upstream's objects, put back in upstream's
         form); a hook that raises is noted on the status and warned about once, never raised."""
-        for hook in st.patch.restore_hooks:
+        for hook in st.record.restore_hooks:
             try:
                 hook()
             except Exception as exc:

@@ -100,7 +100,8 @@ def environment_key(engine: Engine) -> str:
     ]
     for name, up in sorted(engine.upstream.items()):
         parts.append((name, up.version, up.source.kind, up.source.url, up.source.commit, up.location))
-    modules = sorted({m for p in engine.patches for m in p.modules})
+    patches = engine.materialise()
+    modules = sorted({m for p in patches for m in p.modules})
     for module in modules:
         path = _module_file(module)
         try:
@@ -108,7 +109,7 @@ def environment_key(engine: Engine) -> str:
         except OSError:
             st = None
         parts.append((module, path, st.st_size if st else None, st.st_mtime_ns if st else None))
-    parts.append(sorted(p.id for p in engine.patches))
+    parts.append(sorted(p.id for p in patches))
     # the verdicts decide too: a `kvpatch verify` (or a background verification) since the last settle changes
     # what an import does, so the settled outcome must not outlive it (fingerprints stored beside them do not count)
     parts.append(verdicts.digest())
@@ -151,13 +152,13 @@ def settle(engine: Engine, *, fresh: bool = False) -> Settled:
         for st in list(engine.status.values()):
             if st.state is not State.PENDING:
                 continue
-            for module in st.patch.modules:
+            for module in st.record.modules:
                 try:
                     importlib.import_module(module)
                 except Exception as exc:
                     # A module that fails to import takes its patch's targets with it: the hooks never ran.
                     # Only optional targets may live in modules that fail (e.g. Metal-only upstream modules).
-                    if not all(t.optional for t in st.patch.targets if t.module == module):
+                    if not all(t.optional for t in st.record.targets if t.module == module):
                         engine.import_failed(st.patch.id, module, exc)
         engine.refresh()
     outcomes = {

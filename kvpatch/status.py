@@ -81,9 +81,8 @@ def _finding(f: Finding | None) -> dict[str, Any] | None:
 def verify_patch(engine: Engine, st: PatchStatus) -> tuple[Outcome, dict[str, Any]]:
     """The patch's reproduction without and (where applied) with it (:meth:`kvpatch.engine.Engine.measure`),
     reusing the measurement the engine made in this process when it settled a verdict (each side runs once)."""
-    patch = st.patch
     try:
-        measured = st.measurement or engine.measure(patch, install=False)
+        measured = st.measurement or engine.measure(engine.record_of(st), install=False)
     except Exception as exc:
         text = f"{Outcome.COULD_NOT_RUN.value}: {type(exc).__name__}: {exc}"
         return Outcome.COULD_NOT_RUN, {"outcome": text, "without_patch": None, "with_patch": None, "foreign": []}
@@ -147,7 +146,7 @@ def _cached_verdict(engine: Engine, st: PatchStatus) -> str | None:
     """The stored verdict for a patch the reproduction decides (read without importing upstream)."""
     if st.decision.action is not Action.VERIFY:
         return None
-    found = verdicts.lookup(verdicts.key(st.patch, engine.upstream))
+    found = verdicts.lookup(verdicts.key(engine.record_of(st), engine.upstream))
     return found.describe() if found else None
 
 
@@ -158,6 +157,7 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
 
 
 def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) -> Report:
+    records = engine.materialise()  # the report shows every record
     settled = None
     if settle and not verify:
         from .settle import settle as settle_outcomes
@@ -171,7 +171,7 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
         for st in engine.status.values():
             if _relevant_for_verify(st):
                 try:
-                    import_target_modules(st.patch)
+                    import_target_modules(engine.record_of(st))
                 except Exception:  # reported per patch by verify_patch
                     pass
     patches: list[dict[str, Any]] = []
@@ -179,7 +179,7 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
     reasons_1: list[str] = []
     reasons_2: list[str] = []
     outcomes: dict[str, Outcome] = {}
-    for p in engine.patches:
+    for p in records:
         st = engine.status[p.id]
         entry: dict[str, Any] = {
             "id": p.id,
@@ -241,7 +241,7 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
         # Review-by dates are the project's own deadlines: they fail kvpatch's CI (KVPATCH_ENFORCE=1), never an
         # operator's health check on a calendar day with nothing changed in the environment. (A patch fixed in
         # every supported release fails kvpatch's own tests: tests/engine/test_expiry.py.)
-        for p in engine.patches:
+        for p in records:
             if p.expiry.overdue():
                 assert p.expiry.review_by is not None
                 reasons_1.append(

@@ -19,6 +19,7 @@ from .gate import Decision, decide
 # The reproductions' own helpers (they run at run time), re-exported for the tests.
 from .patches._reproduce import matmul_precision, tiny_pixtral_language_model, tolerance  # noqa: F401
 from .record import Finding, Patch
+from .registry import Stub
 
 __all__ = [
     "agreeing_steps",
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-def natural_decision(patch: Patch) -> Decision:
+def natural_decision(patch: Patch | Stub) -> Decision:
     engine = get_engine()
     upstream = engine.upstream.get(patch.distribution) or Upstream(patch.distribution, None)
     return decide(patch, upstream, Config(enable_all=True))

@@ -279,7 +279,8 @@ def _upstream_fingerprints(engine: Engine) -> dict[str, list[_Upstream]]:
     applicable = _applicable(engine)
     out: dict[str, list[_Upstream]] = {}
     texts: dict[str, dict[str, tuple[str, str, int]]] = {}
-    for patch in engine.patches:
+    patches = engine.materialise()
+    for patch in patches:
         if patch.id not in applicable:
             continue
         for target in patch.targets:
@@ -288,7 +289,7 @@ def _upstream_fingerprints(engine: Engine) -> dict[str, list[_Upstream]]:
             if target.module not in texts:
                 path = _module_file(target.module)
                 source = _read(path) if path is not None else None
-                wanted = frozenset(t.attribute for p in engine.patches for t in p.targets if t.module == target.module)
+                wanted = frozenset(t.attribute for p in patches for t in p.targets if t.module == target.module)
                 texts[target.module] = _definitions(source, wanted) if source else {}
             found = texts[target.module].get(target.qualname)
             if found is not None:
@@ -400,7 +401,7 @@ def _owner(copy: Copy) -> tuple[Any, str]:
 
 
 def _install(engine: Engine, copy: Copy) -> None:
-    patch = next(p for p in engine.patches if p.id == copy.patch_id)
+    patch = engine.status[copy.patch_id].record
     target = next(t for t in patch.targets if t.path == copy.target)
     owner, name = _owner(copy)
     static = inspect.getattr_static(owner, name)
