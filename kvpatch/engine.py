@@ -1,12 +1,13 @@
 """Apply and restore patches through post-import hooks: the lifecycle of kvpatch in one process.
 
-The engine decides once per process (the gate), registers a wrapt post-import hook per target module,
+The engine decides once per process (the gate), registers a post-import hook per target module (kvpatch's
+own registry, :func:`hook_registry`),
 and when a module arrives installs the patches that apply to it. Replacements are plain functions set on
 the owner (module or class): nothing wraps them per call. The surgery itself (marks, metadata, foreign
 wrappers, restore, aliases) lives in :mod:`kvpatch.surgery`; this module keeps the lifecycle.
 
 Threads and imports: the engine's lock guards only its own bookkeeping and is never held while importing,
-while calling a patch's builder (builders may import), while registering wrapt hooks, or while warning.
+while calling a patch's builder (builders may import), while registering hooks, or while warning.
 Replacements are built outside the lock and committed under it; a target that meanwhile got kvpatch's
 replacement from another thread (or another engine: the mark tells) is not patched twice.
 
@@ -48,6 +49,8 @@ __all__ = [
     "PatchStatus",
     "State",
     "fingerprint",
+    "fingerprint_source",
+    "hook_registry",
 ]
 
 log = logging.getLogger(__name__)
@@ -157,6 +160,13 @@ def fingerprint(obj: Any) -> str | None:
         text = inspect.getsource(func)
     except (OSError, TypeError):
         return None
+    return fingerprint_source(text)
+
+
+def fingerprint_source(text: str) -> str:
+    """The fingerprint of a definition's source text: its non-blank lines stripped, comment lines dropped,
+    hashed. One normalisation for live objects (:func:`fingerprint`), source files read without importing
+    them (:mod:`kvpatch.vendored`) and the recorded data (``scripts/record_fingerprints.py``)."""
     lines = [line.strip() for line in text.splitlines()]
     body = "\n".join(line for line in lines if line and not line.startswith("#"))
     return hashlib.sha256(body.encode()).hexdigest()[:12]
@@ -293,15 +303,15 @@ class Engine:
             self._hooked.update(fresh)
         if not names:
             return
-        # Outside the lock: wrapt may call the hook at once (module already imported), and our hook
+        # Outside the lock: the registry may call the hook at once (module already imported), and our hook
         # takes the lock itself; holding it here could deadlock against an import in another thread.
-        for name in again:  # re-activation: wrapt will not call us again for these
+        for name in again:  # re-activation: the registry will not call us again for these
             loaded = sys.modules.get(name)
             if loaded is not None:
                 self._hook(loaded)
         if not fresh:
             return
-        register = _hook_registry()
+        register = hook_registry()
         if isinstance(register, BaseException):  # no registry: no hook will ever fire, nothing pending will apply
             self._cannot_activate(register)
             return
@@ -435,9 +445,11 @@ class Engine:
             st.fingerprinted.add(target)  # once per target per process
             fp = verdicts.fingerprint_cached(original, fingerprint)
             if fp not in recorded:
-                owner_module = getattr(original, "__module__", None)
                 top = target.module.split(".", 1)[0]
-                if isinstance(owner_module, str) and owner_module.split(".", 1)[0] != top:
+                # a proxy forwards upstream's name and is looked through by the fingerprint: only a plain
+                # function of another library is someone else's code here
+                where = surgery.foreign(original, top) if type(original) is types.FunctionType else None
+                if where is not None:
                     inner = next(
                         (
                             node
@@ -451,7 +463,6 @@ class Engine:
                         continue  # another library's wrapper around upstream code kvpatch validated
                     # Another library replaced upstream's code before kvpatch came (and does not reach it):
                     # a verdict measures upstream's code in a clean process, so none can vouch for this.
-                    where = f"{owner_module}.{getattr(original, '__qualname__', '?')}"
                     st.foreign.append(target.path)
                     st.drift.append(
                         f"{target.path} is {where}, another library's replacement of {patch.distribution}'s "
@@ -674,14 +685,15 @@ class Engine:
             if function is original:
                 st.declined[target] = original  # the builder declined: this target needs no change here
                 return None
-            stored = wrapper_type(function) if wrapper_type is not None else function
             with self._lock:
                 if vars(owner).get(name, _MISSING) is not raw:
                     continue  # someone changed the attribute while we built: look again
                 if target in st.installed:
                     return None  # another thread of this engine got there first
-                setattr(owner, name, stored)
-                change = Change(patch.id, target, owner, name, had_own, raw, original, stored, function)
+                change = surgery.commit(
+                    patch.id, target, owner, name, had_own=had_own, raw=raw, original=original, function=function,
+                    wrapper=wrapper_type,
+                )  # fmt: skip
                 self._changes.append(change)
                 st.installed.append(target)
             if isinstance(owner, types.ModuleType) and original is not None:
@@ -887,7 +899,7 @@ class Engine:
             return [(c.patch_id, c.target.path) for c in self._changes]
 
 
-def _hook_registry() -> Any:
+def hook_registry() -> Any:
     """``register_post_import_hook(hook, name)``: the bootstrap's registry (``kvpatch._site``: runs hooks after
     each module's code, never inside the import system's lock), else wrapt's; or the error when neither loads."""
     try:

@@ -27,7 +27,6 @@ gates on upstream's state as it does there; such a target stays unpatched in the
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import logging
 import os
@@ -41,6 +40,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import surgery
+from .engine import fingerprint_source, hook_registry
 from .record import DISTRIBUTIONS, Kind, Target
 
 if TYPE_CHECKING:
@@ -51,7 +52,6 @@ __all__ = [
     "VARIABLE",
     "Copy",
     "apply",
-    "fingerprint_source",
     "format_copies",
     "hook",
     "restore",
@@ -105,13 +105,8 @@ class Copy:
 @dataclass
 class _Installed:
     copy: Copy
-    owner: Any
-    name: str
-    had_own: bool
-    raw: Any
-    replacement: Any
-    #: The engine's restore record (``kvpatch.surgery.Change``) where this kvpatch has the surgery module.
-    change: Any = None
+    #: How to put the copy's original back.
+    change: surgery.Change
 
 
 @dataclass
@@ -138,13 +133,6 @@ def setting(environ: Mapping[str, str] | None = None) -> tuple[bool, tuple[str, 
 
 
 # -- fingerprints from source text ----------------------------------------------------------------
-def fingerprint_source(text: str) -> str:
-    """:func:`kvpatch.engine.fingerprint`'s hash of a definition's source text."""
-    lines = [line.strip() for line in text.splitlines()]
-    body = "\n".join(line for line in lines if line and not line.startswith("#"))
-    return hashlib.sha256(body.encode()).hexdigest()[:12]
-
-
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
     """``{qualname: (fingerprint, first line, lines)}`` of every function named in ``names`` defined in
     ``source`` at module level or inside classes (any depth), found by indentation, not by parsing: a
@@ -401,16 +389,20 @@ def _owner(copy: Copy) -> tuple[Any, str]:
 
 
 def _install(engine: Engine, copy: Copy) -> None:
+    """Patch one copy through kvpatch's one install step (:func:`kvpatch.surgery.prepare` and
+    :func:`~kvpatch.surgery.commit`): the replacement carries the original's metadata and kvpatch's mark, and
+    restore puts back only what is still kvpatch's (foreign wrappers stay, wrapt proxies get a splice)."""
     patch = engine.status[copy.patch_id].record
     target = next(t for t in patch.targets if t.path == copy.target)
     owner, name = _owner(copy)
     static = inspect.getattr_static(owner, name)
+    if surgery.carries(static, copy.patch_id):
+        copy.state = "patched"
+        return
     wrapper = type(static) if isinstance(static, (classmethod, staticmethod)) else None
     original = static.__func__ if wrapper else getattr(owner, name)
-    ours = any(i.owner is owner and i.name == name and i.replacement is static for i in _state.installed)
-    marks = _surgery()
-    if not ours and marks is not None:  # stacked on another kvpatch replacement of the copy (or an added attribute)
-        ours = any(marks.mark_of(node) is not None for node in marks.chain(static))
+    # stacked on another kvpatch replacement of the copy (or an added attribute): the copy's code is under it
+    ours = any(surgery.mark_of(node) is not None for node in surgery.chain(static))
     probe: Any = (original.fset or original.fget) if isinstance(original, property) else original
     code = getattr(inspect.unwrap(probe), "__code__", None)
     home = _module_file(copy.module)
@@ -420,48 +412,17 @@ def _install(engine: Engine, copy: Copy) -> None:
         return
     own = vars(owner)
     had_own = name in own
-    raw = own[name] if had_own else _MISSING
-    surgery = _surgery()
-    if surgery is not None:
-        # The engine's own rules: the replacement carries the original's metadata and kvpatch's mark, and
-        # restore puts back only what is still kvpatch's (foreign wrappers stay, wrapt proxies get a splice).
-        if surgery.carries(static, copy.patch_id):
-            copy.state = "patched"
-            return
-        where = Target(copy.module, copy.qualname)
-        function = surgery.prepare(copy.patch_id, where, owner, original, patch.builders[target])
-        if function is original:
-            copy.state = "not patched: the patch's builder declined for this copy"
-            return
-        stored = wrapper(function) if wrapper is not None else function
-        setattr(owner, name, stored)
-        change = surgery.Change(
-            patch_id=copy.patch_id, target=where, owner=owner, name=name, had_own=had_own,
-            raw_original=raw if raw is not _MISSING else surgery.MISSING, original=original, stored=stored,
-            function=function,
-        )  # fmt: skip
-        _state.installed.append(_Installed(copy, owner, name, had_own, raw, stored, change))
-        copy.state = "patched"
-        return
-    replacement = patch.builders[target](original)
-    if replacement is original:
+    where = Target(copy.module, copy.qualname)
+    function = surgery.prepare(copy.patch_id, where, owner, original, patch.builders[target])
+    if function is original:
         copy.state = "not patched: the patch's builder declined for this copy"
         return
-    if wrapper is not None:
-        replacement = wrapper(replacement)
-    setattr(owner, name, replacement)
-    _state.installed.append(_Installed(copy, owner, name, had_own, raw, replacement))
+    change = surgery.commit(
+        copy.patch_id, where, owner, name, had_own=had_own, raw=own[name] if had_own else surgery.MISSING,
+        original=original, function=function, wrapper=wrapper,
+    )  # fmt: skip
+    _state.installed.append(_Installed(copy, change))
     copy.state = "patched"
-
-
-def _surgery() -> Any:
-    """The engine's surgery module where this kvpatch has one (install/restore rules shared with upstream
-    targets), else None (this module's own restore records are used)."""
-    try:
-        from . import surgery  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:
-        return None
-    return surgery
 
 
 def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> list[Copy]:
@@ -508,23 +469,10 @@ def restore() -> list[str]:
     restored = []
     with _state.lock:
         for item in reversed(_state.installed):
-            if item.change is not None:
-                surgery = _surgery()
-                note = surgery.restore(item.change) if surgery is not None else None
-                if note:
-                    log.warning("kvpatch: vendored copy: %s", note)
-                    continue
-                item.copy.state = "found"
-                restored.append(item.copy.path)
+            note = surgery.restore(item.change)
+            if note:
+                log.warning("kvpatch: vendored copy: %s", note)
                 continue
-            current = vars(item.owner).get(item.name, _MISSING)
-            if current is not item.replacement:
-                log.warning("kvpatch: %s was replaced after kvpatch patched it; left as it is", item.copy.path)
-                continue
-            if item.had_own:
-                setattr(item.owner, item.name, item.raw)
-            else:
-                delattr(item.owner, item.name)
             item.copy.state = "found"
             restored.append(item.copy.path)
         _state.installed.clear()
@@ -539,8 +487,9 @@ def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
     if not on:
         return
     try:
-        import wrapt
-
+        register = hook_registry()  # kvpatch's own post-import hooks: they run after the module's code, no lock held
+        if isinstance(register, BaseException):
+            raise register
         for name in names:
             with _state.lock:
                 if name in _state.hooked:
@@ -549,14 +498,14 @@ def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
             current = sys.modules.get(name)
             if current is not None and getattr(getattr(current, "__spec__", None), "_initializing", False):
                 # Activation came from inside this module's own import (it imports upstream): its classes
-                # are not defined yet and wrapt would call the hook now, never again. Left to apply().
+                # are not defined yet and the registry would call the hook now, never again. Left to apply().
                 log.info("kvpatch: %s is still being imported; call kvpatch.vendored.apply()", name)
                 continue
 
             def patch_module(module: types.ModuleType, _engine: Engine = engine) -> None:
                 apply(_engine, modules=[module.__name__], force=True)
 
-            wrapt.register_post_import_hook(patch_module, name)
+            register(patch_module, name)
     except Exception as exc:
         log.warning("kvpatch: could not hook vendored modules: %s: %s", type(exc).__name__, exc)
 

@@ -60,7 +60,6 @@ import logging
 import os
 import sys
 import time
-import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -621,6 +620,7 @@ def foreign_targets(patch: Patch) -> list[str]:
     Upstream's own: a plain function (or classmethod / staticmethod of one) defined in a module of the
     patch's distribution. kvpatch's own replacements count as foreign here: take them out first.
     """
+    from . import surgery
     from .record import Kind
 
     found = []
@@ -637,19 +637,9 @@ def foreign_targets(patch: Patch) -> list[str]:
             live = inspect.getattr_static(owner, target.attribute)
         except AttributeError:
             continue
-        func = getattr(live, "__func__", live) if isinstance(live, (classmethod, staticmethod)) else live
-        if isinstance(func, types.FunctionType):
-            module = func.__module__ or ""
-            if module == package or module.startswith(package + "."):
-                continue
-            found.append(f"{target.path}: {module}.{func.__qualname__}")
-        else:
-            kind = type(func)
-            inner = getattr(func, "__wrapped__", None)
-            wraps = ""
-            if inner is not None:
-                wraps = f" around {getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', '?')}"
-            found.append(f"{target.path}: {kind.__module__}.{kind.__qualname__}{wraps}")
+        who = surgery.foreign(live, package)
+        if who is not None:
+            found.append(f"{target.path}: {who}")
     return found
 
 
