@@ -87,6 +87,13 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
             # pending verification with its modules imported: the fix may be needed and is not in
             # (``kvpatch verify`` settles it); inconclusive: nobody knows whether it is needed
             found.append(Problem(patch.id, st.state.value, st.error or st.reason))
+    vendored = sys.modules.get("kvpatch.vendored")  # copies a server registered (kvpatch.register_copy)
+    for st in vendored.copy_records() if vendored is not None else ():
+        if st.decision.action is Action.APPLY:
+            applicable.append(st)
+            pending = st.state is State.PENDING and st.copy not in loaded
+            if st.state not in (State.APPLIED, State.NOT_NEEDED) and not pending:
+                found.append(Problem(f"{st.record.id} in {st.copy}", st.state.value, st.error or st.reason))
     for module, error in engine.broken.items():
         found.append(Problem(module, "broken", error))
     return applicable, found

@@ -51,6 +51,7 @@ __all__ = [
     "fingerprint",
     "fingerprint_source",
     "hook_registry",
+    "set_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,9 @@ class PatchStatus:
     wrapped: list[str] = field(default_factory=list)
     #: Targets that hold another library's replacement (not upstream's code, no link to it).
     foreign: list[str] = field(default_factory=list)
+    #: ``None``: the patch on upstream's own module; else the module of a vendored copy a server registered
+    #: (:func:`kvpatch.register_copy`), whose status this is.
+    copy: str | None = None
     #: The reproduction's run without and with the patch, when this process measured it (:meth:`Engine.measure`).
     measurement: Measurement | None = None
     #: Targets whose builder returned the original it was given (that original): not asked again for it.
@@ -263,21 +267,12 @@ class Engine:
         return patch if isinstance(patch, Patch) else patch.resolve()
 
     # -- state -------------------------------------------------------------------------------------
-    @staticmethod
-    def _set(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _KEEP) -> None:
-        """The one place a patch's state changes (``reason`` / ``error``: ``None`` / unset keep the current one)."""
-        st.state = state
-        if reason is not None:
-            st.reason = reason
-        if error is not _KEEP:
-            st.error = error
-
     def import_failed(self, patch_id: str, module: str, exc: BaseException) -> None:
         """A target module of a patch failed to import outside the engine's hooks (``status`` settling it):
         its targets went with it, so the patch failed."""
         error = f"importing {module} failed: {_describe(exc)}"
         with self._lock:
-            self._set(self.status[patch_id], State.FAILED, f"failed: {error}", error=error)
+            set_state(self.status[patch_id], State.FAILED, f"failed: {error}", error=error)
 
     # -- activation --------------------------------------------------------------------------------
     @property
@@ -330,7 +325,7 @@ class Engine:
             self._hooked.clear()
             for st in self.status.values():
                 if st.state is State.PENDING:
-                    self._set(st, State.FAILED, error, error=error)
+                    set_state(st, State.FAILED, error, error=error)
         self.warn(error, key="activate")
 
     def deactivate(self) -> None:
@@ -346,7 +341,7 @@ class Engine:
             self._uninstall(st)
             with self._lock:
                 if st.state in (State.APPLIED, State.OVERRIDDEN):
-                    self._set(st, State.PENDING, st.decision.reason)
+                    set_state(st, State.PENDING, st.decision.reason)
         with self._lock:
             orphans, self._orphans = self._orphans, []
         for change in reversed(orphans):
@@ -488,7 +483,7 @@ class Engine:
         if self._declined(st):
             return  # nothing would change here (e.g. a CUDA-only fix on the CPU): no verdict needed
         if st.foreign:
-            self._set(
+            set_state(
                 st,
                 State.DRIFTED,
                 f"{why}: kvpatch's fix was validated on {patch.distribution}'s code and a verdict measures that "
@@ -510,12 +505,12 @@ class Engine:
             found = verdicts.verdict_of(st.measurement.before, st.measurement.after, by=by)
             verdicts.store(verdict_key, patch, found, self.upstream)
         if found is None:
-            self._set(st, State.UNVERIFIED, f"{why}; {verdicts.request_verification([verdict_key])}")
+            set_state(st, State.UNVERIFIED, f"{why}; {verdicts.request_verification([verdict_key])}")
             return
         st.verified = found.describe()
         verdict = f"{why}; verdict: {st.verified}"
         if found.outcome is Outcome.FIXED:
-            self._set(st, State.PENDING, verdict)  # installed now for the modules already imported, by hooks later
+            set_state(st, State.PENDING, verdict)  # installed now for the modules already imported, by hooks later
             self._install_available(st)
             if st.drift:
                 self.warn(
@@ -523,16 +518,16 @@ class Engine:
                     key=f"drift:{patch.id}",
                 )
         elif found.outcome is Outcome.ABSENT:
-            self._set(st, State.NOT_NEEDED, verdict)
+            set_state(st, State.NOT_NEEDED, verdict)
         elif found.outcome is Outcome.INCONCLUSIVE:
             why_not = f"{why}; the reproduction was inconclusive here ({found.detail}): not applied"
-            self._set(st, State.INCONCLUSIVE, why_not, error=found.detail)
+            set_state(st, State.INCONCLUSIVE, why_not, error=found.detail)
             self.warn(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"verdict:{patch.id}")
         elif found.outcome is Outcome.SKIPPED and not st.drift:
             why_not = f"{why}; the reproduction cannot run on this backend ({found.detail}): not applied"
-            self._set(st, State.NOT_NEEDED, why_not)
+            set_state(st, State.NOT_NEEDED, why_not)
         else:  # NOT_FIXED, or SKIPPED on drifted code
-            self._set(st, State.DRIFTED, f"{why}; verdict: {st.verified}: not applied")
+            set_state(st, State.DRIFTED, f"{why}; verdict: {st.verified}: not applied")
             self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
 
     def measure(self, patch: Patch, *, install: bool = True) -> Measurement:
@@ -589,7 +584,7 @@ class Engine:
                 raise
         with self._lock:
             if st.installed and st.state is not State.APPLIED:
-                self._set(st, State.APPLIED, None if st.verified else st.decision.reason)
+                set_state(st, State.APPLIED, None if st.verified else st.decision.reason)
         if not st.installed:
             self._declined(st)
 
@@ -618,7 +613,7 @@ class Engine:
         if not seen:
             return False
         why = f"{st.decision.reason}; nothing to change here: the patch declined this backend (see its record)"
-        self._set(st, State.NOT_NEEDED, why)
+        set_state(st, State.NOT_NEEDED, why)
         return True
 
     @staticmethod
@@ -735,7 +730,7 @@ class Engine:
                 st.notes.append(note)
             if st.state is State.PENDING:
                 why = f"{st.decision.reason}; installed by another kvpatch engine in this process"
-                self._set(st, State.APPLIED, why)
+                set_state(st, State.APPLIED, why)
 
     def upstream_original(self, target: Target, module: types.ModuleType) -> Any:
         """The upstream object at ``target``, looking through kvpatch's own changes."""
@@ -817,7 +812,7 @@ class Engine:
         except Exception as inner:  # pragma: no cover - restoring failed too
             log.error("kvpatch: restoring %s failed: %s", st.patch.id, inner)
         error = _describe(exc)
-        self._set(st, state, f"{state.value}: {error}", error=error)
+        set_state(st, state, f"{state.value}: {error}", error=error)
         self.warn(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
 
     # -- live truth --------------------------------------------------------------------------------
@@ -840,9 +835,9 @@ class Engine:
                 gone = [detail for state, detail in results if state in ("overridden", "removed")]
                 st.wrapped = [detail for state, detail in results if state == "wrapped"]
                 if gone and st.state is State.APPLIED:
-                    self._set(st, State.OVERRIDDEN, "; ".join(gone))
+                    set_state(st, State.OVERRIDDEN, "; ".join(gone))
                 elif not gone and st.state is State.OVERRIDDEN:
-                    self._set(st, State.APPLIED, st.decision.reason)
+                    set_state(st, State.APPLIED, st.decision.reason)
 
     def _reinstall_reloaded(self) -> None:
         """Install again what a re-executed target module (``importlib.reload``) lost.
@@ -979,6 +974,16 @@ def _mlx_state_kept() -> Iterator[None]:
             state[:] = saved
         mx.set_default_device(device)
         mx.set_default_stream(stream)
+
+
+def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _KEEP) -> None:
+    """The one place a patch's state changes (``reason`` / ``error``: ``None`` / unset keep the current one).
+    Callers hold the engine's lock where another thread may change the same status."""
+    st.state = state
+    if reason is not None:
+        st.reason = reason
+    if error is not _KEEP:
+        st.error = error
 
 
 def _reexecuted(change: Change) -> bool:

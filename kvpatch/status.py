@@ -237,6 +237,7 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
         patches.append(entry)
     for module, error in engine.broken.items():
         reasons_2.append(f"{module}: could not be loaded: {error}")
+    copies = _copies(reasons_1, reasons_2)
     if engine.config.enforce:
         # Review-by dates are the project's own deadlines: they fail kvpatch's CI (KVPATCH_ENFORCE=1), never an
         # operator's health check on a calendar day with nothing changed in the environment. (A patch fixed in
@@ -259,12 +260,28 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
         "upstream": {name: upstream_entry(up) for name, up in engine.upstream.items()},
         "settled": None if settled is None else {"how": settled.how, "at": settled.at},
         "patches": patches,
+        **({"copies": copies} if copies else {}),
         "broken": dict(engine.broken),
         "problems": list(engine.config.problems),
         "summary": summary,
         "check": {"exit": exit_code, "reasons": reasons_2 + reasons_1},
     }
     return Report(data, outcomes)
+
+
+def _copies(reasons_1: list[str], reasons_2: list[str]) -> list[dict[str, Any]]:
+    """One entry per (patch, vendored copy a server registered): ``{"id", "copy", "state", "reason", "error"}``
+    (the report's ``copies`` key, present when a copy is registered); their check reasons are added."""
+    vendored = sys.modules.get("kvpatch.vendored")
+    out = []
+    for st in vendored.copy_records() if vendored is not None else ():
+        pid, state = st.patch.id, st.state.value
+        out.append({"id": pid, "copy": st.copy, "state": state, "reason": st.reason, "error": st.error})
+        if state in _FAILING:
+            reasons_2.append(f"{pid} in {st.copy}: {st.reason}")
+        elif state in _ATTENTION or st.state is State.UNVERIFIED:
+            reasons_1.append(f"{pid} in {st.copy}: {state}: {st.reason}")
+    return out
 
 
 # -- presentation -------------------------------------------------------------------------------------

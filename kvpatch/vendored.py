@@ -45,15 +45,17 @@ from .engine import fingerprint_source, hook_registry
 from .record import DISTRIBUTIONS, Kind, Target
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .engine import Engine, PatchStatus
 
 __all__ = [
     "KNOWN",
     "VARIABLE",
     "Copy",
     "apply",
+    "copy_records",
     "format_copies",
     "hook",
+    "register_copy",
     "restore",
     "scan",
     "setting",
@@ -110,12 +112,25 @@ class _Installed:
 
 
 @dataclass
+class _Registered:
+    """A copy a server registered in code (:func:`register_copy`): one status per patch, and its changes."""
+
+    module: str
+    of: str
+    version: str
+    statuses: dict[str, PatchStatus] = field(default_factory=dict)
+    changes: dict[str, list[surgery.Change]] = field(default_factory=dict)
+
+
+@dataclass
 class _State:
     lock: threading.RLock = field(default_factory=threading.RLock)
     installed: list[_Installed] = field(default_factory=list)
     hooked: set[str] = field(default_factory=set)
     #: The last state :func:`apply` gave each (patch id, copy path) that it did not patch.
     notes: dict[tuple[str, str], str] = field(default_factory=dict)
+    #: Copies registered in code, by module name.
+    registered: dict[str, _Registered] = field(default_factory=dict)
 
 
 _state = _State()
@@ -466,8 +481,23 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
 def restore() -> list[str]:
     """Take kvpatch's replacements out of vendored copies where they are still in place; returns the paths
     restored. A replacement someone wrapped since is left (with the wrapper) and logged."""
+    from .engine import State, set_state
+
     restored = []
     with _state.lock:
+        for reg in _state.registered.values():
+            for pid, changes in reg.changes.items():
+                for change in reversed(changes):
+                    note = surgery.restore(change)
+                    if note:
+                        log.warning("kvpatch: vendored copy: %s", note)
+                    else:
+                        restored.append(change.target.path)
+                st = reg.statuses[pid]
+                st.installed = []
+                if st.state in (State.APPLIED, State.OVERRIDDEN):
+                    set_state(st, State.PENDING, st.decision.reason)
+            reg.changes.clear()
         for item in reversed(_state.installed):
             note = surgery.restore(item.change)
             if note:
@@ -478,6 +508,159 @@ def restore() -> list[str]:
         _state.installed.clear()
         _state.notes.clear()
     return restored
+
+
+# -- copies registered in code (kvpatch.register_copy) ----------------------------------------------------
+def register_copy(
+    engine: Engine, module: str, *, of: str, version: str, patches: Iterable[str] | None = None
+) -> list[PatchStatus]:
+    """Declare ``module`` a copy of ``of`` (an mlx-lm / mlx-vlm module) as released in ``version`` of its
+    distribution, and patch it with the patches (all, or the ids in ``patches``) that the gate applies to that
+    release and that change ``of``. Each gets a status of its own (``copy`` = ``module``), apart from
+    upstream's: applied only while its replacements are in the copy. The copy is patched when it is imported
+    (now, if it is imported already). Returns the copy's statuses; never raises for a patch that cannot be
+    used (an unknown or retired id is a status ``failed`` saying so)."""
+    from .detect import Upstream
+    from .engine import _FROM_ACTION, PatchStatus, State
+    from .gate import Action, Decision, decide
+
+    top = of.split(".", 1)[0]
+    dist = next((d for d, name in DISTRIBUTIONS.items() if name == top), None)
+    if dist is None:
+        raise ValueError(f"{of} is not a module of {' or '.join(DISTRIBUTIONS)}")
+    wanted = None if patches is None else list(dict.fromkeys(patches))
+    reg = _Registered(module, of, version)
+    known = {p.id: p for p in engine.materialise()}
+    for patch in known.values():
+        if patch.distribution != dist or of not in patch.modules or (wanted is not None and patch.id not in wanted):
+            continue
+        decision = decide(patch, Upstream(dist, version), engine.config)
+        state = _FROM_ACTION[decision.action]
+        reason = f"copy of {dist} {version}'s {of}: {decision.reason}"
+        if decision.action is Action.VERIFY:
+            state = State.UNVERIFIED
+            reason += "; the reproduction runs on the installed upstream, not on a copy: not applied"
+        reg.statuses[patch.id] = PatchStatus(patch, decision, state, reason, copy=module)
+    for pid in wanted or ():
+        if pid not in reg.statuses:
+            why = "no such patch" if pid not in known else f"it does not change {of}"
+            st = PatchStatus(known[pid] if pid in known else _unknown(pid, dist), Decision(Action.DISABLED, why),
+                             State.FAILED, f"{pid} cannot patch {module}: {why}", error=why, copy=module)  # fmt: skip
+            reg.statuses[pid] = st
+    with _state.lock:
+        _state.registered[module] = reg
+    register = hook_registry()
+    if isinstance(register, BaseException):
+        raise register
+    register(lambda loaded: _patch_registered(reg), module)
+    return list(reg.statuses.values())
+
+
+def _unknown(pid: str, dist: str) -> Any:
+    """A record standing for a patch id kvpatch does not know (retired, or misspelt)."""
+    from .record import Expiry, Patch
+
+    return Patch(pid, "unknown patch", dist, "<0", "", Expiry("unknown"), fixed_in="0")
+
+
+def _patch_registered(reg: _Registered) -> None:
+    """Install, on the imported copy, every patch of ``reg`` the gate applies (all or nothing per patch)."""
+    from .engine import State, TargetMissing, set_state
+
+    for pid, st in reg.statuses.items():
+        if st.state is not State.PENDING:
+            continue
+        done: list[surgery.Change] = []
+        try:
+            for target in st.record.targets:
+                if target.module != reg.of:
+                    continue  # the patch's other modules are upstream's own
+                change = _install_in_copy(st, target, reg.module)
+                if isinstance(change, str):
+                    raise TargetMissing(change) if change.startswith("missing") else _Declined(change)
+                if change is not None:
+                    done.append(change)
+        except Exception as exc:
+            for change in reversed(done):
+                surgery.restore(change)
+            if isinstance(exc, _Declined) and str(exc).startswith("drifted"):
+                set_state(st, State.DRIFTED, f"{st.reason}; {exc}: not applied")
+            elif isinstance(exc, _Declined):
+                set_state(st, State.NOT_NEEDED, f"{st.reason}; {exc}")
+            else:
+                failed = State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED
+                set_state(st, failed, f"{st.reason}; not applied: {type(exc).__name__}: {exc}", error=str(exc))
+            continue
+        with _state.lock:
+            reg.changes[pid] = done
+            st.installed = [c.target for c in done]
+            set_state(st, State.APPLIED if done else State.NOT_NEEDED)
+
+
+class _Declined(Exception):
+    """The copy keeps its code for this patch (the builder declined, or the copy's code is not upstream's)."""
+
+
+def _install_in_copy(st: PatchStatus, target: Target, module: str) -> surgery.Change | str | None:
+    """Put ``target``'s fix on the copy's object of the same qualified name (``None``: an optional target the copy
+    lacks; a text: why not)."""
+    owner: Any = sys.modules[module]
+    for part in target.owner_path:
+        owner = getattr(owner, part, _MISSING)
+        if owner is _MISSING:
+            return None if target.optional else f"missing: {module}.{target.qualname} (the copy has no {part})"
+    name = target.attribute
+    static = inspect.getattr_static(owner, name, _MISSING)
+    if target.kind is Kind.ADD:
+        if static is not _MISSING:
+            return "declined: the copy has it already"
+        original: Any = None
+        wrapper = None
+    else:
+        if static is _MISSING:
+            return None if target.optional else f"missing: {module}.{target.qualname}"
+        if surgery.carries(static, st.record.id):
+            return None
+        wrapper = type(static) if isinstance(static, (classmethod, staticmethod)) else None
+        original = static.__func__ if wrapper else getattr(owner, name)
+        from . import verdicts
+        from .engine import fingerprint
+
+        recorded = verdicts.validated(st.record).get(target.path)
+        if recorded and fingerprint(original) not in recorded:
+            release = f"{st.record.distribution} release the patch was validated on"
+            return f"drifted: {module}.{target.qualname} is not the code of any {release}"
+    where = Target(module, target.qualname, target.kind, target.optional)
+    function = surgery.prepare(st.record.id, where, owner, original, st.record.builders[target])
+    if function is original:
+        return "declined: the patch's builder declined for this copy"
+    own = vars(owner)
+    had_own = name in own
+    return surgery.commit(
+        st.record.id, where, owner, name, had_own=had_own, raw=own[name] if had_own else surgery.MISSING,
+        original=original, function=function, wrapper=wrapper,
+    )  # fmt: skip
+
+
+def copy_records() -> list[PatchStatus]:
+    """The statuses of every registered copy's patches, looked up again (``overridden`` when a replacement is
+    no longer reachable in the copy)."""
+    from .engine import State, set_state
+
+    out: list[PatchStatus] = []
+    with _state.lock:
+        registered = list(_state.registered.values())
+    for reg in registered:
+        for pid, st in reg.statuses.items():
+            changes = reg.changes.get(pid, [])
+            if st.state in (State.APPLIED, State.OVERRIDDEN) and changes:
+                gone = [d for s, d in map(surgery.liveness, changes) if s in ("overridden", "removed")]
+                if gone:
+                    set_state(st, State.OVERRIDDEN, "; ".join(gone))
+                elif st.state is State.OVERRIDDEN:
+                    set_state(st, State.APPLIED, st.decision.reason)
+            out.append(st)
+    return out
 
 
 def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
