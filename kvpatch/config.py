@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-
-from ._kvstruct import struct
+from dataclasses import dataclass
 
 __all__ = ["OFF_VALUES", "ON_VALUES", "SHOWN", "Config", "read_config"]
 
@@ -31,7 +30,7 @@ OFF_VALUES = frozenset({"off", "0", "false", "no", "disable", "disabled"})
 ON_VALUES = frozenset({"", "on", "1", "true", "yes", "enable", "enabled", "auto"})
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Config:
     enabled: bool = True
     disabled_ids: frozenset[str] = frozenset()

@@ -27,11 +27,10 @@ import threading
 import types
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import surgery, verdicts
-from ._kvstruct import struct
 from ._warn import KvpatchWarning, emit
 from .config import Config, read_config
 from .detect import Upstream, detect
@@ -87,7 +86,7 @@ _FROM_ACTION = {
 }
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Measurement:
     """A reproduction run without its patch (``before``) and with it (``after``): see :meth:`Engine.measure`."""
 
@@ -102,7 +101,7 @@ class Measurement:
         return verdicts.judge(self.before, self.after if applied else None, self.foreign)
 
 
-@struct
+@dataclass
 class PatchStatus:
     """What happened to one patch in this process."""
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from . import versions
-from ._kvstruct import struct
 from .config import Config
 from .detect import Upstream
 from .record import Patch
@@ -35,7 +35,7 @@ class Action(enum.Enum):
     OPT_IN = "opt-in"
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Decision:
     action: Action
     reason: str

@@ -18,12 +18,11 @@ from __future__ import annotations
 import datetime as _dt
 import enum
 from collections.abc import Callable
-from dataclasses import field
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from . import versions
-from ._kvstruct import struct
 
 if TYPE_CHECKING:
     from packaging.specifiers import SpecifierSet
@@ -57,7 +56,7 @@ class Kind(enum.Enum):
     ADD = "add"  # the attribute is missing upstream; the builder returns the new attribute
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Target:
     """One attribute that a patch changes: ``module`` plus a dotted ``qualname`` inside it."""
 
@@ -91,7 +90,7 @@ class Bug(str, enum.Enum):
     SKIPPED = "skipped"
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Finding:
     """What a reproduction observed in the running upstream: present, absent, or inconclusive.
 
@@ -140,7 +139,7 @@ def symptom(exc: BaseException, *fragments: str) -> str:
     raise exc
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Expiry:
     """When a patch must go.
 
@@ -172,7 +171,7 @@ Builder = Callable[[Any], Any]
 Reproduction = Callable[[], Finding]
 
 
-@struct(eq=False)
+@dataclass(eq=False)
 class Patch:
     """A version-gated fix for one upstream bug in one distribution."""
 

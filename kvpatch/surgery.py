@@ -33,10 +33,9 @@ import sys
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
-from ._kvstruct import struct
 from .record import DISTRIBUTIONS, Target
 
 __all__ = [
@@ -70,7 +69,7 @@ _OURS: weakref.WeakKeyDictionary[Any, str] = globals().get("_OURS") or weakref.W
 _OURS_PROPERTIES: dict[int, tuple[Any, str, Any]] = globals().get("_OURS_PROPERTIES") or {}
 
 
-@struct
+@dataclass
 class Change:
     """One attribute changed on one owner, and how to put it back."""
 

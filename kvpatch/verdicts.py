@@ -61,10 +61,10 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._kvstruct import struct
 from .record import Bug
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ class Outcome(str, enum.Enum):
 STORED = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.NOT_FIXED, Outcome.INCONCLUSIVE, Outcome.SKIPPED})
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Verdict:
     """One measured outcome for one patch in one environment (see the module docstring)."""
 

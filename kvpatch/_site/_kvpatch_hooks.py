@@ -33,7 +33,7 @@ import os
 import sys
 
 _WATCHED = ("mlx_lm", "mlx_vlm")
-_also = set()  # other modules a hook was registered for (a server's vendored copy of upstream code)
+_also: set = set()  # other modules a hook was registered for (a server's vendored copy of upstream code)
 _OFF = ("off", "0", "false", "no", "disable", "disabled")
 
 _lock = _thread.allocate_lock()  # guards the tables below; never held while importing or calling out
