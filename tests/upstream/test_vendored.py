@@ -18,7 +18,7 @@ from kvpatch import vendored
 from kvpatch.engine import fingerprint
 from kvpatch.record import Kind
 out = {}
-for patch in kvpatch.get_engine().patches:
+for patch in kvpatch.get_engine().materialise():
     for t in patch.targets:
         if t.kind is not Kind.REPLACE:
             continue
