@@ -40,9 +40,8 @@ a copy made and frozen by ``gc.freeze`` and never advanced or read before the pa
 attribute short of the deferred total. mlx-vlm 0.6.16 fixed its own copy of this class the same way
 (Blaizzy/mlx-vlm#1984); this patch keeps its two attributes' values exactly as upstream's would be.
 
-Cost (earlier versions rebased or tied the chains every 10th step, which freed during decoding the nodes
-upstream frees only when the caches are discarded, and cost an H100's 1.1B hybrid 2-3% of its decode speed):
-see the README, "On Linux with an NVIDIA GPU".
+Cost: nothing is tied or rebased while decoding (the nodes upstream frees when the caches are discarded are
+freed then, as upstream does); see the README, "On Linux with an NVIDIA GPU".
 """
 
 from __future__ import annotations

@@ -23,9 +23,7 @@ on mlx-vlm's own class, ``advance`` calls the original with both hidden and adds
 attribute, and a read returns the stored array minus that total (one lazy subtraction on the stored array); a
 writer's new array drops the total; taking the patch out writes every total into its attribute. Where
 ``mlx_vlm.models.cache`` has mlx-lm's class the builders decline (that is arrays-advance-detach's). No host
-synchronisation; values identical. (Until 2026-11-25 this patch tied the whole chain into the state every 10th
-step, which evaluated every decrement: on an H100 its mlx-lm twin, the same code, cost a 1.1B hybrid 2-4% of its
-decode speed; until 2026-11-26 it rebased the chains every 10th step, which still freed them during decoding.)
+synchronisation; values identical, and nothing is evaluated, tied or rebased while decoding.
 """
 
 from __future__ import annotations
