@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import surgery
-from .engine import fingerprint_source, hook_registry
-from .record import DISTRIBUTIONS, Kind, Target
+from .engine import fingerprint, fingerprint_source, hook_registry
+from .record import DISTRIBUTIONS, Kind, Patch, Target
 
 if TYPE_CHECKING:
     from .engine import Engine, PatchStatus
@@ -393,50 +393,16 @@ def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, 
 
 
 # -- patching copies (KVPATCH_VENDORED=1) ----------------------------------------------------------
-def _owner(copy: Copy) -> tuple[Any, str]:
-    owner: Any = sys.modules[copy.module]
-    *parts, name = copy.qualname.split(".")
-    for part in parts:
-        owner = vars(owner).get(part, _MISSING) if isinstance(owner, types.ModuleType) else getattr(owner, part)
-        if owner is _MISSING:
-            raise LookupError(f"{copy.path}: {part} is not a module-level name")
-    return owner, name
-
-
 def _install(engine: Engine, copy: Copy) -> None:
-    """Patch one copy through kvpatch's one install step (:func:`kvpatch.surgery.prepare` and
-    :func:`~kvpatch.surgery.commit`): the replacement carries the original's metadata and kvpatch's mark, and
-    restore puts back only what is still kvpatch's (foreign wrappers stay, wrapt proxies get a splice)."""
+    """Patch one copy found by :func:`scan` (``KVPATCH_VENDORED``), through :func:`_install_in_copy`."""
     patch = engine.status[copy.patch_id].record
     target = next(t for t in patch.targets if t.path == copy.target)
-    owner, name = _owner(copy)
-    static = inspect.getattr_static(owner, name)
-    if surgery.carries(static, copy.patch_id):
-        copy.state = "patched"
+    done = _install_in_copy(patch, target, copy.module, recorded=False)
+    if isinstance(done, str):
+        copy.state = f"not patched: {done.partition(': ')[2]}"
         return
-    wrapper = type(static) if isinstance(static, (classmethod, staticmethod)) else None
-    original = static.__func__ if wrapper else getattr(owner, name)
-    # stacked on another kvpatch replacement of the copy (or an added attribute): the copy's code is under it
-    ours = any(surgery.mark_of(node) is not None for node in surgery.chain(static))
-    probe: Any = (original.fset or original.fget) if isinstance(original, property) else original
-    code = getattr(inspect.unwrap(probe), "__code__", None)
-    home = _module_file(copy.module)
-    if not ours and (code is None or home is None or Path(code.co_filename).resolve() != home.resolve()):
-        # Someone replaced the copy after import: their code is not what the fingerprint matched.
-        copy.state = "not patched: the attribute is no longer the copy's own code (replaced after import)"
-        return
-    own = vars(owner)
-    had_own = name in own
-    where = Target(copy.module, copy.qualname)
-    function = surgery.prepare(copy.patch_id, where, owner, original, patch.builders[target])
-    if function is original:
-        copy.state = "not patched: the patch's builder declined for this copy"
-        return
-    change = surgery.commit(
-        copy.patch_id, where, owner, name, had_own=had_own, raw=own[name] if had_own else surgery.MISSING,
-        original=original, function=function, wrapper=wrapper,
-    )  # fmt: skip
-    _state.installed.append(_Installed(copy, change))
+    if done is not None:
+        _state.installed.append(_Installed(copy, done))
     copy.state = "patched"
 
 
@@ -575,7 +541,7 @@ def _patch_registered(reg: _Registered) -> None:
             for target in st.record.targets:
                 if target.module != reg.of:
                     continue  # the patch's other modules are upstream's own
-                change = _install_in_copy(st, target, reg.module)
+                change = _install_in_copy(st.record, target, reg.module, recorded=True)
                 if isinstance(change, str):
                     raise TargetMissing(change) if change.startswith("missing") else _Declined(change)
                 if change is not None:
@@ -583,7 +549,7 @@ def _patch_registered(reg: _Registered) -> None:
         except Exception as exc:
             for change in reversed(done):
                 surgery.restore(change)
-            if isinstance(exc, _Declined) and str(exc).startswith("drifted"):
+            if isinstance(exc, _Declined) and str(exc).startswith(("drifted", "replaced")):
                 set_state(st, State.DRIFTED, f"{st.reason}; {exc}: not applied")
             elif isinstance(exc, _Declined):
                 set_state(st, State.NOT_NEEDED, f"{st.reason}; {exc}")
@@ -601,43 +567,59 @@ class _Declined(Exception):
     """The copy keeps its code for this patch (the builder declined, or the copy's code is not upstream's)."""
 
 
-def _install_in_copy(st: PatchStatus, target: Target, module: str) -> surgery.Change | str | None:
-    """Put ``target``'s fix on the copy's object of the same qualified name (``None``: an optional target the copy
-    lacks; a text: why not)."""
+def _install_in_copy(patch: Patch, target: Target, module: str, *, recorded: bool) -> surgery.Change | str | None:
+    """Put ``target``'s fix on the copy's object of the same qualified name in ``module``, through kvpatch's one
+    install step (:func:`kvpatch.surgery.prepare` and :func:`~kvpatch.surgery.commit`: the replacement carries
+    the original's metadata and kvpatch's mark; restore puts back only what is still kvpatch's).
+
+    Returns the change; ``None`` when there is nothing to do (the fix is there already, or an optional target
+    the copy lacks); or why not, as ``"<missing|declined|drifted|replaced>: <text>"``. ``recorded``: the copy's
+    code must be one the patch was validated on (``kvpatch/data/fingerprints.json``).
+    """
     owner: Any = sys.modules[module]
     for part in target.owner_path:
-        owner = getattr(owner, part, _MISSING)
+        owner = (
+            vars(owner).get(part, _MISSING) if isinstance(owner, types.ModuleType) else getattr(owner, part, _MISSING)
+        )
         if owner is _MISSING:
             return None if target.optional else f"missing: {module}.{target.qualname} (the copy has no {part})"
     name = target.attribute
     static = inspect.getattr_static(owner, name, _MISSING)
+    wrapper = None
     if target.kind is Kind.ADD:
         if static is not _MISSING:
-            return "declined: the copy has it already"
+            return None if surgery.carries(static, patch.id) else "declined: the copy has it already"
         original: Any = None
-        wrapper = None
     else:
         if static is _MISSING:
             return None if target.optional else f"missing: {module}.{target.qualname}"
-        if surgery.carries(static, st.record.id):
+        if surgery.carries(static, patch.id):
             return None
         wrapper = type(static) if isinstance(static, (classmethod, staticmethod)) else None
         original = static.__func__ if wrapper else getattr(owner, name)
-        from . import verdicts
-        from .engine import fingerprint
+        # stacked on another kvpatch replacement of the copy (or an added attribute): the copy's code is under it
+        ours = any(surgery.mark_of(node) is not None for node in surgery.chain(static))
+        probe: Any = (original.fset or original.fget) if isinstance(original, property) else original
+        code = getattr(inspect.unwrap(probe), "__code__", None)
+        home = _module_file(module)
+        if not ours and (code is None or home is None or Path(code.co_filename).resolve() != home.resolve()):
+            # Someone replaced the copy after import: their code is not the copy's.
+            return "replaced: the attribute is no longer the copy's own code (replaced after import)"
+        if recorded:
+            from . import verdicts
 
-        recorded = verdicts.validated(st.record).get(target.path)
-        if recorded and fingerprint(original) not in recorded:
-            release = f"{st.record.distribution} release the patch was validated on"
-            return f"drifted: {module}.{target.qualname} is not the code of any {release}"
+            known = verdicts.validated(patch).get(target.path)
+            if known and fingerprint(original) not in known:
+                release = f"{patch.distribution} release the patch was validated on"
+                return f"drifted: {module}.{target.qualname} is not the code of any {release}"
     where = Target(module, target.qualname, target.kind, target.optional)
-    function = surgery.prepare(st.record.id, where, owner, original, st.record.builders[target])
+    function = surgery.prepare(patch.id, where, owner, original, patch.builders[target])
     if function is original:
         return "declined: the patch's builder declined for this copy"
     own = vars(owner)
     had_own = name in own
     return surgery.commit(
-        st.record.id, where, owner, name, had_own=had_own, raw=own[name] if had_own else surgery.MISSING,
+        patch.id, where, owner, name, had_own=had_own, raw=own[name] if had_own else surgery.MISSING,
         original=original, function=function, wrapper=wrapper,
     )  # fmt: skip
 

@@ -6,11 +6,8 @@ installs the patch again, so the bug's reproduction is fixed again."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from support import child_env
 
 CHILD = r"""
 import importlib, json, sys
@@ -33,18 +30,11 @@ print("@@" + json.dumps(out))
 
 
 @pytest.mark.parametrize("module", ["mlx_lm.models.cache", "mlx_vlm.models.cache"])
-def test_reload_is_patched_again(module, tmp_path):
+def test_reload_is_patched_again(module, run_py, tmp_path):
     pytest.importorskip(module.split(".")[0])
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, module],
-        env=child_env({"KVPATCH_VERDICTS": str(tmp_path / "verdicts"), "KVPATCH_CACHE": str(tmp_path / "cache")}),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("@@"))[2:])
+    env = {"KVPATCH_VERDICTS": str(tmp_path / "verdicts"), "KVPATCH_CACHE": str(tmp_path / "cache")}
+    stdout = run_py(CHILD.replace("sys.argv[1]", repr(module)), env=env)
+    out = json.loads(next(line for line in stdout.splitlines() if line.startswith("@@"))[2:])
     if not out:
         pytest.skip(f"no patch applies to {module} in this release")
     # "applied" is the truth after the reload: the reproduction finds no bug (skipped: another backend's bug)

@@ -8,10 +8,6 @@ too): afterwards no ``kvpatch.maint`` module and no ``kvpatch.testing`` is in ``
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-
-from support import child_env
 
 CHILD = r"""
 import argparse, contextlib, io, json, sys
@@ -28,15 +24,8 @@ print("@@" + json.dumps(loaded))
 """
 
 
-def test_runtime_imports_no_maintainer_tooling(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD],
-        env=child_env({"KVPATCH_VERDICTS": str(tmp_path / "verdicts"), "KVPATCH_CACHE": str(tmp_path / "cache")}),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("@@"))
+def test_runtime_imports_no_maintainer_tooling(run_py, tmp_path):
+    env = {"KVPATCH_VERDICTS": str(tmp_path / "verdicts"), "KVPATCH_CACHE": str(tmp_path / "cache")}
+    stdout = run_py(CHILD, env=env)
+    line = next(line for line in stdout.splitlines() if line.startswith("@@"))
     assert json.loads(line[2:]) == []
