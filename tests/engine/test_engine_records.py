@@ -51,15 +51,67 @@ def test_records_are_patches_and_stubs_import_nothing(tmp_path):
     assert out["all_patches"] and out["count"], out
 
 
-def test_a_declining_builder_is_asked_once(tmp_path):
+def _site(tmp_path, version: str = "0.1.0"):
+    """A site folder with a small mlx_lm (one class) and the little of mlx.core a reproduction run touches."""
     site = tmp_path / "site"
     (site / "mlx_lm" / "models").mkdir(parents=True)
     (site / "mlx_lm" / "__init__.py").write_text("")
     (site / "mlx_lm" / "models" / "__init__.py").write_text("")
     (site / "mlx_lm" / "models" / "cache.py").write_text("class C:\n    def f(self):\n        return 1\n")
-    info = site / "mlx_lm-0.1.0.dist-info"
+    (site / "mlx").mkdir()
+    (site / "mlx" / "__init__.py").write_text("")
+    (site / "mlx" / "core.py").write_text(
+        "import types\nrandom = types.SimpleNamespace(state=[0])\n"
+        "def default_device(): return 'cpu'\ndef default_stream(device): return 's'\n"
+        "def set_default_device(device): pass\ndef set_default_stream(stream): pass\n"
+    )
+    info = site / f"mlx_lm-{version}.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-lm\nVersion: 0.1.0\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: mlx-lm\nVersion: {version}\n")
+    return os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+
+
+def test_status_verify_runs_each_side_once(tmp_path):
+    """A patch the reproduction decides (a release past checked_through): ``status --verify`` measures it once
+    without and once with the patch (the engine's measurement is the one the report shows)."""
+    out = _run(
+        """
+        import json
+        from kvpatch import status
+        from kvpatch.config import Config
+        from kvpatch.engine import REPRODUCTIONS_RUN, Engine
+        from kvpatch.record import Expiry, Finding, Patch
+        p = Patch(id="demo", summary="demo", distribution="mlx-lm", affected=">=0.1.0,<=0.1.0",
+                  checked_through="0.1.0", reference="none", expiry=Expiry("never"))
+        p.module = "kvpatch"
+
+        @p.replace("mlx_lm.models.cache", "C.f")
+        def build(original):
+            def f(self):
+                return 2
+            return f
+
+        @p.reproduce
+        def reproduce():
+            import mlx_lm.models.cache as c
+            return Finding(c.C().f() == 1, "f() said %d" % c.C().f())
+
+        engine = Engine([p], config=Config())
+        engine.activate()
+        report = status.build_report(engine, verify=True)
+        entry = report.data["patches"][0]
+        print("@@" + json.dumps({"runs": len(REPRODUCTIONS_RUN), "action": entry["action"], "state": entry["state"],
+                                 "outcome": entry["verify"]["outcome"]}))
+        """,
+        tmp_path,
+        PYTHONPATH=_site(tmp_path, "0.2.0"),
+        KVPATCH="off",
+        KVPATCH_VERDICTS=str(tmp_path / "verdicts"),
+    )
+    assert out == {"runs": 2, "action": "verify", "state": "applied", "outcome": "bug present, fixed by patch"}, out
+
+
+def test_a_declining_builder_is_asked_once(tmp_path):
     out = _run(
         """
         import json
@@ -83,7 +135,7 @@ def test_a_declining_builder_is_asked_once(tmp_path):
         print("@@" + json.dumps({"calls": len(calls), "state": st.state.value}))
         """,
         tmp_path,
-        PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=_site(tmp_path),
         KVPATCH="off",
     )
     assert out == {"calls": 1, "state": "not needed"}, out
