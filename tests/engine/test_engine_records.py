@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from support import child_env
+from support import child_env, fake_mlx_core
 
 
 def _run(code: str, tmp_path, **env: str) -> dict:
@@ -58,13 +58,7 @@ def _site(tmp_path, version: str = "0.1.0"):
     (site / "mlx_lm" / "__init__.py").write_text("")
     (site / "mlx_lm" / "models" / "__init__.py").write_text("")
     (site / "mlx_lm" / "models" / "cache.py").write_text("class C:\n    def f(self):\n        return 1\n")
-    (site / "mlx").mkdir()
-    (site / "mlx" / "__init__.py").write_text("")
-    (site / "mlx" / "core.py").write_text(
-        "import types\nrandom = types.SimpleNamespace(state=[0])\n"
-        "def default_device(): return 'cpu'\ndef default_stream(device): return 's'\n"
-        "def set_default_device(device): pass\ndef set_default_stream(stream): pass\n"
-    )
+    fake_mlx_core(site)
     info = site / f"mlx_lm-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: mlx-lm\nVersion: {version}\n")

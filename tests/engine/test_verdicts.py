@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
-from support import child_env
+from support import child_env, fake_mlx_core
 
 from kvpatch import verdicts
 from kvpatch.detect import Source, Upstream
@@ -195,14 +195,7 @@ def fake_site(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "models" / "__init__.py").write_text("")
     (pkg / "models" / "cache.py").write_text(FAKE_CACHE)
-    # the little of mlx.core that run_reproduction touches (it keeps the device, stream and random state)
-    (site / "mlx").mkdir()
-    (site / "mlx" / "__init__.py").write_text("")
-    (site / "mlx" / "core.py").write_text(
-        "import types\nrandom = types.SimpleNamespace(state=[0])\n"
-        "def default_device(): return 'cpu'\ndef default_stream(device): return 's'\n"
-        "def set_default_device(device): pass\ndef set_default_stream(stream): pass\n"
-    )
+    fake_mlx_core(site)
     info = site / "mlx_lm-0.3.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-lm\nVersion: 0.3.0\n")
