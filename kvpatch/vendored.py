@@ -602,8 +602,10 @@ def _install_in_copy(patch: Patch, target: Target, module: str, *, recorded: boo
         probe: Any = (original.fset or original.fget) if isinstance(original, property) else original
         code = getattr(inspect.unwrap(probe), "__code__", None)
         home = _module_file(module)
-        if not ours and (code is None or home is None or Path(code.co_filename).resolve() != home.resolve()):
-            # Someone replaced the copy after import: their code is not the copy's.
+        own_code = code is not None and home is not None and Path(code.co_filename).resolve() == home.resolve()
+        if not ours and callable(probe) and not own_code:
+            # Someone replaced the copy after import: their code is not the copy's. (A plain value, such as a
+            # class attribute a patch serves through a property, has no code to compare.)
             return "replaced: the attribute is no longer the copy's own code (replaced after import)"
         if recorded:
             from . import verdicts
