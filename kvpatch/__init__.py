@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Iterable
 
 from . import config
 from ._warn import emit as _emit
@@ -36,6 +37,7 @@ __all__ = [
     "fingerprint",
     "get_engine",
     "records",
+    "register_copy",
     "require_applied",
 ]
 
@@ -48,13 +50,11 @@ _lock = globals().get("_lock") or threading.Lock()
 
 
 def _build() -> Engine:
-    from typing import cast
-
     from . import registry
 
     stubs = registry.index()  # the units' gate facts from the shipped index: only units that apply get imported
     if stubs is not None:
-        return Engine(cast("list[Patch]", stubs))  # a Stub reads like its Patch (kvpatch.registry.Stub)
+        return Engine(stubs)
     reg = registry.load()
     return Engine(reg.patches, broken=reg.broken)
 
@@ -100,12 +100,35 @@ def deactivate() -> None:
 def records() -> list[PatchStatus]:
     """The status of every patch in this process as it is now, for servers that assert kvpatch is active.
 
+    Copies a server registered (:func:`register_copy`) come last, one status per (patch, copy).
     Each installed replacement is looked up again: one that something else has since replaced shows as
-    ``overridden`` (call this, or :func:`require_applied`, after your own patches are in).
+    ``overridden`` (call this, or :func:`require_applied`, after your own patches are in), and a target
+    module re-executed since (``importlib.reload``) gets its patches again. Every patch unit is imported here,
+    so each status's ``patch`` is a :class:`Patch`.
     """
     engine = get_engine()
+    patches = engine.materialise()  # every status's patch is its kvpatch.Patch (units imported now)
     engine.refresh()
-    return [engine.status[p.id] for p in engine.patches]
+    return [engine.status[p.id] for p in patches] + _copy_records()
+
+
+def _copy_records() -> list[PatchStatus]:
+    vendored = sys.modules.get(f"{__name__}.vendored")  # no copy registered: not even loaded
+    return vendored.copy_records() if vendored is not None else []
+
+
+def register_copy(module: str, *, of: str, version: str, patches: Iterable[str] | None = None) -> list[PatchStatus]:
+    """Declare ``module`` a vendored copy of upstream's ``of`` as released in ``version``, for a server that ships
+    one, e.g. ``register_copy("rapid_mlx.vendor.mlx_vlm_cache", of="mlx_vlm.models.cache", version="0.7.2")``.
+
+    kvpatch patches the copy (when it is imported, or now) with the patches the gate applies to that release
+    (or only those named in ``patches``), and :func:`records`, ``require_applied`` and ``status`` report each
+    of them for the copy apart from upstream's module (``PatchStatus.copy``): applied only while the fix is in
+    the copy. Returns the copy's statuses.
+    """
+    from . import vendored
+
+    return vendored.register_copy(get_engine(), module, of=of, version=version, patches=patches)
 
 
 def __getattr__(name: str) -> object:

@@ -70,7 +70,7 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
     engine.refresh()  # "applied" means reachable now, not installed once
     applicable: list[PatchStatus] = []
     found: list[Problem] = []
-    for patch in engine.patches:
+    for patch in engine.materialise():
         st = engine.status[patch.id]
         action = _natural(engine, st)
         if action is Action.APPLY:
@@ -87,6 +87,13 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
             # pending verification with its modules imported: the fix may be needed and is not in
             # (``kvpatch verify`` settles it); inconclusive: nobody knows whether it is needed
             found.append(Problem(patch.id, st.state.value, st.error or st.reason))
+    vendored = sys.modules.get("kvpatch.vendored")  # copies a server registered (kvpatch.register_copy)
+    for st in vendored.copy_records() if vendored is not None else ():
+        if st.decision.action is Action.APPLY:
+            applicable.append(st)
+            pending = st.state is State.PENDING and st.copy not in loaded
+            if st.state not in (State.APPLIED, State.NOT_NEEDED) and not pending:
+                found.append(Problem(f"{st.record.id} in {st.copy}", st.state.value, st.error or st.reason))
     for module, error in engine.broken.items():
         found.append(Problem(module, "broken", error))
     return applicable, found
@@ -105,7 +112,7 @@ def require_applied(*, import_targets: bool = True) -> list[PatchStatus]:
     if import_targets:
         for st in engine.status.values():
             if _natural(engine, st) is Action.APPLY and st.state is State.PENDING:
-                for module in st.patch.modules:
+                for module in st.record.modules:
                     with contextlib.suppress(ImportError):
                         __import__(module)
     applicable, found = problems(engine)

@@ -162,18 +162,6 @@ class CommitIndex:
         full = self.resolve(commit)
         return None if full is None else self._position[full]
 
-    def is_mainline(self, commit: str) -> bool | None:
-        """True for a first-parent main-line commit, False for a merged side commit, None if unknown."""
-        pos = self.position(commit)
-        if pos is None:
-            return None
-        return self.mainline[pos] == self.resolve(commit)
-
-    def mainline_commit(self, commit: str) -> str | None:
-        """The first main-line commit containing ``commit`` (itself if on the main line)."""
-        pos = self.position(commit)
-        return None if pos is None else self.mainline[pos]
-
     def contains(self, pinned: str, fix_commit: str) -> bool | None:
         """Whether the tree at ``pinned`` contains ``fix_commit``.
 
@@ -195,11 +183,6 @@ class CommitIndex:
         # A side commit is an ancestor of its merge: anything merged later can't be in it.
         return False if fix_pos > pin_pos else None
 
-    def pr_of(self, commit: str) -> int | None:
-        """Pull-request number of the main-line commit containing ``commit``, if known."""
-        pos = self.position(commit)
-        return None if pos is None else self._prs.get(pos)
-
     def release_of(self, commit: str) -> str | None:
         """First release tag at or after ``commit`` on the main line (informational only).
 
@@ -211,13 +194,6 @@ class CommitIndex:
         tag_positions = self._tag_positions
         i = bisect_left(tag_positions, pos)
         return self._tags[tag_positions[i]][0] if i < len(tag_positions) else None
-
-    def tag_commit(self, tag: str) -> str | None:
-        """Main-line commit a release tag is written on, or None."""
-        for pos, names in self._tags.items():
-            if tag in names:
-                return self.mainline[pos]
-        return None
 
     def describe(self, commit: str) -> str:
         """Short human label: ``2a55b80b (#1208)``, ``570afed3 (merged by c8d6057c, #1890)``.
@@ -266,20 +242,6 @@ class Placement:
     fixed: bool | None  # the pin contains the fix; None: not asked, or the index can't tell
     introduced: bool | None  # the pin contains the bug's introduction; None: not asked, or can't tell
     reason: str  # one line, for humans
-
-    @property
-    def affected(self) -> bool | None:
-        """Whether the pin has the bug: introduced (or not asked) and not fixed.
-
-        None when nothing was asked or the index can't tell; the reproduction then decides.
-        """
-        if not self.known or (self.fixed_commit is None and self.introduced_commit is None):
-            return None
-        if self.fixed is True or self.introduced is False:
-            return False
-        fix_missing = self.fixed_commit is None or self.fixed is False
-        bug_present = self.introduced_commit is None or self.introduced is True
-        return True if fix_missing and bug_present else None
 
 
 def place(

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from ._kvstruct import struct
 from ._site import boot as _boot
 
 __all__ = [
@@ -70,7 +70,7 @@ VARIABLES = (OFF, DISABLE, ENABLE, ENFORCE, VERIFY, VERDICTS, CACHE, VENDORED)
 _VERIFY_OFF = frozenset({"never", "off", "0", "no", "false"})
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Config:
     enabled: bool = True
     disabled_ids: frozenset[str] = frozenset()

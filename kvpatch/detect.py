@@ -15,10 +15,9 @@ found with :class:`importlib.machinery.PathFinder` directly: nothing is imported
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from importlib import metadata
 from importlib.machinery import PathFinder
-
-from ._kvstruct import struct
 
 __all__ = ["NOT_INSTALLED", "Source", "Upstream", "detect", "detect_one", "read_source"]
 
@@ -29,7 +28,7 @@ WATCHED = ("mlx", "mlx-lm", "mlx-vlm")
 PROBES: dict[str, str] = {"mlx": "mlx.core", "mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Source:
     """Where a distribution was installed from (PEP 610)."""
 
@@ -61,7 +60,7 @@ class Source:
 NOT_INSTALLED = Source(kind="none")
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Upstream:
     """One installed (or absent) distribution."""
 

@@ -1,12 +1,13 @@
 """Apply and restore patches through post-import hooks: the lifecycle of kvpatch in one process.
 
-The engine decides once per process (the gate), registers a wrapt post-import hook per target module,
+The engine decides once per process (the gate), registers a post-import hook per target module (kvpatch's
+own registry, :func:`hook_registry`),
 and when a module arrives installs the patches that apply to it. Replacements are plain functions set on
 the owner (module or class): nothing wraps them per call. The surgery itself (marks, metadata, foreign
 wrappers, restore, aliases) lives in :mod:`kvpatch.surgery`; this module keeps the lifecycle.
 
 Threads and imports: the engine's lock guards only its own bookkeeping and is never held while importing,
-while calling a patch's builder (builders may import), while registering wrapt hooks, or while warning.
+while calling a patch's builder (builders may import), while registering hooks, or while warning.
 Replacements are built outside the lock and committed under it; a target that meanwhile got kvpatch's
 replacement from another thread (or another engine: the mark tells) is not patched twice.
 
@@ -26,29 +27,34 @@ import threading
 import types
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import surgery, verdicts
-from ._kvstruct import struct
 from ._warn import KvpatchWarning, emit
 from .config import Config, read_config
 from .detect import Upstream, detect
 from .gate import Action, Decision, decide
-from .record import DISTRIBUTIONS, Finding, Kind, Patch, Target
+from .record import DISTRIBUTIONS, Bug, Finding, Kind, Patch, Target
 from .registry import Stub
 from .surgery import MISSING as _MISSING
 from .surgery import Change
+from .verdicts import Outcome
 
 __all__ = [
     "Engine",
     "KvpatchWarning",
+    "Measurement",
     "PatchStatus",
     "State",
     "fingerprint",
+    "fingerprint_source",
+    "hook_registry",
+    "set_state",
 ]
 
 log = logging.getLogger(__name__)
+_KEEP: Any = object()
 
 
 class State(enum.Enum):
@@ -80,11 +86,26 @@ _FROM_ACTION = {
 }
 
 
-@struct
+@dataclass(frozen=True)
+class Measurement:
+    """A reproduction run without its patch (``before``) and with it (``after``): see :meth:`Engine.measure`."""
+
+    before: Finding
+    #: ``None`` when the patch was not tried (the bug was not present without it, or it is not installed).
+    after: Finding | None = None
+    #: Targets holding another library's code during the run without the patch.
+    foreign: tuple[str, ...] = ()
+
+    def outcome(self, applied: bool = True) -> tuple[Outcome, str]:
+        """The outcome and its detail (:func:`kvpatch.verdicts.judge`); ``applied`` false ignores the run with."""
+        return verdicts.judge(self.before, self.after if applied else None, self.foreign)
+
+
+@dataclass
 class PatchStatus:
     """What happened to one patch in this process."""
 
-    patch: Patch
+    patch: Patch | Stub
     decision: Decision
     state: State
     reason: str
@@ -103,6 +124,22 @@ class PatchStatus:
     wrapped: list[str] = field(default_factory=list)
     #: Targets that hold another library's replacement (not upstream's code, no link to it).
     foreign: list[str] = field(default_factory=list)
+    #: ``None``: the patch on upstream's own module; else the module of a vendored copy a server registered
+    #: (:func:`kvpatch.register_copy`), whose status this is.
+    copy: str | None = None
+    #: The reproduction's run without and with the patch, when this process measured it (:meth:`Engine.measure`).
+    measurement: Measurement | None = None
+    #: Targets whose builder returned the original it was given (that original): not asked again for it.
+    declined: dict[Target, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def record(self) -> Patch:
+        """``patch`` as its record: a patch the engine installs, verifies or restores is never an index stub
+        (those are resolved when decided, :class:`Engine`)."""
+        patch = self.patch
+        if not isinstance(patch, Patch):
+            raise TypeError(f"{patch!r} is not resolved")
+        return patch
 
     @property
     def needs_verify(self) -> bool:
@@ -126,6 +163,13 @@ def fingerprint(obj: Any) -> str | None:
         text = inspect.getsource(func)
     except (OSError, TypeError):
         return None
+    return fingerprint_source(text)
+
+
+def fingerprint_source(text: str) -> str:
+    """The fingerprint of a definition's source text: its non-blank lines stripped, comment lines dropped,
+    hashed. One normalisation for live objects (:func:`fingerprint`), source files read without importing
+    them (:mod:`kvpatch.vendored`) and the recorded data (``scripts/record_fingerprints.py``)."""
     lines = [line.strip() for line in text.splitlines()]
     body = "\n".join(line for line in lines if line and not line.startswith("#"))
     return hashlib.sha256(body.encode()).hexdigest()[:12]
@@ -136,19 +180,23 @@ class Engine:
 
     def __init__(
         self,
-        patches: Iterable[Patch],
+        patches: Iterable[Patch | Stub],
         *,
         upstream: dict[str, Upstream] | None = None,
         config: Config | None = None,
         broken: dict[str, str] | None = None,
     ) -> None:
-        self.patches = sorted(patches, key=lambda p: (p.order, p.id))
+        #: Every patch, in install order; a :class:`kvpatch.registry.Stub` stands for a unit not imported (its gate
+        #: settled it without its code) until :meth:`materialise`.
+        self.patches: list[Patch | Stub] = sorted(patches, key=lambda p: (p.order, p.id))
         self.upstream = upstream if upstream is not None else detect()
         known = frozenset(p.id for p in self.patches)
         self.config = config if config is not None else read_config(known_ids=known)
         self.broken = dict(broken or {})
         self.status: dict[str, PatchStatus] = {}
         self._changes: list[Change] = []  # in install order
+        #: Changes on objects a re-executed module no longer holds (see :meth:`_reinstall_reloaded`).
+        self._orphans: list[Change] = []
         #: (id(owner), name) -> the change whose original restore spliced in under a foreign wrapt proxy:
         #: resuming that patch puts its replacement back under the same proxy, not on top of it.
         self._spliced: dict[tuple[int, str], Change] = {}
@@ -177,7 +225,7 @@ class Engine:
             self.warn(f"patch module {module} could not be loaded: {error}", key=f"broken:{module}")
 
     # -- decisions ---------------------------------------------------------------------------------
-    def _decide(self, patch: Patch) -> PatchStatus:
+    def _decide(self, patch: Patch | Stub) -> PatchStatus:
         try:
             upstream = self.upstream.get(patch.distribution) or Upstream(patch.distribution, None)
             decision = decide(patch, upstream, self.config)
@@ -185,6 +233,45 @@ class Engine:
             decision = Decision(Action.DISABLED, "gate raised")
             return PatchStatus(patch, decision, State.FAILED, "the gate raised", error=_describe(exc))
         return PatchStatus(patch, decision, _FROM_ACTION[decision.action], decision.reason)
+
+    # -- records -----------------------------------------------------------------------------------
+    def materialise(self) -> list[Patch]:
+        """Every patch as its record, in install order: the units the gate settled without their code (index
+        stubs, :func:`kvpatch.registry.index`) are imported now. A unit that fails to import is left out and
+        reported in :attr:`broken`. For readers of every record (``records()``, ``status``, vendored copies)."""
+        with self._lock:
+            stubs = [p for p in self.patches if isinstance(p, Stub)]
+        resolved: dict[str, Patch] = {}
+        failed: dict[str, str] = {}
+        for stub in stubs:  # outside the lock: importing a unit runs its code
+            try:
+                resolved[stub.id] = stub.resolve()
+            except Exception as exc:
+                failed[stub.module] = _describe(exc)
+        with self._lock:
+            for stub in stubs:
+                if stub.id in resolved and stub in self.patches:
+                    self.patches[self.patches.index(stub)] = resolved[stub.id]
+                    self.status[stub.id].patch = resolved[stub.id]
+                elif stub.module in failed and stub in self.patches:
+                    self.patches.remove(stub)
+                    self.status.pop(stub.id, None)
+                    self.broken[stub.module] = failed[stub.module]
+            return [p for p in self.patches if isinstance(p, Patch)]
+
+    @staticmethod
+    def record_of(st: PatchStatus) -> Patch:
+        """The status's patch as its record (a patch being installed or verified is never a stub)."""
+        patch = st.patch
+        return patch if isinstance(patch, Patch) else patch.resolve()
+
+    # -- state -------------------------------------------------------------------------------------
+    def import_failed(self, patch_id: str, module: str, exc: BaseException) -> None:
+        """A target module of a patch failed to import outside the engine's hooks (``status`` settling it):
+        its targets went with it, so the patch failed."""
+        error = f"importing {module} failed: {_describe(exc)}"
+        with self._lock:
+            set_state(self.status[patch_id], State.FAILED, f"failed: {error}", error=error)
 
     # -- activation --------------------------------------------------------------------------------
     @property
@@ -203,22 +290,22 @@ class Engine:
                     names[st.patch.import_name] = None
             for st in self.status.values():
                 if st.state in (State.PENDING, State.APPLIED):
-                    for module in st.patch.modules:
+                    for module in st.record.modules:
                         names[module] = None
             fresh = [n for n in names if n not in self._hooked]
             again = [n for n in names if n in self._hooked]
             self._hooked.update(fresh)
         if not names:
             return
-        # Outside the lock: wrapt may call the hook at once (module already imported), and our hook
+        # Outside the lock: the registry may call the hook at once (module already imported), and our hook
         # takes the lock itself; holding it here could deadlock against an import in another thread.
-        for name in again:  # re-activation: wrapt will not call us again for these
+        for name in again:  # re-activation: the registry will not call us again for these
             loaded = sys.modules.get(name)
             if loaded is not None:
                 self._hook(loaded)
         if not fresh:
             return
-        register = _hook_registry()
+        register = hook_registry()
         if isinstance(register, BaseException):  # no registry: no hook will ever fire, nothing pending will apply
             self._cannot_activate(register)
             return
@@ -237,7 +324,7 @@ class Engine:
             self._hooked.clear()
             for st in self.status.values():
                 if st.state is State.PENDING:
-                    st.state, st.error, st.reason = State.FAILED, error, error
+                    set_state(st, State.FAILED, error, error=error)
         self.warn(error, key="activate")
 
     def deactivate(self) -> None:
@@ -253,8 +340,11 @@ class Engine:
             self._uninstall(st)
             with self._lock:
                 if st.state in (State.APPLIED, State.OVERRIDDEN):
-                    st.state = State.PENDING
-                    st.reason = st.decision.reason
+                    set_state(st, State.PENDING, st.decision.reason)
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+        for change in reversed(orphans):
+            surgery.restore(change)
 
     def _hooking(self) -> set[str]:
         hooking: set[str] | None = getattr(self._local, "hooking", None)
@@ -286,7 +376,7 @@ class Engine:
                     self._advance(st)
             return
         for st in self._in_order():
-            if st.state in (State.PENDING, State.APPLIED) and name in st.patch.modules:
+            if st.state in (State.PENDING, State.APPLIED) and name in st.record.modules:
                 self._advance(st)
 
     def _in_order(self) -> Iterator[PatchStatus]:
@@ -330,7 +420,7 @@ class Engine:
         fingerprint is cached by its file's stat (:func:`kvpatch.verdicts.fingerprint_cached`), so a
         verified environment reads no source here. A mismatch sends the patch to its verdict.
         """
-        patch = st.patch
+        patch = self.record_of(st)
         if st.decision.action is Action.VERIFY:
             return  # the verdict decides whatever the code is (its key covers the target files)
         known = verdicts.validated(patch)
@@ -343,15 +433,17 @@ class Engine:
             module = sys.modules.get(target.module)
             if module is None:
                 continue
-            original = self._upstream_original(target, module)
+            original = self.upstream_original(target, module)
             if original is _MISSING:
                 continue
             st.fingerprinted.add(target)  # once per target per process
             fp = verdicts.fingerprint_cached(original, fingerprint)
             if fp not in recorded:
-                owner_module = getattr(original, "__module__", None)
                 top = target.module.split(".", 1)[0]
-                if isinstance(owner_module, str) and owner_module.split(".", 1)[0] != top:
+                # a proxy forwards upstream's name and is looked through by the fingerprint: only a plain
+                # function of another library is someone else's code here
+                where = surgery.foreign(original, top) if type(original) is types.FunctionType else None
+                if where is not None:
                     inner = next(
                         (
                             node
@@ -365,7 +457,6 @@ class Engine:
                         continue  # another library's wrapper around upstream code kvpatch validated
                     # Another library replaced upstream's code before kvpatch came (and does not reach it):
                     # a verdict measures upstream's code in a clean process, so none can vouch for this.
-                    where = f"{owner_module}.{getattr(original, '__qualname__', '?')}"
                     st.foreign.append(target.path)
                     st.drift.append(
                         f"{target.path} is {where}, another library's replacement of {patch.distribution}'s "
@@ -386,15 +477,16 @@ class Engine:
         verification``) and one background verification is requested. Only a verification process
         (``kvpatch verify``, ``status --verify``, the background child) measures here and stores the verdict.
         """
-        patch = st.patch
+        patch = self.record_of(st)
         why = "; ".join(st.drift) or st.decision.reason
         if self._declined(st):
             return  # nothing would change here (e.g. a CUDA-only fix on the CPU): no verdict needed
         if st.foreign:
-            st.state = State.DRIFTED
-            st.reason = (
+            set_state(
+                st,
+                State.DRIFTED,
                 f"{why}: kvpatch's fix was validated on {patch.distribution}'s code and a verdict measures that "
-                "code, not this replacement: not applied"
+                "code, not this replacement: not applied",
             )
             self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
             return
@@ -406,49 +498,78 @@ class Engine:
                 return  # a hook fired by this very measurement (importing the targets): the outer call decides
             verdicts.MEASURING.add(patch.id)
             try:
-                import_target_modules(patch)
-                before = run_reproduction(patch)
-                after = None
-                if before.verdict == "present":
-                    self._install_available(st)
-                    try:
-                        after = run_reproduction(patch)
-                    finally:
-                        self._uninstall(st)
+                st.measurement = self.measure(patch, install=True)
             finally:
                 verdicts.MEASURING.discard(patch.id)
-            found = verdicts.from_findings(before, after, by=by)
+            found = verdicts.verdict_of(st.measurement.before, st.measurement.after, by=by)
             verdicts.store(verdict_key, patch, found, self.upstream)
         if found is None:
-            st.state = State.UNVERIFIED
-            st.reason = f"{why}; {verdicts.request_verification([verdict_key])}"
+            set_state(st, State.UNVERIFIED, f"{why}; {verdicts.request_verification([verdict_key])}")
             return
         st.verified = found.describe()
-        st.reason = f"{why}; verdict: {st.verified}"
-        if found.outcome == verdicts.FIXED:
-            st.state = State.PENDING  # installed now for the modules already imported, by their hooks later
+        verdict = f"{why}; verdict: {st.verified}"
+        if found.outcome is Outcome.FIXED:
+            set_state(st, State.PENDING, verdict)  # installed now for the modules already imported, by hooks later
             self._install_available(st)
             if st.drift:
                 self.warn(
                     f"kvpatch: {patch.id} applied to drifted code after its reproduction confirmed it: {why}",
                     key=f"drift:{patch.id}",
                 )
-        elif found.outcome == verdicts.ABSENT:
-            st.state = State.NOT_NEEDED
-        elif found.outcome == verdicts.INCONCLUSIVE:
-            st.state, st.error = State.INCONCLUSIVE, found.detail
-            st.reason = f"{why}; the reproduction was inconclusive here ({found.detail}): not applied"
+        elif found.outcome is Outcome.ABSENT:
+            set_state(st, State.NOT_NEEDED, verdict)
+        elif found.outcome is Outcome.INCONCLUSIVE:
+            why_not = f"{why}; the reproduction was inconclusive here ({found.detail}): not applied"
+            set_state(st, State.INCONCLUSIVE, why_not, error=found.detail)
             self.warn(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"verdict:{patch.id}")
-        elif found.outcome == verdicts.SKIPPED and not st.drift:
-            st.state = State.NOT_NEEDED
-            st.reason = f"{why}; the reproduction cannot run on this backend ({found.detail}): not applied"
+        elif found.outcome is Outcome.SKIPPED and not st.drift:
+            why_not = f"{why}; the reproduction cannot run on this backend ({found.detail}): not applied"
+            set_state(st, State.NOT_NEEDED, why_not)
         else:  # NOT_FIXED, or SKIPPED on drifted code
-            st.state = State.DRIFTED
-            st.reason = f"{why}; verdict: {st.verified}: not applied"
+            set_state(st, State.DRIFTED, f"{why}; verdict: {st.verified}: not applied")
             self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
 
+    def measure(self, patch: Patch, *, install: bool = True) -> Measurement:
+        """Run ``patch``'s reproduction without the patch and with it: kvpatch's one "with and without".
+
+        *Without* means the patch's own changes and those of every other installed patch on one of its
+        targets taken out, enablers kept (:attr:`kvpatch.record.Patch.enabler`). Siblings go because a
+        patch on the same attribute can hide the same symptom, and the run without must see upstream's own
+        code; enablers stay because without them the reproduction cannot run on this backend at all.
+        Targets that meanwhile hold another library's code are named in ``foreign`` (an absent bug is then
+        that library's fix). *With*: the patch as this process has it; when it is not installed and ``install``
+        is on, it is installed for that run and taken out again, if the bug was present without it.
+        The target modules are imported first (their hooks run).
+        """
+        import_target_modules(patch)
+        st = self.status[patch.id]
+        with self.without(*self._sharing(patch)):
+            foreign = tuple(verdicts.foreign_targets(patch))
+            before = run_reproduction(patch)
+        after = None
+        if st.installed:
+            after = run_reproduction(patch)
+        elif install and before.bug is Bug.PRESENT:
+            self._install_available(st)
+            try:
+                after = run_reproduction(patch)
+            finally:
+                self._uninstall(st)
+        return Measurement(before, after, foreign)
+
+    def _sharing(self, patch: Patch) -> list[str]:
+        """Ids of installed patches that change one of ``patch``'s targets (itself included), less the enablers."""
+        mine = {(t.module, t.qualname) for t in patch.targets}
+        installed = [self.status[p.id] for p in self.patches if self.status[p.id].installed]
+        return [
+            st.record.id
+            for st in installed
+            if (st.record is patch or not st.record.enabler)
+            and mine & {(t.module, t.qualname) for t in st.record.targets}
+        ]
+
     def _install_available(self, st: PatchStatus) -> None:
-        patch = st.patch
+        patch = st.record
         for target in patch.targets:
             if any(t == target for t in st.installed):
                 continue
@@ -462,9 +583,7 @@ class Engine:
                 raise
         with self._lock:
             if st.installed and st.state is not State.APPLIED:
-                st.state = State.APPLIED
-                if not st.verified:
-                    st.reason = st.decision.reason
+                set_state(st, State.APPLIED, None if st.verified else st.decision.reason)
         if not st.installed:
             self._declined(st)
 
@@ -472,7 +591,7 @@ class Engine:
         """True (and the patch settled as not needed) when every builder whose target is imported returns the
         original: the patch has decided, from this process's backend or versions, that nothing needs changing
         (e.g. a CUDA-only fix on the CPU). A patch with a target not imported yet stays pending."""
-        patch = st.patch
+        patch = st.record
         seen = 0
         for target in patch.targets:
             module = sys.modules.get(target.module)
@@ -482,18 +601,28 @@ class Engine:
                 if target.optional:
                     continue  # may never exist in this release; imported later, its own hook decides again
                 return False
-            original = self._upstream_original(target, module)
+            original = self.upstream_original(target, module)
             if original is _MISSING:
                 if target.optional:
                     continue
                 return False
-            if patch.builders[target](original) is not original:
+            if not self._builder_declines(st, target, original):
                 return False
             seen += 1
         if not seen:
             return False
-        st.state = State.NOT_NEEDED
-        st.reason = f"{st.decision.reason}; nothing to change here: the patch declined this backend (see its record)"
+        why = f"{st.decision.reason}; nothing to change here: the patch declined this backend (see its record)"
+        set_state(st, State.NOT_NEEDED, why)
+        return True
+
+    @staticmethod
+    def _builder_declines(st: PatchStatus, target: Target, original: Any) -> bool:
+        """Whether the patch's builder for ``target`` returns ``original`` itself (asked once per original)."""
+        if st.declined.get(target, _MISSING) is original:
+            return True
+        if st.record.builders[target](original) is not original:
+            return False
+        st.declined[target] = original
         return True
 
     def _locate(self, target: Target, module: types.ModuleType) -> Any:
@@ -508,7 +637,7 @@ class Engine:
 
     def _install_target(self, st: PatchStatus, target: Target, module: types.ModuleType) -> Change | None:
         """Build the replacement (outside the lock: builders may import), then commit it under the lock."""
-        patch = st.patch
+        patch = st.record
         owner = self._locate(target, module)
         if owner is _MISSING:
             return None
@@ -544,17 +673,21 @@ class Engine:
                         "or it moved (retarget it)"
                     )
                 original = None
+            if st.declined.get(target, _MISSING) is original:
+                return None  # the builder declined this very original already
             function = surgery.prepare(patch.id, target, owner, original, patch.builders[target])
             if function is original:
-                return None  # the builder declined: this target needs no change here
-            stored = wrapper_type(function) if wrapper_type is not None else function
+                st.declined[target] = original  # the builder declined: this target needs no change here
+                return None
             with self._lock:
                 if vars(owner).get(name, _MISSING) is not raw:
                     continue  # someone changed the attribute while we built: look again
                 if target in st.installed:
                     return None  # another thread of this engine got there first
-                setattr(owner, name, stored)
-                change = Change(patch.id, target, owner, name, had_own, raw, original, stored, function)
+                change = surgery.commit(
+                    patch.id, target, owner, name, had_own=had_own, raw=raw, original=original, function=function,
+                    wrapper=wrapper_type,
+                )  # fmt: skip
                 self._changes.append(change)
                 st.installed.append(target)
             if isinstance(owner, types.ModuleType) and original is not None:
@@ -568,7 +701,7 @@ class Engine:
     def _splice_back(self, st: PatchStatus, old: Change, proxy: Any) -> Change | None:
         """Resume a patch whose original restore spliced in under a foreign proxy: splice the fix back there."""
         key = (id(old.owner), old.name)
-        function = surgery.prepare(st.patch.id, old.target, old.owner, old.original, st.patch.builders[old.target])
+        function = surgery.prepare(st.patch.id, old.target, old.owner, old.original, st.record.builders[old.target])
         with self._lock:
             self._spliced.pop(key, None)
             if proxy is not old.spliced_into or not surgery.splice_under(proxy, old.original, function):
@@ -595,10 +728,10 @@ class Engine:
             if note not in st.notes:
                 st.notes.append(note)
             if st.state is State.PENDING:
-                st.state = State.APPLIED
-                st.reason = f"{st.decision.reason}; installed by another kvpatch engine in this process"
+                why = f"{st.decision.reason}; installed by another kvpatch engine in this process"
+                set_state(st, State.APPLIED, why)
 
-    def _upstream_original(self, target: Target, module: types.ModuleType) -> Any:
+    def upstream_original(self, target: Target, module: types.ModuleType) -> Any:
         """The upstream object at ``target``, looking through kvpatch's own changes."""
         owner: Any = module
         for part in target.owner_path:
@@ -662,7 +795,7 @@ class Engine:
     def _after_restore(self, st: PatchStatus) -> None:
         """Run the patch's restore hooks (state its replacements kept on upstream's objects, put back in upstream's
         form); a hook that raises is noted on the status and warned about once, never raised."""
-        for hook in st.patch.restore_hooks:
+        for hook in st.record.restore_hooks:
             try:
                 hook()
             except Exception as exc:
@@ -677,9 +810,8 @@ class Engine:
             self._uninstall(st)
         except Exception as inner:  # pragma: no cover - restoring failed too
             log.error("kvpatch: restoring %s failed: %s", st.patch.id, inner)
-        st.state = state
-        st.error = _describe(exc)
-        st.reason = f"{state.value}: {st.error}"
+        error = _describe(exc)
+        set_state(st, state, f"{state.value}: {error}", error=error)
         self.warn(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
 
     # -- live truth --------------------------------------------------------------------------------
@@ -688,7 +820,9 @@ class Engine:
 
         A replacement that something else replaced (without calling it) makes the patch ``overridden``;
         one reached only through a foreign wrapper stays ``applied`` with the wrapper named in ``wrapped``.
+        A target module executed again since (``importlib.reload``) gets the patch installed again first.
         """
+        self._reinstall_reloaded()
         with self._lock:
             changes = list(self._changes)
         by_patch: dict[str, list[tuple[str, str]]] = {}
@@ -700,19 +834,30 @@ class Engine:
                 gone = [detail for state, detail in results if state in ("overridden", "removed")]
                 st.wrapped = [detail for state, detail in results if state == "wrapped"]
                 if gone and st.state is State.APPLIED:
-                    st.state = State.OVERRIDDEN
-                    st.reason = "; ".join(gone)
+                    set_state(st, State.OVERRIDDEN, "; ".join(gone))
                 elif not gone and st.state is State.OVERRIDDEN:
-                    st.state = State.APPLIED
-                    st.reason = st.decision.reason
+                    set_state(st, State.APPLIED, st.decision.reason)
 
-    def live_function(self, target_path: str) -> Any:
-        """kvpatch's replacement function installed at ``target_path`` (``None`` when none is)."""
+    def _reinstall_reloaded(self) -> None:
+        """Install again what a re-executed target module (``importlib.reload``) lost.
+
+        A reload runs the module's code again in the same module object: its classes and functions are new
+        objects without kvpatch's replacements, and no import hook fires (the module is imported already).
+        The changes on the objects the module no longer holds stay where they are (instances made before the
+        reload still use them; :meth:`deactivate` restores them) and the patch is installed on the new ones.
+        """
         with self._lock:
-            for change in self._changes:
-                if change.target.path == target_path:
-                    return change.function
-        return None
+            stale = [c for c in self._changes if _reexecuted(c)]
+            for change in stale:
+                self._changes.remove(change)
+                self._orphans.append(change)
+                st = self.status[change.patch_id]
+                if change.target in st.installed:
+                    st.installed.remove(change.target)
+            again = [self.status[pid] for pid in dict.fromkeys(c.patch_id for c in stale)]
+        for st in again:
+            if st.state in (State.APPLIED, State.OVERRIDDEN) and not st.suspended:
+                self._advance(st)
 
     # -- public helpers ----------------------------------------------------------------------------
     def warn(self, message: str, *, key: str) -> None:
@@ -748,7 +893,7 @@ class Engine:
             return [(c.patch_id, c.target.path) for c in self._changes]
 
 
-def _hook_registry() -> Any:
+def hook_registry() -> Any:
     """``register_post_import_hook(hook, name)``: the bootstrap's registry (``kvpatch._site``: runs hooks after
     each module's code, never inside the import system's lock), else wrapt's; or the error when neither loads."""
     try:
@@ -828,6 +973,40 @@ def _mlx_state_kept() -> Iterator[None]:
             state[:] = saved
         mx.set_default_device(device)
         mx.set_default_stream(stream)
+
+
+def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _KEEP) -> None:
+    """The one place a patch's state changes (``reason`` / ``error``: ``None`` / unset keep the current one).
+    Callers hold the engine's lock where another thread may change the same status."""
+    st.state = state
+    if reason is not None:
+        st.reason = reason
+    if error is not _KEEP:
+        st.error = error
+
+
+def _reexecuted(change: Change) -> bool:
+    """True when ``change``'s module was executed again since the change (``importlib.reload``): the module
+    reaches a different owner now, or (a module-level target) holds a new function of its own code there."""
+    module = sys.modules.get(change.target.module)
+    if module is None or _executing(module):
+        return False
+    owner: Any = module
+    for part in change.target.owner_path:
+        owner = getattr(owner, part, _MISSING)
+        if owner is _MISSING:
+            return False
+    if owner is not change.owner:
+        return True
+    if change.target.owner_path:
+        return False
+    current = vars(owner).get(change.name, _MISSING)
+    return (
+        type(current) is types.FunctionType
+        and current is not change.original
+        and current.__globals__ is vars(owner)
+        and surgery.mark_of(current) is None
+    )
 
 
 def _executing(module: types.ModuleType) -> bool:

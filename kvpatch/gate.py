@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from . import versions
-from ._kvstruct import struct
 from .config import Config
 from .detect import Upstream
 from .record import Patch
+
+if TYPE_CHECKING:
+    from .registry import Stub
 
 __all__ = ["Action", "Decision", "decide"]
 
@@ -32,7 +35,7 @@ class Action(enum.Enum):
     OPT_IN = "opt-in"
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Decision:
     action: Action
     reason: str
@@ -58,12 +61,12 @@ def _default_placer(distribution: str, pinned: str, fixed: str | None, introduce
     return place(distribution, pinned, fixed_commit=fixed, introduced_commit=introduced)
 
 
-def _below(patch: Patch, version: object) -> bool:
+def _below(patch: Patch | Stub, version: object) -> bool:
     """True when ``version`` fails one of the range's lower bounds."""
     return any(spec.operator in (">=", ">") and not spec.contains(version, prereleases=True) for spec in patch.range)
 
 
-def decide(patch: Patch, upstream: Upstream, config: Config, placer: Placer | None = None) -> Decision:
+def decide(patch: Patch | Stub, upstream: Upstream, config: Config, placer: Placer | None = None) -> Decision:
     """Decide what to do with ``patch`` given the installed ``upstream`` distribution."""
     if not config.enabled:
         return Decision(Action.DISABLED, "kvpatch is off (KVPATCH=off)")
@@ -87,7 +90,7 @@ def _version_unknown(dist: str, upstream: Upstream) -> Decision:
     return Decision(Action.VERIFY, f"{dist} is installed, version unknown ({why}): the reproduction decides")
 
 
-def _decide_installed(patch: Patch, upstream: Upstream, placer: Placer | None) -> Decision:
+def _decide_installed(patch: Patch | Stub, upstream: Upstream, placer: Placer | None) -> Decision:
 
     dist = patch.distribution
     source = upstream.source

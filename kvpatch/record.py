@@ -18,12 +18,11 @@ from __future__ import annotations
 import datetime as _dt
 import enum
 from collections.abc import Callable
-from dataclasses import field
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from . import versions
-from ._kvstruct import struct
 
 if TYPE_CHECKING:
     from packaging.specifiers import SpecifierSet
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DISTRIBUTIONS",
+    "Bug",
     "Expiry",
     "Finding",
     "Kind",
@@ -56,7 +56,7 @@ class Kind(enum.Enum):
     ADD = "add"  # the attribute is missing upstream; the builder returns the new attribute
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Target:
     """One attribute that a patch changes: ``module`` plus a dotted ``qualname`` inside it."""
 
@@ -81,7 +81,16 @@ class Target:
         return self.qualname.rsplit(".", 1)[-1]
 
 
-@struct(frozen=True)
+class Bug(str, enum.Enum):
+    """What one reproduction run says of its bug (:attr:`Finding.bug`)."""
+
+    PRESENT = "present"
+    ABSENT = "absent"
+    INCONCLUSIVE = "inconclusive"
+    SKIPPED = "skipped"
+
+
+@dataclass(frozen=True)
 class Finding:
     """What a reproduction observed in the running upstream: present, absent, or inconclusive.
 
@@ -100,13 +109,13 @@ class Finding:
     inconclusive: str | None = None
 
     @property
-    def verdict(self) -> str:
-        """``present``, ``absent``, ``inconclusive`` or ``skipped``."""
+    def bug(self) -> Bug:
+        """What the finding says of the bug: present, absent, inconclusive or skipped."""
         if self.skipped:
-            return "skipped"
+            return Bug.SKIPPED
         if self.inconclusive:
-            return "inconclusive"
-        return "present" if self.present else "absent"
+            return Bug.INCONCLUSIVE
+        return Bug.PRESENT if self.present else Bug.ABSENT
 
     @classmethod
     def from_error(cls, exc: BaseException) -> Finding:
@@ -130,7 +139,7 @@ def symptom(exc: BaseException, *fragments: str) -> str:
     raise exc
 
 
-@struct(frozen=True)
+@dataclass(frozen=True)
 class Expiry:
     """When a patch must go.
 
@@ -162,7 +171,7 @@ Builder = Callable[[Any], Any]
 Reproduction = Callable[[], Finding]
 
 
-@struct(eq=False)
+@dataclass(eq=False)
 class Patch:
     """A version-gated fix for one upstream bug in one distribution."""
 
@@ -182,15 +191,12 @@ class Patch:
     introduced_commit: str | None = None
     #: Newest upstream release on which the bug was measured (for unfixed bugs: "not fixed as of").
     checked_through: str | None = None
-    #: Catalogue id(s) in UPSTREAM-BUGS.md.
+    #: Catalogue id(s) of the bug in kvpatch's bug catalogue (e.g. ``A1+A2``), as the status report shows them.
     catalogue: str = ""
     #: Called per token / per layer per step: the replacement must be a plain function.
     hot_path: bool = False
     #: Composition order when several patches change one target: lower installs first (innermost).
     order: int = 100
-    #: Source fingerprints (see :func:`kvpatch.engine.fingerprint`) of target code this patch was
-    #: validated against. Empty means "no fingerprint check". A mismatch means drift.
-    validated: frozenset[str] = frozenset()
     #: True when the bug cannot be observed on this backend (e.g. Metal-only kernels).
     metal_only: bool = False
     #: True when the fix changes documented upstream behaviour (a policy, not a bug fix): the patch is
@@ -237,7 +243,6 @@ class Patch:
             raise RecordError(f"{self.id}: affected range {self.affected!r} has no upper bound")
         if self.fixed_in is None and self.checked_through is None:
             raise RecordError(f"{self.id}: an unfixed bug needs checked_through (the newest release measured)")
-        self.validated = frozenset(self.validated)
 
     @cached_property
     def specifier(self) -> SpecifierSet:
@@ -303,7 +308,3 @@ class Patch:
         if self.checked_through:
             return f"not fixed as of {self.checked_through}"
         return "not fixed"
-
-    @property
-    def target_text(self) -> str:
-        return ", ".join(t.path for t in self.targets)

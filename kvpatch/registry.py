@@ -128,10 +128,21 @@ def load() -> Registry:
 class Stub:
     """A patch known from the unit index, its unit not imported yet.
 
-    It carries the :data:`INDEXED` fields (and ``specifier``, ``import_name``), which is all the gate and
-    the engine's ordering read. Any other attribute imports the unit and is read from the real record;
-    the engine swaps a stub for its record before it installs or verifies anything (:meth:`resolve`).
+    It carries the :data:`INDEXED` fields (and ``specifier``, ``range``, ``import_name``), which is all the gate
+    and the engine's ordering read; nothing else (reading it does not import the unit). The engine swaps a stub
+    for its record before it installs or verifies anything, and whenever every record is read
+    (:meth:`kvpatch.engine.Engine.materialise`, through :meth:`resolve`).
     """
+
+    id: str
+    distribution: str
+    affected: str
+    fixed_in: str | None
+    fixed_commit: str | None
+    introduced_commit: str | None
+    checked_through: str | None
+    order: int
+    opt_in: bool
 
     def __init__(self, module: str, fields: dict[str, Any]) -> None:
         self.module = module
@@ -164,11 +175,6 @@ class Stub:
                 raise ValueError(f"{self.module} defines {record.id!r}, the unit index says {self.id!r}")
             self._record = record
         return self._record
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.resolve(), name)
 
     def __repr__(self) -> str:
         return f"Stub({self.id!r}, {self.module})"

@@ -92,13 +92,14 @@ def environment_key(engine: Engine) -> str:
     ]
     for name, up in sorted(engine.upstream.items()):
         parts.append((name, up.version, up.source.kind, up.source.url, up.source.commit, up.location))
-    modules = sorted({m for p in engine.patches for m in p.modules})
+    patches = engine.materialise()
+    modules = sorted({m for p in patches for m in p.modules})
     for module in modules:
         path = module_file(module)
         parts.append((module, path, _stamp(path)))
-    units = sorted({p.module for p in engine.patches if p.module})
+    units = sorted({p.module for p in patches if p.module})
     parts.append([(unit, module_file(unit), _stamp(module_file(unit))) for unit in units])
-    parts.append(sorted(p.id for p in engine.patches))
+    parts.append(sorted(p.id for p in patches))
     # the verdicts decide too: a `kvpatch verify` (or a background verification) since the last settle changes
     # what an import does, so the settled outcome must not outlive it (fingerprints stored beside them do not count)
     parts.append(verdicts.digest())
@@ -140,17 +141,14 @@ def settle(engine: Engine, *, fresh: bool = False) -> Settled:
         for st in list(engine.status.values()):
             if st.state is not State.PENDING:
                 continue
-            for module in st.patch.modules:
+            for module in st.record.modules:
                 try:
                     importlib.import_module(module)
-                except Exception:
+                except Exception as exc:
                     # A module that fails to import takes its patch's targets with it: the hooks never ran.
                     # Only optional targets may live in modules that fail (e.g. Metal-only upstream modules).
-                    if not all(t.optional for t in st.patch.targets if t.module == module):
-                        raise_for = sys.exc_info()[1]
-                        st.state = State.FAILED
-                        st.error = f"importing {module} failed: {type(raise_for).__name__}: {raise_for}"
-                        st.reason = f"failed: {st.error}"
+                    if not all(t.optional for t in st.record.targets if t.module == module):
+                        engine.import_failed(st.patch.id, module, exc)
         engine.refresh()
     outcomes = {
         pid: {"state": st.state.value, "reason": st.reason, "error": st.error, "notes": list(st.notes)}

@@ -44,29 +44,24 @@ from __future__ import annotations
 import contextlib
 import platform
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import __version__, verdicts
 from .detect import Upstream
-from .engine import Engine, PatchStatus, State, import_target_modules, run_reproduction
+from .engine import Engine, Measurement, PatchStatus, State, import_target_modules
 from .gate import Action
-from .record import Finding, Patch
+from .record import Bug, Finding, Patch
+from .verdicts import Outcome
 
 __all__ = ["Report", "build_report", "format_text"]
-
-OUTCOME_FIXED = verdicts.FIXED
-OUTCOME_ABSENT = verdicts.ABSENT
-OUTCOME_NOT_FIXED = verdicts.NOT_FIXED
-OUTCOME_UNPATCHED = "bug present, patch not applied"
-OUTCOME_INCONCLUSIVE = "inconclusive"
-OUTCOME_ELSEWHERE = "bug absent in this process, fixed by something else in this process"
-OUTCOME_COULD_NOT_RUN = "could not run"
 
 
 @dataclass
 class Report:
     data: dict[str, Any]
+    #: patch id -> the ``--verify`` outcome (``data`` says it in words).
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -78,89 +73,65 @@ def _finding(f: Finding | None) -> dict[str, Any] | None:
         return None
     return {
         "present": f.present,
-        "verdict": f.verdict,
+        "verdict": f.bug.value,  # the key predates Finding.bug; the schema keeps it
         "detail": f.detail,
         "skipped": f.skipped,
         "inconclusive": f.inconclusive,
     }
 
 
-def _sharing(engine: Engine, patch: Patch) -> list[str]:
-    """Ids of installed patches that change one of ``patch``'s targets (itself included), less the enablers
-    (:attr:`kvpatch.record.Patch.enabler`: without them the reproduction cannot run on this backend)."""
-    mine = {(t.module, t.qualname) for t in patch.targets}
-    return [
-        other.id
-        for other in engine.patches
-        if engine.status[other.id].installed
-        and (other is patch or not other.enabler)
-        and mine & {(t.module, t.qualname) for t in other.targets}
-    ]
-
-
-def verify_patch(engine: Engine, st: PatchStatus) -> dict[str, Any]:
-    """Run one reproduction without and (if applied) with its patch.
-
-    Without: every kvpatch patch on the same targets is taken out, so the finding is upstream's, unless
-    something outside kvpatch sits on a target (another library's wrapper or replacement): then an absent
-    bug is credited to that, never to upstream (:func:`kvpatch.verdicts.foreign_targets`).
-    """
-    patch = st.patch
+def verify_patch(engine: Engine, st: PatchStatus) -> tuple[Outcome, dict[str, Any]]:
+    """The patch's reproduction without and (where applied) with it (:meth:`kvpatch.engine.Engine.measure`),
+    reusing the measurement the engine made in this process when it settled a verdict (each side runs once)."""
     try:
-        import_target_modules(patch)
-        with engine.without(*_sharing(engine, patch)):
-            foreign = verdicts.foreign_targets(patch)
-            before = run_reproduction(patch)
-        after: Finding | None = run_reproduction(patch) if st.state is State.APPLIED else None
+        measured = st.measurement or engine.measure(engine.record_of(st), install=False)
     except Exception as exc:
-        return {
-            "outcome": f"{OUTCOME_COULD_NOT_RUN}: {type(exc).__name__}: {exc}",
-            "without_patch": None,
-            "with_patch": None,
-            "foreign": [],
-        }
-    if before.verdict == "skipped":
-        outcome = f"skipped: {before.skipped}"
-    elif before.verdict == "inconclusive":
-        outcome = f"{OUTCOME_INCONCLUSIVE} without the patch: {before.inconclusive}"
-    elif before.verdict == "absent":
-        outcome = f"{OUTCOME_ELSEWHERE} ({', '.join(foreign)})" if foreign else OUTCOME_ABSENT
-    elif after is None:
-        outcome = f"{OUTCOME_UNPATCHED} ({st.state.value})"
-    elif after.verdict == "inconclusive":
-        outcome = f"{OUTCOME_INCONCLUSIVE} with the patch: {after.inconclusive}"
-    elif after.verdict == "present":
-        outcome = OUTCOME_NOT_FIXED
-    else:
-        outcome = OUTCOME_FIXED
-    return {
-        "outcome": outcome,
-        "without_patch": _finding(before),
-        "with_patch": _finding(after),
-        "foreign": foreign,
+        text = f"{Outcome.COULD_NOT_RUN.value}: {type(exc).__name__}: {exc}"
+        return Outcome.COULD_NOT_RUN, {"outcome": text, "without_patch": None, "with_patch": None, "foreign": []}
+    applied = st.state is State.APPLIED
+    outcome, _ = measured.outcome(applied)
+    return outcome, {
+        "outcome": _outcome_text(outcome, measured, st),
+        "without_patch": _finding(measured.before),
+        "with_patch": _finding(measured.after if applied else None),
+        "foreign": list(measured.foreign),
     }
 
 
-def _verify_reasons(p: Patch, st: PatchStatus, outcome: str) -> tuple[list[str], list[str]]:
-    """(exit-2 reasons, exit-1 reasons) for one ``--verify`` outcome. Only a conclusive finding on
-    upstream's own code can say a record is wrong; everything else is a fact about this environment."""
-    if outcome == OUTCOME_NOT_FIXED:
+def _outcome_text(outcome: Outcome, m: Measurement, st: PatchStatus) -> str:
+    """How ``status`` says an outcome (the ``verify.outcome`` of the JSON report)."""
+    if outcome is Outcome.SKIPPED:
+        return f"skipped: {m.before.skipped}"
+    if outcome is Outcome.INCONCLUSIVE:
+        if m.before.bug is Bug.INCONCLUSIVE or m.after is None:
+            return f"{outcome.value} without the patch: {m.before.inconclusive}"
+        return f"{outcome.value} with the patch: {m.after.inconclusive or m.after.skipped}"
+    if outcome is Outcome.ELSEWHERE:
+        return f"{outcome.value} ({', '.join(m.foreign)})"
+    if outcome is Outcome.UNPATCHED:
+        return f"{outcome.value} ({st.state.value})"
+    return outcome.value
+
+
+def _verify_reasons(p: Patch, st: PatchStatus, kind: Outcome, outcome: str) -> tuple[list[str], list[str]]:
+    """(exit-2 reasons, exit-1 reasons) for one ``--verify`` outcome (``outcome``: as the report says it). Only
+    a conclusive finding on upstream's own code can say a record is wrong; everything else is a fact about
+    this environment."""
+    if kind is Outcome.NOT_FIXED:
         return [f"{p.id}: {outcome}"], []
-    if outcome.startswith(OUTCOME_COULD_NOT_RUN):
+    if kind is Outcome.COULD_NOT_RUN:
         return [], [f"{p.id}: verify {outcome} (this environment needs attention; not a record error)"]
-    if outcome.startswith(OUTCOME_INCONCLUSIVE):
+    if kind is Outcome.INCONCLUSIVE:
         return [], [f"{p.id}: verify {outcome} (an error that is not the bug: this environment needs attention)"]
-    if outcome.startswith(OUTCOME_ELSEWHERE):
-        return [], []  # not upstream's fix and not kvpatch's: nothing to change in the record
-    if outcome.startswith(OUTCOME_UNPATCHED):
+    if kind is Outcome.UNPATCHED:
         if st.state in (State.NOT_NEEDED, State.OUT_OF_RANGE):
             return [], [f"{p.id}: {outcome}: the record says otherwise; update it"]
         if st.state is State.UNVERIFIED:
             return [], [f"{p.id}: {outcome}: no verdict in this process; run `python -m kvpatch verify`"]
         return [], []  # disabled, opt-in, failed, drifted, inconclusive: reported by its state
-    if outcome == OUTCOME_ABSENT and st.state is State.APPLIED:
+    if kind is Outcome.ABSENT and st.state is State.APPLIED:
         return [], [f"{p.id}: applied, but the bug is absent upstream: update the record"]
-    return [], []
+    return [], []  # fixed, skipped, or fixed by something else (not upstream's fix and not kvpatch's)
 
 
 def _relevant_for_verify(st: PatchStatus) -> bool:
@@ -177,7 +148,7 @@ def _cached_verdict(engine: Engine, st: PatchStatus) -> verdicts.Verdict | None:
     """The stored verdict for a patch the reproduction decides (read without importing upstream)."""
     if st.decision.action is not Action.VERIFY:
         return None
-    return verdicts.lookup(verdicts.key(st.patch, engine.upstream))
+    return verdicts.lookup(verdicts.key(engine.record_of(st), engine.upstream))
 
 
 def auto_activation() -> str | None:
@@ -202,6 +173,7 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
 
 
 def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) -> Report:
+    records = engine.materialise()  # the report shows every record
     settled = None
     if settle and not verify:
         from .settle import settle as settle_outcomes
@@ -215,14 +187,15 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
         for st in engine.status.values():
             if _relevant_for_verify(st):
                 try:
-                    import_target_modules(st.patch)
+                    import_target_modules(engine.record_of(st))
                 except Exception:  # reported per patch by verify_patch
                     pass
     patches: list[dict[str, Any]] = []
     summary: dict[str, int] = {}
     reasons_1: list[str] = []
     reasons_2: list[str] = []
-    for p in engine.patches:
+    outcomes: dict[str, Outcome] = {}
+    for p in records:
         st = engine.status[p.id]
         entry: dict[str, Any] = {
             "id": p.id,
@@ -261,9 +234,10 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
         if settled is not None and settled.how == "cache" and p.id in settled.outcomes:
             entry.update({k: settled.outcomes[p.id].get(k, entry[k]) for k in ("state", "reason", "error", "notes")})
         if verify and _relevant_for_verify(st):
-            entry["verify"] = verify_patch(engine, st)
+            kind, entry["verify"] = verify_patch(engine, st)
+            outcomes[p.id] = kind
             entry["state"], entry["reason"] = st.state.value, st.reason
-            more_2, more_1 = _verify_reasons(p, st, entry["verify"]["outcome"])
+            more_2, more_1 = _verify_reasons(p, st, kind, entry["verify"]["outcome"])
             reasons_2.extend(more_2)
             reasons_1.extend(more_1)
         state = entry["state"]
@@ -283,13 +257,18 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
         patches.append(entry)
     for module, error in engine.broken.items():
         reasons_2.append(f"{module}: could not be loaded: {error}")
+    copies = _copies(reasons_1, reasons_2)
     if engine.config.enforce:
-        # Review-by dates are the project's own deadlines: they fail kvpatch's CI (KVPATCH_ENFORCE=1), never
-        # an operator's health check on a calendar day with nothing changed in the environment. The runtime
-        # never imports kvpatch.maint otherwise.
-        from .maint.expiry import expiry_reasons
-
-        reasons_1.extend(expiry_reasons(engine.patches))
+        # Review-by dates are the project's own deadlines: they fail kvpatch's CI (KVPATCH_ENFORCE=1), never an
+        # operator's health check on a calendar day with nothing changed in the environment. (A patch fixed in
+        # every supported release fails kvpatch's own tests: tests/engine/test_expiry.py.)
+        for p in records:
+            if p.expiry.overdue():
+                assert p.expiry.review_by is not None
+                reasons_1.append(
+                    f"{p.id}: review-by date {p.expiry.review_by.isoformat()} has passed ({p.expiry.condition}): run "
+                    "`python -m kvpatch upstream-check`, then retire the patch or set a new Expiry(review_by=...)"
+                )
     reasons_1.extend(engine.config.problems)
     exit_code = 2 if reasons_2 else 1 if reasons_1 else 0
     data: dict[str, Any] = {
@@ -302,12 +281,28 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
         "settled": None if settled is None else {"how": settled.how, "at": settled.at},
         "auto_activation": auto_activation(),
         "patches": patches,
+        **({"copies": copies} if copies else {}),
         "broken": dict(engine.broken),
         "problems": list(engine.config.problems),
         "summary": summary,
         "check": {"exit": exit_code, "reasons": reasons_2 + reasons_1},
     }
-    return Report(data)
+    return Report(data, outcomes)
+
+
+def _copies(reasons_1: list[str], reasons_2: list[str]) -> list[dict[str, Any]]:
+    """One entry per (patch, vendored copy a server registered): ``{"id", "copy", "state", "reason", "error"}``
+    (the report's ``copies`` key, present when a copy is registered); their check reasons are added."""
+    vendored = sys.modules.get("kvpatch.vendored")
+    out = []
+    for st in vendored.copy_records() if vendored is not None else ():
+        pid, state = st.patch.id, st.state.value
+        out.append({"id": pid, "copy": st.copy, "state": state, "reason": st.reason, "error": st.error})
+        if state in _FAILING:
+            reasons_2.append(f"{pid} in {st.copy}: {st.reason}")
+        elif state in _ATTENTION or st.state is State.UNVERIFIED:
+            reasons_1.append(f"{pid} in {st.copy}: {state}: {st.reason}")
+    return out
 
 
 # -- presentation -------------------------------------------------------------------------------------
@@ -349,7 +344,7 @@ _GROUPS: tuple[tuple[str, str], ...] = (
 _RANK = {state: i for i, (state, _) in enumerate(_GROUPS)}
 _ATTENTION_END = _RANK["pending (verify)"]
 #: Verify outcomes that say nothing new about the patch's state.
-_EXPECTED_OUTCOMES = (OUTCOME_FIXED, OUTCOME_ABSENT, "skipped")
+_EXPECTED_OUTCOMES = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.SKIPPED})
 
 
 def _state_text(entry: dict[str, Any]) -> str:
@@ -361,13 +356,12 @@ def _state_text(entry: dict[str, Any]) -> str:
     return str(entry["state"])
 
 
-def _notable_verify(entry: dict[str, Any]) -> str | None:
+def _notable_verify(entry: dict[str, Any], outcomes: dict[str, Outcome]) -> str | None:
     """The verify outcome when it is worth a line of its own in the compact view."""
     verify = entry.get("verify")
-    if not verify:
+    if not verify or outcomes.get(entry["id"]) in _EXPECTED_OUTCOMES:
         return None
-    outcome = str(verify.get("outcome") or "")
-    return None if outcome.startswith(_EXPECTED_OUTCOMES) else outcome
+    return str(verify.get("outcome") or "")
 
 
 def format_text(report: Report, *, verbose: bool = False, width: int | None = None, check: bool = False) -> str:
@@ -382,7 +376,7 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
     if verbose or width is not None:
         lines = [part for line in lines for part in _fitted(line, width or 80)]
     lines.append("")
-    lines.extend(_full_table(d, width or 80) if verbose else _compact(d, width))
+    lines.extend(_full_table(d, width or 80) if verbose else _compact(d, report.outcomes, width))
     reasons = "\n".join(d["check"]["reasons"])  # what the check section lists is not repeated above it
     lines.extend(f"BROKEN patch module {m}: {e}" for m, e in d["broken"].items() if f"{m}: " not in reasons)
     lines.extend(f"config: {problem}" for problem in d["problems"] if problem not in reasons)
@@ -472,11 +466,11 @@ def _not_installed_lines(d: dict[str, Any], entries: list[dict[str, Any]]) -> li
     return [f"{dist} not installed: its {n} patches do not apply" for dist, n in by_dist.items()]
 
 
-def _compact(d: dict[str, Any], width: int | None) -> list[str]:
+def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None) -> list[str]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for e in d["patches"]:
         state = _state_text(e)
-        if state in QUIET_STATES and not _notable_verify(e):
+        if state in QUIET_STATES and not _notable_verify(e, outcomes):
             continue
         groups.setdefault(state, []).append(e)
     if not groups:
@@ -507,7 +501,7 @@ def _compact(d: dict[str, Any], width: int | None) -> list[str]:
                     lines.extend(_wrapped(f"error: {e['error']}", " " * (pad + 4), width))
             elif state == "opt-in":
                 lines.append(f"{' ' * (pad + 4)}turn it on: KVPATCH_ENABLE={e['id']}")
-            notable = _notable_verify(e)
+            notable = _notable_verify(e, outcomes)
             if notable:
                 lines.extend(_wrapped(f"verify: {notable}", " " * (pad + 4), width))
         lines.append("")

@@ -1,6 +1,6 @@
 """Surgery on someone else's objects: install a replacement, know whether it is still there, put things back.
 
-The rules (the anchors' way, see STYLE.md "Living in someone else's process"):
+The rules:
 
 * **Mark and metadata.** Every replacement kvpatch installs is a plain function carrying the original's
   metadata (``functools.update_wrapper``: ``__name__``, ``__qualname__``, ``__module__``, ``__doc__``,
@@ -33,10 +33,9 @@ import sys
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
 
-from ._kvstruct import struct
 from .record import DISTRIBUTIONS, Target
 
 __all__ = [
@@ -45,7 +44,9 @@ __all__ = [
     "Change",
     "carries",
     "chain",
+    "commit",
     "describe",
+    "foreign",
     "liveness",
     "mark_of",
     "prepare",
@@ -68,7 +69,7 @@ _OURS: weakref.WeakKeyDictionary[Any, str] = globals().get("_OURS") or weakref.W
 _OURS_PROPERTIES: dict[int, tuple[Any, str, Any]] = globals().get("_OURS_PROPERTIES") or {}
 
 
-@struct
+@dataclass
 class Change:
     """One attribute changed on one owner, and how to put it back."""
 
@@ -157,6 +158,23 @@ def describe(obj: Any) -> str:
     return f"<{type(obj).__module__}.{type(obj).__qualname__} object>"
 
 
+def foreign(obj: Any, package: str) -> str | None:
+    """Whose code ``obj`` (a target's live object) is, when it is not ``package``'s own: ``None`` for a plain
+    function (or a classmethod / staticmethod of one) defined in a module of ``package``; else the qualified
+    name of another library's function, or a wrapper's type (and what it wraps). kvpatch's own replacements
+    count as foreign: take them out first."""
+    func = _plain(obj)
+    if type(func) is types.FunctionType:
+        module = func.__module__ or ""
+        if module == package or module.startswith(package + "."):
+            return None
+        return f"{module}.{func.__qualname__}"
+    kind = type(func)
+    inner = getattr(func, "__wrapped__", None)
+    wraps = f" around {getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', '?')}" if inner else ""
+    return f"{kind.__module__}.{kind.__qualname__}{wraps}"
+
+
 def prepare(
     patch_id: str,
     target: Target,
@@ -201,6 +219,26 @@ def prepare(
     setattr(function, MARK, patch_id)
     _OURS[function] = patch_id
     return function
+
+
+def commit(
+    patch_id: str,
+    target: Target,
+    owner: Any,
+    name: str,
+    *,
+    had_own: bool,
+    raw: Any,
+    original: Any,
+    function: Any,
+    wrapper: type | None = None,
+) -> Change:
+    """Set a replacement :func:`prepare` made on ``owner`` (re-wrapped in ``wrapper``, a classmethod or
+    staticmethod, where the original was one) and return how to put it back: kvpatch's one install step, for
+    upstream's modules and vendored copies alike. The caller guards against concurrent changes."""
+    stored = wrapper(function) if wrapper is not None else function
+    setattr(owner, name, stored)
+    return Change(patch_id, target, owner, name, had_own, raw, original, stored, function)
 
 
 def _walk(obj: Any) -> Iterator[tuple[Any, Any]]:

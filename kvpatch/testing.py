@@ -15,7 +15,11 @@ from .config import Config
 from .detect import Upstream
 from .engine import import_target_modules, run_reproduction
 from .gate import Decision, decide
+
+# The reproductions' own helpers (they run at run time), re-exported for the tests.
+from .patches._reproduce import matmul_precision, tiny_pixtral_language_model, tolerance  # noqa: F401
 from .record import Finding, Patch
+from .registry import Stub
 
 __all__ = [
     "agreeing_steps",
@@ -27,12 +31,13 @@ __all__ = [
     "reproduce",
     "reproduce_without",
     "same_greedy",
+    "skip_on_gap",
     "tolerance",
     "without",
 ]
 
 
-def natural_decision(patch: Patch) -> Decision:
+def natural_decision(patch: Patch | Stub) -> Decision:
     engine = get_engine()
     upstream = engine.upstream.get(patch.distribution) or Upstream(patch.distribution, None)
     return decide(patch, upstream, Config(enable_all=True))
@@ -51,12 +56,12 @@ def without(*patch_ids: str) -> Iterator[None]:
 
 def reproduce(patch: Patch) -> Finding:
     """``run_reproduction`` for tests: a reproduction stopped by a kernel this backend lacks skips the test."""
-    return _skip_on_gap(run_reproduction(patch))
+    return skip_on_gap(run_reproduction(patch))
 
 
 def reproduce_without(patch: Patch) -> Finding:
     with without(patch.id):
-        return _skip_on_gap(run_reproduction(patch))
+        return skip_on_gap(run_reproduction(patch))
 
 
 # -- what the backend computes, and how exactly ----------------------------------------------------------------
@@ -76,7 +81,7 @@ def backend_gap(text: str) -> str | None:
     return text if any(gap in text for gap in BACKEND_GAPS) else None
 
 
-def _skip_on_gap(finding: Finding) -> Finding:
+def skip_on_gap(finding: Finding) -> Finding:
     if finding.inconclusive and backend_gap(finding.inconclusive):
         import pytest
 
@@ -94,46 +99,6 @@ def _backend() -> str:
 
 
 #: Unit roundoff (half an ulp at 1) of the arithmetic a matmul uses, by name.
-_UNIT_ROUNDOFF = {"float32": 2.0**-24, "tf32": 2.0**-11, "float16": 2.0**-11, "bfloat16": 2.0**-8}
-
-
-def matmul_precision(dtype: object = None) -> str:
-    """The arithmetic mlx's matmuls use for ``dtype`` (default float32) on the default device.
-
-    float32 on a GPU (CUDA, Metal) goes through TF32 (10 stored mantissa bits) unless ``MLX_ENABLE_TF32=0``
-    (mlx's default is on: ``mlx/utils.h`` ``enable_tf32``); on the CPU it is float32. bfloat16 and float16 are
-    what they are.
-    """
-    import os
-
-    import mlx.core as mx
-
-    dtype = mx.float32 if dtype is None else dtype
-    if dtype == mx.bfloat16:
-        return "bfloat16"
-    if dtype == mx.float16:
-        return "float16"
-    gpu = mx.default_device().type == mx.DeviceType.gpu
-    if gpu and os.environ.get("MLX_ENABLE_TF32", "1") != "0":
-        return "tf32"
-    return "float32"
-
-
-def tolerance(dtype: object = None, scale: float = 1.0) -> float:
-    """Absolute tolerance for two results of the same computation reached two ways (batched vs alone, cached vs
-    uncached, patched vs reference) on the test models, for ``dtype`` (default float32) on this backend.
-
-    ``max(1e-4, 8 u max(1, scale))``, ``u`` the unit roundoff of the matmul arithmetic
-    (:func:`matmul_precision`) and ``scale`` the magnitude of the values compared (rounding errors are relative:
-    logits of magnitude 10 carry ten times the error of values of magnitude 1). 1e-4 is the figure the suite
-    was written with on the CPU (float32, u = 6e-8: it stays 1e-4 there for any magnitude below 200).
-    TF32 (float32 on a GPU) has u = 2^-11 = 4.9e-4: 3.9e-3; the tiny models (values of order 1, sums of 64-128
-    terms) differed by up to 1.5e-3 (about 3 u) on an H100 between two ways of computing the same logits.
-    bfloat16: 0.031; float16: 3.9e-3. Every bug these tests guard against moves results by 1e-2 or more.
-    """
-    return max(1e-4, 8 * _UNIT_ROUNDOFF[matmul_precision(dtype)] * max(1.0, scale))
-
-
 def quantization_gap(dtype: object = None) -> str | None:
     """Why a row decoded through a quantized KV cache cannot be held to :func:`tolerance` against the same row
     decoded another way (batched vs alone) here; None where it can.
@@ -271,31 +236,6 @@ def tiny_llama(*, seed: int = 0, heads: int = 4, kv_heads: int = 2, vocab: int =
         rope_theta=10000.0,
     )
     model = llama.Model(args)
-    if dtype is not None:
-        model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
-
-
-def tiny_pixtral_language_model(*, head_dim: int, heads: int = 4, kv_heads: int = 2, dtype: object = None) -> object:
-    """A random-weight mlx-vlm language model (pixtral's, hidden 64, 2 layers): the mlx-vlm test model."""
-    import mlx.core as mx
-    from mlx_vlm.models.pixtral.config import TextConfig
-    from mlx_vlm.models.pixtral.language import LanguageModel
-
-    mx.random.seed(0)
-    config = TextConfig(
-        model_type="mistral",
-        hidden_size=64,
-        head_dim=head_dim,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=64,
-        rope_theta=10000.0,
-    )
-    model = LanguageModel(config)
     if dtype is not None:
         model.set_dtype(dtype)
     mx.eval(model.parameters())

@@ -27,7 +27,6 @@ gates on upstream's state as it does there; such a target stays unpatched in the
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import logging
 import re
@@ -40,20 +39,22 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import config
-from .record import DISTRIBUTIONS, Kind, Target
+from . import config, surgery
+from .engine import fingerprint, fingerprint_source, hook_registry
+from .record import DISTRIBUTIONS, Kind, Patch, Target
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .engine import Engine, PatchStatus
 
 __all__ = [
     "KNOWN",
     "VARIABLE",
     "Copy",
     "apply",
-    "fingerprint_source",
+    "copy_records",
     "format_copies",
     "hook",
+    "register_copy",
     "restore",
     "scan",
     "setting",
@@ -105,13 +106,19 @@ class Copy:
 @dataclass
 class _Installed:
     copy: Copy
-    owner: Any
-    name: str
-    had_own: bool
-    raw: Any
-    replacement: Any
-    #: The engine's restore record (``kvpatch.surgery.Change``) where this kvpatch has the surgery module.
-    change: Any = None
+    #: How to put the copy's original back.
+    change: surgery.Change
+
+
+@dataclass
+class _Registered:
+    """A copy a server registered in code (:func:`register_copy`): one status per patch, and its changes."""
+
+    module: str
+    of: str
+    version: str
+    statuses: dict[str, PatchStatus] = field(default_factory=dict)
+    changes: dict[str, list[surgery.Change]] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,6 +128,8 @@ class _State:
     hooked: set[str] = field(default_factory=set)
     #: The last state :func:`apply` gave each (patch id, copy path) that it did not patch.
     notes: dict[tuple[str, str], str] = field(default_factory=dict)
+    #: Copies registered in code, by module name.
+    registered: dict[str, _Registered] = field(default_factory=dict)
 
 
 _state = _State()
@@ -138,13 +147,6 @@ def setting(environ: Mapping[str, str] | None = None) -> tuple[bool, tuple[str, 
 
 
 # -- fingerprints from source text ----------------------------------------------------------------
-def fingerprint_source(text: str) -> str:
-    """:func:`kvpatch.engine.fingerprint`'s hash of a definition's source text."""
-    lines = [line.strip() for line in text.splitlines()]
-    body = "\n".join(line for line in lines if line and not line.startswith("#"))
-    return hashlib.sha256(body.encode()).hexdigest()[:12]
-
-
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
     """``{qualname: (fingerprint, first line, lines)}`` of every function named in ``names`` defined in
     ``source`` at module level or inside classes (any depth), found by indentation, not by parsing: a
@@ -279,7 +281,8 @@ def _upstream_fingerprints(engine: Engine) -> dict[str, list[_Upstream]]:
     applicable = _applicable(engine)
     out: dict[str, list[_Upstream]] = {}
     texts: dict[str, dict[str, tuple[str, str, int]]] = {}
-    for patch in engine.patches:
+    patches = engine.materialise()
+    for patch in patches:
         if patch.id not in applicable:
             continue
         for target in patch.targets:
@@ -288,7 +291,7 @@ def _upstream_fingerprints(engine: Engine) -> dict[str, list[_Upstream]]:
             if target.module not in texts:
                 path = _module_file(target.module)
                 source = _read(path) if path is not None else None
-                wanted = frozenset(t.attribute for p in engine.patches for t in p.targets if t.module == target.module)
+                wanted = frozenset(t.attribute for p in patches for t in p.targets if t.module == target.module)
                 texts[target.module] = _definitions(source, wanted) if source else {}
             found = texts[target.module].get(target.qualname)
             if found is not None:
@@ -389,78 +392,17 @@ def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, 
 
 
 # -- patching copies (KVPATCH_VENDORED=1) ----------------------------------------------------------
-def _owner(copy: Copy) -> tuple[Any, str]:
-    owner: Any = sys.modules[copy.module]
-    *parts, name = copy.qualname.split(".")
-    for part in parts:
-        owner = vars(owner).get(part, _MISSING) if isinstance(owner, types.ModuleType) else getattr(owner, part)
-        if owner is _MISSING:
-            raise LookupError(f"{copy.path}: {part} is not a module-level name")
-    return owner, name
-
-
 def _install(engine: Engine, copy: Copy) -> None:
-    patch = next(p for p in engine.patches if p.id == copy.patch_id)
+    """Patch one copy found by :func:`scan` (``KVPATCH_VENDORED``), through :func:`_install_in_copy`."""
+    patch = engine.status[copy.patch_id].record
     target = next(t for t in patch.targets if t.path == copy.target)
-    owner, name = _owner(copy)
-    static = inspect.getattr_static(owner, name)
-    wrapper = type(static) if isinstance(static, (classmethod, staticmethod)) else None
-    original = static.__func__ if wrapper else getattr(owner, name)
-    ours = any(i.owner is owner and i.name == name and i.replacement is static for i in _state.installed)
-    marks = _surgery()
-    if not ours and marks is not None:  # stacked on another kvpatch replacement of the copy (or an added attribute)
-        ours = any(marks.mark_of(node) is not None for node in marks.chain(static))
-    probe: Any = (original.fset or original.fget) if isinstance(original, property) else original
-    code = getattr(inspect.unwrap(probe), "__code__", None)
-    home = _module_file(copy.module)
-    if not ours and (code is None or home is None or Path(code.co_filename).resolve() != home.resolve()):
-        # Someone replaced the copy after import: their code is not what the fingerprint matched.
-        copy.state = "not patched: the attribute is no longer the copy's own code (replaced after import)"
+    done = _install_in_copy(patch, target, copy.module, recorded=False)
+    if isinstance(done, str):
+        copy.state = f"not patched: {done.partition(': ')[2]}"
         return
-    own = vars(owner)
-    had_own = name in own
-    raw = own[name] if had_own else _MISSING
-    surgery = _surgery()
-    if surgery is not None:
-        # The engine's own rules: the replacement carries the original's metadata and kvpatch's mark, and
-        # restore puts back only what is still kvpatch's (foreign wrappers stay, wrapt proxies get a splice).
-        if surgery.carries(static, copy.patch_id):
-            copy.state = "patched"
-            return
-        where = Target(copy.module, copy.qualname)
-        function = surgery.prepare(copy.patch_id, where, owner, original, patch.builders[target])
-        if function is original:
-            copy.state = "not patched: the patch's builder declined for this copy"
-            return
-        stored = wrapper(function) if wrapper is not None else function
-        setattr(owner, name, stored)
-        change = surgery.Change(
-            patch_id=copy.patch_id, target=where, owner=owner, name=name, had_own=had_own,
-            raw_original=raw if raw is not _MISSING else surgery.MISSING, original=original, stored=stored,
-            function=function,
-        )  # fmt: skip
-        _state.installed.append(_Installed(copy, owner, name, had_own, raw, stored, change))
-        copy.state = "patched"
-        return
-    replacement = patch.builders[target](original)
-    if replacement is original:
-        copy.state = "not patched: the patch's builder declined for this copy"
-        return
-    if wrapper is not None:
-        replacement = wrapper(replacement)
-    setattr(owner, name, replacement)
-    _state.installed.append(_Installed(copy, owner, name, had_own, raw, replacement))
+    if done is not None:
+        _state.installed.append(_Installed(copy, done))
     copy.state = "patched"
-
-
-def _surgery() -> Any:
-    """The engine's surgery module where this kvpatch has one (install/restore rules shared with upstream
-    targets), else None (this module's own restore records are used)."""
-    try:
-        from . import surgery  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:
-        return None
-    return surgery
 
 
 def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> list[Copy]:
@@ -504,31 +446,204 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
 def restore() -> list[str]:
     """Take kvpatch's replacements out of vendored copies where they are still in place; returns the paths
     restored. A replacement someone wrapped since is left (with the wrapper) and logged."""
+    from .engine import State, set_state
+
     restored = []
     with _state.lock:
+        for reg in _state.registered.values():
+            for pid, changes in reg.changes.items():
+                for change in reversed(changes):
+                    note = surgery.restore(change)
+                    if note:
+                        log.warning("kvpatch: vendored copy: %s", note)
+                    else:
+                        restored.append(change.target.path)
+                st = reg.statuses[pid]
+                st.installed = []
+                if st.state in (State.APPLIED, State.OVERRIDDEN):
+                    set_state(st, State.PENDING, st.decision.reason)
+            reg.changes.clear()
         for item in reversed(_state.installed):
-            if item.change is not None:
-                surgery = _surgery()
-                note = surgery.restore(item.change) if surgery is not None else None
-                if note:
-                    log.warning("kvpatch: vendored copy: %s", note)
-                    continue
-                item.copy.state = "found"
-                restored.append(item.copy.path)
+            note = surgery.restore(item.change)
+            if note:
+                log.warning("kvpatch: vendored copy: %s", note)
                 continue
-            current = vars(item.owner).get(item.name, _MISSING)
-            if current is not item.replacement:
-                log.warning("kvpatch: %s was replaced after kvpatch patched it; left as it is", item.copy.path)
-                continue
-            if item.had_own:
-                setattr(item.owner, item.name, item.raw)
-            else:
-                delattr(item.owner, item.name)
             item.copy.state = "found"
             restored.append(item.copy.path)
         _state.installed.clear()
         _state.notes.clear()
     return restored
+
+
+# -- copies registered in code (kvpatch.register_copy) ----------------------------------------------------
+def register_copy(
+    engine: Engine, module: str, *, of: str, version: str, patches: Iterable[str] | None = None
+) -> list[PatchStatus]:
+    """Declare ``module`` a copy of ``of`` (an mlx-lm / mlx-vlm module) as released in ``version`` of its
+    distribution, and patch it with the patches (all, or the ids in ``patches``) that the gate applies to that
+    release and that change ``of``. Each gets a status of its own (``copy`` = ``module``), apart from
+    upstream's: applied only while its replacements are in the copy. The copy is patched when it is imported
+    (now, if it is imported already). Returns the copy's statuses; never raises for a patch that cannot be
+    used (an unknown or retired id is a status ``failed`` saying so)."""
+    from .detect import Upstream
+    from .engine import _FROM_ACTION, PatchStatus, State
+    from .gate import Action, Decision, decide
+
+    top = of.split(".", 1)[0]
+    dist = next((d for d, name in DISTRIBUTIONS.items() if name == top), None)
+    if dist is None:
+        raise ValueError(f"{of} is not a module of {' or '.join(DISTRIBUTIONS)}")
+    wanted = None if patches is None else list(dict.fromkeys(patches))
+    reg = _Registered(module, of, version)
+    known = {p.id: p for p in engine.materialise()}
+    for patch in known.values():
+        if patch.distribution != dist or of not in patch.modules or (wanted is not None and patch.id not in wanted):
+            continue
+        decision = decide(patch, Upstream(dist, version), engine.config)
+        state = _FROM_ACTION[decision.action]
+        reason = f"copy of {dist} {version}'s {of}: {decision.reason}"
+        if decision.action is Action.VERIFY:
+            state = State.UNVERIFIED
+            reason += "; the reproduction runs on the installed upstream, not on a copy: not applied"
+        reg.statuses[patch.id] = PatchStatus(patch, decision, state, reason, copy=module)
+    for pid in wanted or ():
+        if pid not in reg.statuses:
+            why = "no such patch" if pid not in known else f"it does not change {of}"
+            st = PatchStatus(known[pid] if pid in known else _unknown(pid, dist), Decision(Action.DISABLED, why),
+                             State.FAILED, f"{pid} cannot patch {module}: {why}", error=why, copy=module)  # fmt: skip
+            reg.statuses[pid] = st
+    with _state.lock:
+        _state.registered[module] = reg
+    register = hook_registry()
+    if isinstance(register, BaseException):
+        raise register
+    register(lambda loaded: _patch_registered(reg), module)
+    return list(reg.statuses.values())
+
+
+def _unknown(pid: str, dist: str) -> Any:
+    """A record standing for a patch id kvpatch does not know (retired, or misspelt)."""
+    from .record import Expiry, Patch
+
+    return Patch(pid, "unknown patch", dist, "<0", "", Expiry("unknown"), fixed_in="0")
+
+
+def _patch_registered(reg: _Registered) -> None:
+    """Install, on the imported copy, every patch of ``reg`` the gate applies (all or nothing per patch)."""
+    from .engine import State, TargetMissing, set_state
+
+    for pid, st in reg.statuses.items():
+        if st.state is not State.PENDING:
+            continue
+        done: list[surgery.Change] = []
+        try:
+            for target in st.record.targets:
+                if target.module != reg.of:
+                    continue  # the patch's other modules are upstream's own
+                change = _install_in_copy(st.record, target, reg.module, recorded=True)
+                if isinstance(change, str):
+                    raise TargetMissing(change) if change.startswith("missing") else _Declined(change)
+                if change is not None:
+                    done.append(change)
+        except Exception as exc:
+            for change in reversed(done):
+                surgery.restore(change)
+            if isinstance(exc, _Declined) and str(exc).startswith(("drifted", "replaced")):
+                set_state(st, State.DRIFTED, f"{st.reason}; {exc}: not applied")
+            elif isinstance(exc, _Declined):
+                set_state(st, State.NOT_NEEDED, f"{st.reason}; {exc}")
+            else:
+                failed = State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED
+                set_state(st, failed, f"{st.reason}; not applied: {type(exc).__name__}: {exc}", error=str(exc))
+            continue
+        with _state.lock:
+            reg.changes[pid] = done
+            st.installed = [c.target for c in done]
+            set_state(st, State.APPLIED if done else State.NOT_NEEDED)
+
+
+class _Declined(Exception):
+    """The copy keeps its code for this patch (the builder declined, or the copy's code is not upstream's)."""
+
+
+def _install_in_copy(patch: Patch, target: Target, module: str, *, recorded: bool) -> surgery.Change | str | None:
+    """Put ``target``'s fix on the copy's object of the same qualified name in ``module``, through kvpatch's one
+    install step (:func:`kvpatch.surgery.prepare` and :func:`~kvpatch.surgery.commit`: the replacement carries
+    the original's metadata and kvpatch's mark; restore puts back only what is still kvpatch's).
+
+    Returns the change; ``None`` when there is nothing to do (the fix is there already, or an optional target
+    the copy lacks); or why not, as ``"<missing|declined|drifted|replaced>: <text>"``. ``recorded``: the copy's
+    code must be one the patch was validated on (``kvpatch/data/fingerprints.json``).
+    """
+    owner: Any = sys.modules[module]
+    for part in target.owner_path:
+        owner = (
+            vars(owner).get(part, _MISSING) if isinstance(owner, types.ModuleType) else getattr(owner, part, _MISSING)
+        )
+        if owner is _MISSING:
+            return None if target.optional else f"missing: {module}.{target.qualname} (the copy has no {part})"
+    name = target.attribute
+    static = inspect.getattr_static(owner, name, _MISSING)
+    wrapper = None
+    if target.kind is Kind.ADD:
+        if static is not _MISSING:
+            return None if surgery.carries(static, patch.id) else "declined: the copy has it already"
+        original: Any = None
+    else:
+        if static is _MISSING:
+            return None if target.optional else f"missing: {module}.{target.qualname}"
+        if surgery.carries(static, patch.id):
+            return None
+        wrapper = type(static) if isinstance(static, (classmethod, staticmethod)) else None
+        original = static.__func__ if wrapper else getattr(owner, name)
+        # stacked on another kvpatch replacement of the copy (or an added attribute): the copy's code is under it
+        ours = any(surgery.mark_of(node) is not None for node in surgery.chain(static))
+        probe: Any = (original.fset or original.fget) if isinstance(original, property) else original
+        code = getattr(inspect.unwrap(probe), "__code__", None)
+        home = _module_file(module)
+        own_code = code is not None and home is not None and Path(code.co_filename).resolve() == home.resolve()
+        if not ours and callable(probe) and not own_code:
+            # Someone replaced the copy after import: their code is not the copy's. (A plain value, such as a
+            # class attribute a patch serves through a property, has no code to compare.)
+            return "replaced: the attribute is no longer the copy's own code (replaced after import)"
+        if recorded:
+            from . import verdicts
+
+            known = verdicts.validated(patch).get(target.path)
+            if known and fingerprint(original) not in known:
+                release = f"{patch.distribution} release the patch was validated on"
+                return f"drifted: {module}.{target.qualname} is not the code of any {release}"
+    where = Target(module, target.qualname, target.kind, target.optional)
+    function = surgery.prepare(patch.id, where, owner, original, patch.builders[target])
+    if function is original:
+        return "declined: the patch's builder declined for this copy"
+    own = vars(owner)
+    had_own = name in own
+    return surgery.commit(
+        patch.id, where, owner, name, had_own=had_own, raw=own[name] if had_own else surgery.MISSING,
+        original=original, function=function, wrapper=wrapper,
+    )  # fmt: skip
+
+
+def copy_records() -> list[PatchStatus]:
+    """The statuses of every registered copy's patches, looked up again (``overridden`` when a replacement is
+    no longer reachable in the copy)."""
+    from .engine import State, set_state
+
+    out: list[PatchStatus] = []
+    with _state.lock:
+        registered = list(_state.registered.values())
+    for reg in registered:
+        for pid, st in reg.statuses.items():
+            changes = reg.changes.get(pid, [])
+            if st.state in (State.APPLIED, State.OVERRIDDEN) and changes:
+                gone = [d for s, d in map(surgery.liveness, changes) if s in ("overridden", "removed")]
+                if gone:
+                    set_state(st, State.OVERRIDDEN, "; ".join(gone))
+                elif st.state is State.OVERRIDDEN:
+                    set_state(st, State.APPLIED, st.decision.reason)
+            out.append(st)
+    return out
 
 
 def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
@@ -538,8 +653,9 @@ def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
     if not on:
         return
     try:
-        import wrapt
-
+        register = hook_registry()  # kvpatch's own post-import hooks: they run after the module's code, no lock held
+        if isinstance(register, BaseException):
+            raise register
         for name in names:
             with _state.lock:
                 if name in _state.hooked:
@@ -548,14 +664,14 @@ def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
             current = sys.modules.get(name)
             if current is not None and getattr(getattr(current, "__spec__", None), "_initializing", False):
                 # Activation came from inside this module's own import (it imports upstream): its classes
-                # are not defined yet and wrapt would call the hook now, never again. Left to apply().
+                # are not defined yet and the registry would call the hook now, never again. Left to apply().
                 log.info("kvpatch: %s is still being imported; call kvpatch.vendored.apply()", name)
                 continue
 
             def patch_module(module: types.ModuleType, _engine: Engine = engine) -> None:
                 apply(_engine, modules=[module.__name__], force=True)
 
-            wrapt.register_post_import_hook(patch_module, name)
+            register(patch_module, name)
     except Exception as exc:
         log.warning("kvpatch: could not hook vendored modules: %s: %s", type(exc).__name__, exc)
 

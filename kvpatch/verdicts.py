@@ -60,6 +60,7 @@ import.
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import inspect
 import json
@@ -67,31 +68,27 @@ import logging
 import os
 import sys
 import time
-import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import config
 from . import store as _store
-from ._kvstruct import struct
 from ._warn import emit
 from .locate import module_file
+from .record import Bug
 
 if TYPE_CHECKING:
     from .detect import Upstream
     from .record import Finding, Patch
 
 __all__ = [
-    "ABSENT",
-    "FIXED",
-    "INCONCLUSIVE",
-    "NOT_FIXED",
-    "SKIPPED",
+    "Outcome",
     "Verdict",
     "fingerprint_cached",
     "foreign_targets",
-    "from_findings",
+    "judge",
     "key",
     "lookup",
     "measuring",
@@ -117,19 +114,34 @@ RETRY_AFTER = 3600.0
 #: Entries kept per table (oldest dropped first).
 MAX_ENTRIES = 512
 
-FIXED = "bug present, fixed by patch"
-ABSENT = "bug absent upstream"
-NOT_FIXED = "bug present, NOT fixed by patch"
-INCONCLUSIVE = "inconclusive"
-SKIPPED = "skipped"
-OUTCOMES = (FIXED, ABSENT, NOT_FIXED, INCONCLUSIVE, SKIPPED)
+
+class Outcome(str, enum.Enum):
+    """What running a reproduction without and with its patch says (see :func:`judge`).
+
+    The values are the strings stored in the verdict file and shown by ``status``: they never change.
+    The first five are verdicts (stored); the last three are said only by ``status --verify`` about this
+    process (another library fixed it, the patch is not applied here, or the measurement could not run).
+    """
+
+    FIXED = "bug present, fixed by patch"
+    ABSENT = "bug absent upstream"
+    NOT_FIXED = "bug present, NOT fixed by patch"
+    INCONCLUSIVE = "inconclusive"
+    SKIPPED = "skipped"
+    ELSEWHERE = "bug absent in this process, fixed by something else in this process"
+    UNPATCHED = "bug present, patch not applied"
+    COULD_NOT_RUN = "could not run"
 
 
-@struct(frozen=True)
+#: The outcomes a stored verdict may have.
+STORED = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.NOT_FIXED, Outcome.INCONCLUSIVE, Outcome.SKIPPED})
+
+
+@dataclass(frozen=True)
 class Verdict:
     """One measured outcome for one patch in one environment (see the module docstring)."""
 
-    outcome: str
+    outcome: Outcome
     detail: str = ""
     #: When it was measured (seconds since the epoch).
     at: float = 0.0
@@ -140,28 +152,39 @@ class Verdict:
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.at)) if self.at else "?"
-        detail = f": {self.detail}" if self.detail and self.outcome in (INCONCLUSIVE, SKIPPED, NOT_FIXED) else ""
-        return f"{self.outcome}{detail} (verdict of {when}{', ' + self.by if self.by else ''})"
+        shown = (Outcome.INCONCLUSIVE, Outcome.SKIPPED, Outcome.NOT_FIXED)
+        detail = f": {self.detail}" if self.detail and self.outcome in shown else ""
+        return f"{self.outcome.value}{detail} (verdict of {when}{', ' + self.by if self.by else ''})"
 
 
-def from_findings(before: Finding, after: Finding | None, *, by: str = "") -> Verdict:
-    """The verdict from a reproduction without the patch (``before``) and with it (``after``)."""
-    now = time.time()
-    if before.verdict == "skipped":
-        return Verdict(SKIPPED, before.skipped or "", now, by)
-    if before.verdict == "inconclusive":
-        return Verdict(INCONCLUSIVE, f"without the patch: {before.inconclusive}", now, by)
-    if before.verdict == "absent":
-        return Verdict(ABSENT, before.detail, now, by)
+def judge(before: Finding, after: Finding | None, foreign: Sequence[str] = ()) -> tuple[Outcome, str]:
+    """The outcome (and its detail) of a reproduction run without the patch (``before``) and with it (``after``,
+    ``None`` when the patch was not tried). ``foreign``: targets holding another library's code during the run
+    without the patch (:func:`foreign_targets`): an absent bug is then that library's fix, not upstream's."""
+    if before.bug is Bug.SKIPPED:
+        return Outcome.SKIPPED, before.skipped or ""
+    if before.bug is Bug.INCONCLUSIVE:
+        return Outcome.INCONCLUSIVE, f"without the patch: {before.inconclusive}"
+    if before.bug is Bug.ABSENT:
+        return (Outcome.ELSEWHERE, ", ".join(foreign)) if foreign else (Outcome.ABSENT, before.detail)
     if after is None:
-        return Verdict(INCONCLUSIVE, "bug present; the patch could not be tried", now, by)
-    if after.verdict == "inconclusive":
-        return Verdict(INCONCLUSIVE, f"bug present without the patch; with it: {after.inconclusive}", now, by)
-    if after.verdict == "present":
-        return Verdict(NOT_FIXED, after.detail, now, by)
-    if after.verdict == "skipped":
-        return Verdict(INCONCLUSIVE, f"bug present; with the patch the reproduction skipped: {after.skipped}", now, by)
-    return Verdict(FIXED, before.detail, now, by)
+        return Outcome.UNPATCHED, before.detail
+    if after.bug is Bug.INCONCLUSIVE:
+        return Outcome.INCONCLUSIVE, f"bug present without the patch; with it: {after.inconclusive}"
+    if after.bug is Bug.PRESENT:
+        return Outcome.NOT_FIXED, after.detail
+    if after.bug is Bug.SKIPPED:
+        return Outcome.INCONCLUSIVE, f"bug present; with the patch the reproduction skipped: {after.skipped}"
+    return Outcome.FIXED, before.detail
+
+
+def verdict_of(before: Finding, after: Finding | None, *, by: str = "") -> Verdict:
+    """The verdict to store for a measurement (a verdict is about upstream's code: no foreign credit; a patch
+    that could not be tried leaves the measurement inconclusive)."""
+    outcome, detail = judge(before, after)
+    if outcome is Outcome.UNPATCHED:
+        outcome, detail = Outcome.INCONCLUSIVE, "bug present; the patch could not be tried"
+    return Verdict(outcome, detail, time.time(), by)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -361,12 +384,12 @@ def lookup(verdict_key: str) -> Verdict | None:
     """The stored verdict for ``verdict_key`` written by this kvpatch version, or ``None``. Never raises."""
     try:
         entry = _tables()["verdicts"].get(verdict_key)
-        if not isinstance(entry, dict) or entry.get("outcome") not in OUTCOMES:
+        if not isinstance(entry, dict) or entry.get("outcome") not in STORED:
             return None
         if entry.get("kvpatch") != _kvpatch_version():
             return None
         return Verdict(
-            str(entry["outcome"]),
+            Outcome(entry["outcome"]),
             str(entry.get("detail", "")),
             float(entry.get("at", 0)),
             str(entry.get("by", "")),
@@ -382,7 +405,7 @@ def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[st
     up = upstream.get(patch.distribution)
     entry = {
         "patch": patch.id,
-        "outcome": verdict.outcome,
+        "outcome": verdict.outcome.value,
         "detail": verdict.detail[:2000],
         "at": verdict.at,
         "by": verdict.by,
@@ -555,6 +578,7 @@ def foreign_targets(patch: Patch) -> list[str]:
     Upstream's own: a plain function (or classmethod / staticmethod of one) defined in a module of the
     patch's distribution. kvpatch's own replacements count as foreign here: take them out first.
     """
+    from . import surgery
     from .record import Kind
 
     found = []
@@ -571,19 +595,9 @@ def foreign_targets(patch: Patch) -> list[str]:
             live = inspect.getattr_static(owner, target.attribute)
         except AttributeError:
             continue
-        func = getattr(live, "__func__", live) if isinstance(live, (classmethod, staticmethod)) else live
-        if isinstance(func, types.FunctionType):
-            module = func.__module__ or ""
-            if module == package or module.startswith(package + "."):
-                continue
-            found.append(f"{target.path}: {module}.{func.__qualname__}")
-        else:
-            kind = type(func)
-            inner = getattr(func, "__wrapped__", None)
-            wraps = ""
-            if inner is not None:
-                wraps = f" around {getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', '?')}"
-            found.append(f"{target.path}: {kind.__module__}.{kind.__qualname__}{wraps}")
+        who = surgery.foreign(live, package)
+        if who is not None:
+            found.append(f"{target.path}: {who}")
     return found
 
 
@@ -613,9 +627,7 @@ def shipped() -> dict[str, dict[str, frozenset[str]]]:
 
 
 def validated(patch: Patch) -> dict[str, frozenset[str]]:
-    """Target path -> fingerprints the patch was validated on (the record's own ``validated`` wins)."""
-    if patch.validated:
-        return {t.path: patch.validated for t in patch.targets}
+    """Target path -> fingerprints the patch was validated on (``kvpatch/data/fingerprints.json``)."""
     return shipped().get(patch.id, {})
 
 

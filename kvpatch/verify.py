@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     errors: dict[str, str] = {}
     with verdicts.measuring_as(by, remeasure=not (background or args.missing)):
         engine.activate()
-        for patch in engine.patches:
+        for patch in engine.materialise():
             st = engine.status[patch.id]
             if st.state is not State.PENDING:
                 continue
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                 errors[patch.id] = f"{type(exc).__name__}: {exc}"
         verdicts.save_fingerprints(wait=True)
     rows: list[dict[str, Any]] = []
-    for patch in engine.patches:
+    for patch in engine.materialise():
         st = engine.status[patch.id]
         state = st.state.value
         error = errors.get(patch.id) or st.error

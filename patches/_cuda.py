@@ -121,7 +121,7 @@ def check(function: Any, where: str) -> Finding:
     """Cache-like quantized attention through ``function`` on the backend, against a float reference."""
     import mlx.core as mx
 
-    from kvpatch.testing import tolerance
+    from ._reproduce import tolerance
 
     if not on_cuda(mx):
         return Finding(

@@ -51,9 +51,8 @@ decrement is pending (the read then returns the stored array itself, as upstream
 upstream's chain. No mlx-lm or mlx-vlm code in this patch's range (or vlm-arrays-advance-detach's) reads a cache's
 ``__dict__``, edits its metadata in place, holds it across an ``advance``, or copies a cache with ``copy.copy``.
 
-Cost (earlier versions rebased or tied the chains every 10th step, which freed during decoding the nodes
-upstream frees only when the caches are discarded, and cost an H100's 1.1B hybrid 2-3% of its decode speed):
-see the README, "On Linux with an NVIDIA GPU".
+Cost: nothing is tied or rebased while decoding (the nodes upstream frees when the caches are discarded are
+freed then, as upstream does); see the README, "On Linux with an NVIDIA GPU".
 """
 
 from __future__ import annotations

@@ -31,11 +31,6 @@ query heads, boolean, additive and ``"causal"`` masks as upstream means them; ``
 attention, no host synchronisation; the cost is one layer's keys and values in floating point while that layer
 runs. Composition: order 90, outermost, and it does not call inward: ``qsdpa-gqa-batch-mask`` and ``mask-fill``
 fix upstream's arithmetic, which this path does not use.
-
-Checked on the H100 (mlx 0.32.4, mlx-lm 0.32.2, mlx-vlm 0.7.10, archive install, 2026-11-25):
-``tests/upstream/test_qsdpa_cuda_shapes.py`` 130 passed (the installed replacement against a float reference:
-4 geometries x 8 mask kinds x cache views and contiguous keys, both twins); ``status --verify --check`` exit 0
-with "bug present, fixed by patch" for both twins.
 """
 
 from __future__ import annotations

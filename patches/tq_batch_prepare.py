@@ -186,7 +186,7 @@ def reproduce() -> Finding:
     """A right-padded (APC mixed prefill) two-row batch with TurboQuant 3.5 bits, against each row alone."""
     import mlx.core as mx
 
-    from kvpatch.testing import tiny_pixtral_language_model
+    from ._reproduce import tiny_pixtral_language_model
 
     model = tiny_pixtral_language_model(head_dim=32)
     try:

@@ -77,11 +77,11 @@ def reproduce() -> Finding:
             findings.append(_cuda.check(function, name))
     if not findings:
         return Finding(False, "this mlx-vlm has no quantized attention of its own: nothing to fix")
-    for verdict in ("skipped", "inconclusive", "present"):
-        hit = [f for f in findings if f.verdict == verdict]
+    for bug in ("skipped", "inconclusive", "present"):
+        hit = [f for f in findings if f.bug == bug]
         if hit:
             return Finding(
-                verdict == "present",
+                bug == "present",
                 "; ".join(f.detail for f in hit if f.detail),
                 skipped=hit[0].skipped,
                 inconclusive="; ".join(f.inconclusive for f in hit if f.inconclusive) or None,

@@ -28,7 +28,7 @@ _T95 = [
 
 def hot_path_ids(engine: Any, chosen: list[str] | None = None) -> list[str]:
     """The patch ids a benchmark toggles: ``chosen`` (``--patch``), else every hot-path patch installed here."""
-    return chosen or [pid for pid, st in engine.status.items() if st.patch.hot_path and st.installed]
+    return chosen or [pid for pid, st in engine.status.items() if st.installed and st.record.hot_path]
 
 
 def t95(df: int) -> float:

@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO))
 
 from matrix import BUCKETS  # noqa: E402
 
+from kvpatch.engine import fingerprint_source  # noqa: E402
 from kvpatch.maint import envs  # noqa: E402
 from kvpatch.maint.envs import Bucket  # noqa: E402
 from kvpatch.record import DISTRIBUTIONS, Kind, Patch  # noqa: E402
@@ -66,18 +67,6 @@ MIRRORS = {
     "mlx-vlm": Path("/work/.mirror/Blaizzy+mlx-vlm/repo"),
 }
 _MARK = "@@fp@@"
-
-
-# ------------------------------------------------------------------------------------------------
-# The fingerprint from source text (the same normalisation as kvpatch.engine.fingerprint)
-
-
-def normalised_hash(text: str) -> str:
-    import hashlib
-
-    lines = [line.strip() for line in text.splitlines()]
-    body = "\n".join(line for line in lines if line and not line.startswith("#"))
-    return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
 def _defs(body: list[ast.stmt]) -> dict[str, ast.AST]:
@@ -121,7 +110,7 @@ def ast_fingerprint(source: str, qualname: str) -> str | None:
         return None
     first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
     end = node.end_lineno or node.lineno
-    return normalised_hash("\n".join(lines[first - 1 : end]))
+    return fingerprint_source("\n".join(lines[first - 1 : end]))
 
 
 def module_path(root: Path, module: str) -> Path | None:

@@ -133,3 +133,15 @@ def skip_if_no_index(error: str, what: str) -> None:
         return
     said = dict.fromkeys([lines[0], network, *(line for line in lines[1:] if line.startswith("ERROR:"))])
     pytest.skip(f"{what} needs a package index and none is reachable here: " + " | ".join(said))
+
+
+def fake_mlx_core(site) -> None:
+    """Write, under ``site``, the little of ``mlx.core`` that ``run_reproduction`` touches (it keeps the default
+    device, stream and random state), for engine tests that run a reproduction without mlx."""
+    (site / "mlx").mkdir()
+    (site / "mlx" / "__init__.py").write_text("")
+    (site / "mlx" / "core.py").write_text(
+        "import types\nrandom = types.SimpleNamespace(state=[0])\n"
+        "def default_device(): return 'cpu'\ndef default_stream(device): return 's'\n"
+        "def set_default_device(device): pass\ndef set_default_stream(stream): pass\n"
+    )

@@ -34,6 +34,7 @@ import os
 import sys
 
 _WATCHED = ("mlx_lm", "mlx_vlm")
+_also: set = set()  # other modules a hook was registered for (a server's vendored copy of upstream code)
 
 _lock = _thread.allocate_lock()  # guards the tables below; never held while importing or calling out
 _hooks: dict = {}  # module name -> callables waiting for it
@@ -64,6 +65,8 @@ def register_post_import_hook(hook, name):
     """
     _ensure_first()
     with _lock:
+        if name.partition(".")[0] not in _WATCHED:
+            _also.add(name)
         module = sys.modules.get(name)
         if module is None or _running.get(name):
             _hooks.setdefault(name, []).append(hook)
@@ -105,6 +108,8 @@ def find_spec(name, path=None, target=None):
     top, dot, _ = name.partition(".")
     if top in _WATCHED:
         return _chained_spec(name, path, target, top=not dot)
+    if name in _also:
+        return _chained_spec(name, path, target, top=False)
     if not dot and getattr(_tls, "activating", False) and name not in sys.modules:
         return _own_spec(name, target)
     return None

@@ -113,7 +113,8 @@ def render() -> str:
 def target_fingerprints() -> dict[str, dict[str, Any]]:
     """Fingerprint every REPLACE target of every patch in the installed upstream (imports it)."""
     from .. import get_engine
-    from ..engine import _MISSING, fingerprint
+    from ..engine import fingerprint
+    from ..surgery import MISSING
 
     engine = get_engine()
     result: dict[str, dict[str, Any]] = {}
@@ -127,7 +128,7 @@ def target_fingerprints() -> dict[str, dict[str, Any]]:
             except Exception as exc:
                 entry[t.path] = f"missing ({type(exc).__name__})"
                 continue
-            original = engine._upstream_original(t, module)  # looks through kvpatch's own changes
-            entry[t.path] = "missing" if original is _MISSING else fingerprint(original)
+            original = engine.upstream_original(t, module)  # looks through kvpatch's own changes
+            entry[t.path] = "missing" if original is MISSING else fingerprint(original)
         result[p.id] = entry
     return result

@@ -65,10 +65,10 @@ from .expiry import patch_file
 __all__ = [
     "FRESH_HOURS",
     "SCHEMA",
+    "Agreement",
     "Expect",
     "Measured",
     "Release",
-    "Verdict",
     "expectation",
     "index_releases",
     "judge",
@@ -88,7 +88,7 @@ _DEFAULT_INDEX = "https://pypi.org/simple"
 
 
 # --------------------------------------------------------------------------------------------
-# What the record expects, and the verdict (pure; tested table-driven in tests/engine/test_expiry.py)
+# What the record expects, and whether the measurement agrees (pure; tested table-driven in tests/engine/test_expiry.py)
 
 
 class Expect(enum.Enum):
@@ -110,7 +110,7 @@ class Measured(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Agreement:
     #: True agrees, False disagrees (exit 1), None: nothing to compare (not relevant, skipped).
     agrees: bool | None
     expected: str
@@ -168,7 +168,7 @@ def judge(
     patched_state: str | None = None,
     skipped: bool = False,
     local: bool = False,
-) -> Verdict:
+) -> Agreement:
     """Does ``measured`` (on ``release`` of the patch's distribution) agree with the record?
 
     ``first_fixed``: the first release without the bug when bisected (default: ``release``).
@@ -183,9 +183,9 @@ def judge(
     where = patch_file(patch)
     dist = patch.distribution
     if measured is Measured.NOT_RELEVANT or expect is Expect.NOT_RELEVANT:
-        return Verdict(None, Expect.NOT_RELEVANT.value)
+        return Agreement(None, Expect.NOT_RELEVANT.value)
     if measured is Measured.INCONCLUSIVE:
-        return Verdict(
+        return Agreement(
             False,
             expect.value,
             (
@@ -196,14 +196,14 @@ def judge(
         )
     if measured is Measured.COULD_NOT_RUN:
         if skipped:
-            return Verdict(None, expect.value)
-        return Verdict(
+            return Agreement(None, expect.value)
+        return Agreement(
             False,
             expect.value,
             (f"{where}: the reproduction could not run on {dist} {release}: fix the environment or the reproduction",),
         )
     if measured is Measured.MOVED:
-        return Verdict(
+        return Agreement(
             False,
             expect.value,
             (
@@ -213,7 +213,7 @@ def judge(
         )
     if measured is Measured.NEEDED:
         if expect is Expect.ABSENT:
-            return Verdict(
+            return Agreement(
                 False,
                 expect.value,
                 (
@@ -224,7 +224,7 @@ def judge(
         if patched_fixes is False:
             state = f" (state: {patched_state})" if patched_state else ""
             if local and patch.fixed_in and Version(release) >= Version(patch.fixed_in):
-                return Verdict(
+                return Agreement(
                     False,
                     expect.value,
                     (
@@ -232,13 +232,13 @@ def judge(
                         f"the bug, and kvpatch leaves it unpatched{state}: the fix is not in this tree yet",
                     ),
                 )
-            return Verdict(
+            return Agreement(
                 False,
                 expect.value,
                 (f"{where}: bug still there on {dist} {release}, but the patch does not fix it{state}: rework it",),
             )
         if expect is Expect.NEWER and not local:
-            return Verdict(
+            return Agreement(
                 True,
                 expect.value,
                 (
@@ -246,13 +246,13 @@ def judge(
                     f"{where}: widen affected {patch.affected!r} -> {_range_through(patch, release)!r}",
                 ),
             )
-        return Verdict(True, expect.value)
+        return Agreement(True, expect.value)
     # Measured.FIXED: the bug is absent.
     if expect in (Expect.ABSENT, Expect.UNSETTLED):
-        return Verdict(True, expect.value)
+        return Agreement(True, expect.value)
     fixed = first_fixed or release
     if local:
-        return Verdict(
+        return Agreement(
             False,
             expect.value,
             (
@@ -272,7 +272,7 @@ def judge(
     )
     if expect is Expect.NEEDED:
         advice.insert(0, f"{where}: the record says {dist} {release} is affected, but the bug is absent there")
-    return Verdict(False, expect.value, tuple(advice))
+    return Agreement(False, expect.value, tuple(advice))
 
 
 # --------------------------------------------------------------------------------------------
@@ -765,7 +765,7 @@ class Row:
     detail: str = ""
     first_fixed: str | None = None
     patched: str | None = None  # what the kvpatch-active child saw
-    verdict: Verdict | None = None
+    agreement: Agreement | None = None
     seconds: float | None = None
     skipped: bool = False  # the reproduction said it cannot run here
     fixes: bool | None = None  # whether the patch removed the bug (kvpatch-active child)
@@ -778,7 +778,7 @@ class Row:
 
     def as_json(self) -> dict[str, Any]:
         p = self.patch
-        v = self.verdict
+        v = self.agreement
         return {
             "id": p.id,
             "file": patch_file(p),
@@ -868,7 +868,7 @@ class Outcome:
 
     @property
     def exit_code(self) -> int:
-        return 1 if any(r.verdict is not None and r.verdict.agrees is False for r in self.rows) else 0
+        return 1 if any(r.agreement is not None and r.agreement.agrees is False for r in self.rows) else 0
 
 
 def check(patches: Sequence[Patch], options: Options) -> Outcome:
@@ -917,7 +917,7 @@ def check(patches: Sequence[Patch], options: Options) -> Outcome:
     for row in rows:
         p = row.patch
         if row.measured is Measured.NOT_RELEVANT or row.release is None:
-            row.verdict = Verdict(None, Expect.NOT_RELEVANT.value)
+            row.agreement = Agreement(None, Expect.NOT_RELEVANT.value)
             continue
         is_local = local.get(p.distribution, False)
         if (
@@ -927,7 +927,7 @@ def check(patches: Sequence[Patch], options: Options) -> Outcome:
             and expectation(p, row.release) in (Expect.NEWER, Expect.NEEDED)
         ):
             row.first_fixed = _bisect(planner, p, row.release, options)
-        row.verdict = judge(
+        row.agreement = judge(
             p,
             row.release,
             row.measured,
@@ -1050,7 +1050,7 @@ def format_text(outcome: Outcome) -> str:
     header = ("patch", "release", "measured", "record expects", "verdict")
     data = []
     for r in outcome.rows:
-        v = r.verdict
+        v = r.agreement
         verdict = "-" if v is None or v.agrees is None else ("agrees" if v.agrees else "DISAGREES")
         release = f"{r.patch.distribution} {r.release}" if r.release else r.patch.distribution
         data.append((r.patch.id, release, r.measured_text, v.expected if v else "", verdict))
@@ -1067,11 +1067,11 @@ def format_text(outcome: Outcome) -> str:
             lines.append(f"    with kvpatch active: {r.patched}")
     for note in outcome.notes:
         lines.append(f"note: {note}")
-    failed = [r for r in outcome.rows if r.verdict and r.verdict.agrees is False]
+    failed = [r for r in outcome.rows if r.agreement and r.agreement.agrees is False]
     unsettled = (Measured.COULD_NOT_RUN, Measured.INCONCLUSIVE)
     unmeasured = [r for r in failed if r.measured in unsettled]
-    must = [(r, a) for r in failed if r.verdict and r.measured not in unsettled for a in r.verdict.advice]
-    may = [(r, a) for r in outcome.rows if r.verdict and r.verdict.agrees is True for a in r.verdict.advice]
+    must = [(r, a) for r in failed if r.agreement and r.measured not in unsettled for a in r.agreement.advice]
+    may = [(r, a) for r in outcome.rows if r.agreement and r.agreement.agrees is True for a in r.agreement.advice]
     lines.append("")
     if must:
         lines.append(
@@ -1085,7 +1085,7 @@ def format_text(outcome: Outcome) -> str:
     if may:
         lines.append("records to bring up to date (they agree; the newer release was measured):")
         lines.extend(f"  - {a}" for _, a in may)
-    n = sum(1 for r in outcome.rows if r.verdict and r.verdict.agrees is not None and r not in unmeasured)
+    n = sum(1 for r in outcome.rows if r.agreement and r.agreement.agrees is not None and r not in unmeasured)
     lines.append(
         f"upstream-check: {len(outcome.rows)} patches, {n} measured, "
         + (

@@ -201,7 +201,7 @@ def test_no_hook_registry_means_failed_not_pending(monkeypatch):
     from kvpatch.detect import Upstream
     from kvpatch.engine import Engine, State
 
-    monkeypatch.setattr(engine_module, "_hook_registry", lambda: ImportError("No module named 'wrapt'"))
+    monkeypatch.setattr(engine_module, "hook_registry", lambda: ImportError("No module named 'wrapt'"))
     p = Patch(
         id="t-hook",
         summary="s",

@@ -221,7 +221,6 @@ def test_verify_without_run_keeps_enablers_of_the_same_target():
     """``status --verify`` takes every kvpatch patch on a target out for a patch's "without" run, except the
     enablers (qsdpa-cuda-shapes: without it CUDA has no kernel, and the reproduction could not run at all),
     which only their own verify takes out."""
-    from kvpatch import status
     from kvpatch.record import Target
 
     target = Target("mlx_lm.models.base", "quantized_scaled_dot_product_attention")
@@ -240,5 +239,5 @@ def test_verify_without_run_keeps_enablers_of_the_same_target():
     engine = Engine([fix, route, other], upstream={"mlx-lm": Upstream("mlx-lm", "0.32.2")}, config=Config())
     for p in (fix, route, other):
         engine.status[p.id].installed = [target]
-    assert set(status._sharing(engine, fix)) == {"fix", "other"}
-    assert set(status._sharing(engine, route)) == {"fix", "route", "other"}
+    assert set(engine._sharing(fix)) == {"fix", "other"}
+    assert set(engine._sharing(route)) == {"fix", "route", "other"}

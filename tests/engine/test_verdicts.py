@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
-from support import child_env
+from support import child_env, fake_mlx_core
 
 from kvpatch import verdicts
 from kvpatch.detect import Source, Upstream
@@ -74,11 +74,11 @@ def test_store_then_lookup_round_trip(fresh):
     p = _patch()
     key = verdicts.key(p, UPSTREAM)
     assert verdicts.lookup(key) is None
-    v = verdicts.from_findings(Finding(True, "bad"), Finding(False, "good"), by="test")
-    assert v.outcome == verdicts.FIXED
+    v = verdicts.verdict_of(Finding(True, "bad"), Finding(False, "good"), by="test")
+    assert v.outcome == verdicts.Outcome.FIXED
     assert verdicts.store(key, p, v, UPSTREAM)
     found = verdicts.lookup(key)
-    assert found is not None and found.outcome == verdicts.FIXED and found.by == "test"
+    assert found is not None and found.outcome == verdicts.Outcome.FIXED and found.by == "test"
     data = json.loads((fresh / verdicts.FILE).read_text())
     assert data["schema"] == verdicts.SCHEMA and data["verdicts"][key]["patch"] == "demo-bug"
     assert not [f for f in os.listdir(fresh) if f.endswith(".tmp")]  # the temporary file was renamed
@@ -91,16 +91,16 @@ def test_corrupt_or_foreign_file_reads_as_empty(fresh, content):
     assert verdicts.lookup("anything") is None
     # and a later store replaces it with a good file
     p = _patch()
-    assert verdicts.store("k", p, verdicts.Verdict(verdicts.ABSENT, "", time.time()), UPSTREAM)
+    assert verdicts.store("k", p, verdicts.Verdict(verdicts.Outcome.ABSENT, "", time.time()), UPSTREAM)
     verdicts._forget()
-    assert verdicts.lookup("k").outcome == verdicts.ABSENT
+    assert verdicts.lookup("k").outcome == verdicts.Outcome.ABSENT
 
 
 def test_entries_are_pruned_oldest_first(fresh, monkeypatch):
     monkeypatch.setattr(verdicts, "MAX_ENTRIES", 3)
     p = _patch()
     for i in range(5):
-        verdicts.store(f"k{i}", p, verdicts.Verdict(verdicts.ABSENT, "", float(i + 1)), UPSTREAM)
+        verdicts.store(f"k{i}", p, verdicts.Verdict(verdicts.Outcome.ABSENT, "", float(i + 1)), UPSTREAM)
     verdicts._forget()
     assert [verdicts.lookup(f"k{i}") is not None for i in range(5)] == [False, False, True, True, True]
 
@@ -132,17 +132,17 @@ def test_key_depends_on_versions_sources_and_target_files(fresh, tmp_path, monke
 @pytest.mark.parametrize(
     ("before", "after", "outcome"),
     [
-        (Finding(False, "fine"), None, verdicts.ABSENT),
-        (Finding(True, "bad"), Finding(False, "good"), verdicts.FIXED),
-        (Finding(True, "bad"), Finding(True, "still"), verdicts.NOT_FIXED),
-        (Finding(False, inconclusive="RuntimeError: x"), None, verdicts.INCONCLUSIVE),
-        (Finding(True, "bad"), Finding(False, inconclusive="RuntimeError: y"), verdicts.INCONCLUSIVE),
-        (Finding(False, skipped="Metal only"), None, verdicts.SKIPPED),
-        (Finding(True, "bad"), None, verdicts.INCONCLUSIVE),
+        (Finding(False, "fine"), None, verdicts.Outcome.ABSENT),
+        (Finding(True, "bad"), Finding(False, "good"), verdicts.Outcome.FIXED),
+        (Finding(True, "bad"), Finding(True, "still"), verdicts.Outcome.NOT_FIXED),
+        (Finding(False, inconclusive="RuntimeError: x"), None, verdicts.Outcome.INCONCLUSIVE),
+        (Finding(True, "bad"), Finding(False, inconclusive="RuntimeError: y"), verdicts.Outcome.INCONCLUSIVE),
+        (Finding(False, skipped="Metal only"), None, verdicts.Outcome.SKIPPED),
+        (Finding(True, "bad"), None, verdicts.Outcome.INCONCLUSIVE),
     ],
 )
 def test_from_findings(before, after, outcome):
-    assert verdicts.from_findings(before, after).outcome == outcome
+    assert verdicts.verdict_of(before, after).outcome == outcome
 
 
 def test_no_background_verification_when_switched_off_or_inside_one(fresh, monkeypatch):
@@ -199,14 +199,7 @@ def fake_site(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "models" / "__init__.py").write_text("")
     (pkg / "models" / "cache.py").write_text(FAKE_CACHE)
-    # the little of mlx.core that run_reproduction touches (it keeps the device, stream and random state)
-    (site / "mlx").mkdir()
-    (site / "mlx" / "__init__.py").write_text("")
-    (site / "mlx" / "core.py").write_text(
-        "import types\nrandom = types.SimpleNamespace(state=[0])\n"
-        "def default_device(): return 'cpu'\ndef default_stream(device): return 's'\n"
-        "def set_default_device(device): pass\ndef set_default_stream(stream): pass\n"
-    )
+    fake_mlx_core(site)
     info = site / "mlx_lm-0.3.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-lm\nVersion: 0.3.0\n")
@@ -222,9 +215,10 @@ CHILD = textwrap.dedent(
     from kvpatch.record import Expiry, Finding, Patch
     mode = sys.argv[1]
     p = Patch(id="demo-bug", summary="demo", distribution="mlx-lm", affected=">=0.1.0,<=0.2.0",
-              checked_through="0.2.0", reference="none", expiry=Expiry("never"),
-              validated=frozenset(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else frozenset())
+              checked_through="0.2.0", reference="none", expiry=Expiry("never"))
     p.module = "kvpatch"
+    if len(sys.argv) > 2 and sys.argv[2]:  # the fingerprints the patch was validated on (shipped data)
+        verdicts.shipped()["demo-bug"] = {"mlx_lm.models.cache.C.f": frozenset(sys.argv[2].split(","))}
 
     @p.replace("mlx_lm.models.cache", "C.f")
     def build(original):
@@ -242,7 +236,7 @@ CHILD = textwrap.dedent(
     engine = Engine([p], config=Config())
     key = verdicts.key(p, engine.upstream)
     if not mode.startswith(("none", "measure")):
-        verdicts.store(key, p, verdicts.Verdict(mode, "stored by the test", 1.0, "test"), engine.upstream)
+        verdicts.store(key, p, verdicts.Verdict(verdicts.Outcome(mode), "stored by the test", 1.0, "test"), engine.upstream)
     import contextlib
     with verdicts.measuring_as("test") if mode.startswith("measure") else contextlib.nullcontext():
         engine.activate()
@@ -278,10 +272,10 @@ def _child(fake_site, tmp_path, *args: str, **env: str) -> dict:
     ("stored", "state", "f"),
     [
         ("none", "pending verification", "buggy"),
-        (verdicts.FIXED, "applied", "fixed"),
-        (verdicts.ABSENT, "not needed", "buggy"),
-        (verdicts.NOT_FIXED, "drifted", "buggy"),
-        (verdicts.INCONCLUSIVE, "inconclusive", "buggy"),
+        (verdicts.Outcome.FIXED.value, "applied", "fixed"),
+        (verdicts.Outcome.ABSENT.value, "not needed", "buggy"),
+        (verdicts.Outcome.NOT_FIXED.value, "drifted", "buggy"),
+        (verdicts.Outcome.INCONCLUSIVE.value, "inconclusive", "buggy"),
     ],
 )
 def test_engine_reads_the_verdict_and_never_reproduces(fake_site, tmp_path, stored, state, f):

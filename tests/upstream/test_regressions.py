@@ -1,10 +1,10 @@
 """Every patch's reproduction is its regression test, run against the real installed upstream.
 
 On an affected release: the bug is absent in this (patched) process, and present with the patch taken
-out. Run with ``KVPATCH_DISABLE=<id>`` (or ``KVPATCH=off``) to see the test fail without the patch.
+out (:meth:`kvpatch.engine.Engine.measure`: its siblings on the same targets out too, enablers kept). Run with ``KVPATCH_DISABLE=<id>`` (or ``KVPATCH=off``) to see the test fail without the patch.
 On a fixed release: the patch is not applied and the bug is absent.
 
-Findings are three-valued: the assertions name the verdict they want (``present`` / ``absent``), so an
+Findings are three-valued: the assertions name what they want of the bug (``present`` / ``absent``), so an
 inconclusive finding (an error that is not the bug's own symptom) fails the test with its error rather
 than passing for "absent".
 """
@@ -19,7 +19,7 @@ import kvpatch
 from kvpatch import registry
 from kvpatch.engine import State
 from kvpatch.gate import Action
-from kvpatch.testing import import_targets, natural_decision, reproduce, without
+from kvpatch.testing import import_targets, natural_decision, reproduce, skip_on_gap
 
 PATCHES = registry.load().patches
 METAL = sys.platform == "darwin"
@@ -41,27 +41,30 @@ def test_regression(patch):
         # (disabled too when run with KVPATCH_DISABLE: what matters is that nothing is installed)
         assert st.state in (State.NOT_NEEDED, State.DISABLED) and not st.installed, st.reason
         finding = reproduce(patch)
-        assert finding.verdict == "absent", f"record says fixed upstream, but {_said(finding)}"
+        assert finding.bug == "absent", f"record says fixed upstream, but {_said(finding)}"
         return
     if decision.action is Action.VERIFY and st.state is State.UNVERIFIED:
         # the reproduction decides and this environment has no verdict: nothing was applied at import
         assert not st.installed, st.reason
         pytest.skip(f"pending verification: {st.reason}")
     # APPLY (or VERIFY, settled from this environment's verdict)
-    finding = reproduce(patch)
-    if finding.skipped:
-        # a bug of one backend (e.g. CUDA only): its builder declines the others, nothing is installed
-        assert not st.installed, f"{patch.id} is installed although its reproduction cannot run here"
-        pytest.skip(f"{patch.id}: {finding.skipped}")
-    assert finding.verdict == "absent", f"in this process ({st.state.value}: {st.reason}) {_said(finding)}"
+    if not st.installed:
+        finding = reproduce(patch)
+        if finding.skipped:
+            # a bug of one backend (e.g. CUDA only): its builder declines the others, nothing is installed
+            pytest.skip(f"{patch.id}: {finding.skipped}")
+        assert finding.bug == "absent", f"in this process ({st.state.value}: {st.reason}) {_said(finding)}"
+        assert decision.action is not Action.APPLY or st.state is State.APPLIED, st.reason
+        return
+    measured = engine.measure(patch, install=False)
+    unpatched, finding = skip_on_gap(measured.before), skip_on_gap(measured.after)
+    assert not finding.skipped, f"{patch.id} is installed although its reproduction cannot run here"
+    assert finding.bug == "absent", f"in this process ({st.state.value}: {st.reason}) {_said(finding)}"
     if decision.action is Action.APPLY:
         assert st.state is State.APPLIED, st.reason
-    if st.installed:
-        with without(patch.id):
-            unpatched = reproduce(patch)
-        assert unpatched.verdict == "present", f"without the patch {_said(unpatched)}"
+    assert unpatched.bug == "present", f"without the patch {_said(unpatched)}"
 
 
 def _said(finding):
     what = finding.inconclusive or finding.skipped or finding.detail
-    return f"the reproduction says {finding.verdict}: {what}"
+    return f"the reproduction says {finding.bug.value}: {what}"

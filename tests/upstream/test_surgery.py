@@ -24,7 +24,7 @@ PROLOGUE = textwrap.dedent(
     eng = kvpatch.get_engine()
     for st in list(eng.status.values()):
         if st.state.value == "pending":
-            for m in st.patch.modules:
+            for m in eng.record_of(st).modules:
                 try:
                     importlib.import_module(m)
                 except Exception:
@@ -171,7 +171,7 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
         # 2. re-activate; a closure wrapper (functools.wraps) installed after kvpatch is left and reported
         eng.activate()
         for st in eng.status.values():
-            for m in st.patch.modules:
+            for m in eng.record_of(st).modules:
                 if m in sys.modules:
                     eng._hook(sys.modules[m])
         mine = inspect.getattr_static(owner, name)
@@ -194,7 +194,7 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
         setattr(owner, name, before_stored)
         eng.activate()
         for st in eng.status.values():
-            for m in st.patch.modules:
+            for m in eng.record_of(st).modules:
                 if m in sys.modules:
                     eng._hook(sys.modules[m])
         result["over_foreign"] = eng.status[pid].state.value
@@ -205,7 +205,7 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
         # 4. someone replaces kvpatch's replacement outright: overridden, and require_applied says so
         eng.activate()
         for st in eng.status.values():
-            for m in st.patch.modules:
+            for m in eng.record_of(st).modules:
                 if m in sys.modules:
                     eng._hook(sys.modules[m])
         def takeover(*a, **k):
@@ -254,10 +254,10 @@ def test_aliases_outside_upstream_follow_late_activation_and_restore(run_py):
         before = getattr(server, name) is original
         eng.activate()
         for st in eng.status.values():
-            for m in st.patch.modules:
+            for m in eng.record_of(st).modules:
                 if m in sys.modules:
                     eng._hook(sys.modules[m])
-        live = eng.live_function(c.target.path)
+        live = next((x.function for x in eng._changes if x.target.path == c.target.path), None)
         rebound = getattr(server, name) is live and live is not None
         kvpatch.deactivate()
         back = getattr(server, name) is original
@@ -291,7 +291,7 @@ STATES = """
 import json, importlib, kvpatch
 eng = kvpatch.get_engine()
 for st in list(eng.status.values()):
-    for m in st.patch.modules:
+    for m in eng.record_of(st).modules:
         try:
             importlib.import_module(m)
         except Exception:

@@ -84,4 +84,4 @@ def test_same_numbers_as_the_unpatched_cpu_path(tq, dim):
 
 def test_measure_runs_and_is_clean_here(tq):
     finding = measure()
-    assert finding.verdict == "absent", (finding.verdict, finding.detail, finding.inconclusive)
+    assert finding.bug == "absent", (finding.bug, finding.detail, finding.inconclusive)

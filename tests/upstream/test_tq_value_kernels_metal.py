@@ -163,4 +163,4 @@ def test_hadamard_codec_takes_the_einsum_path(tq, emulation, repeats):
 
 def test_measure_runs_and_is_clean_here(tq):
     finding = measure()
-    assert finding.verdict == "absent", (finding.verdict, finding.detail, finding.inconclusive)
+    assert finding.bug == "absent", (finding.bug, finding.detail, finding.inconclusive)

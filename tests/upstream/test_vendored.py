@@ -18,7 +18,7 @@ from kvpatch import vendored
 from kvpatch.engine import fingerprint
 from kvpatch.record import Kind
 out = {}
-for patch in kvpatch.get_engine().patches:
+for patch in kvpatch.get_engine().materialise():
     for t in patch.targets:
         if t.kind is not Kind.REPLACE:
             continue
@@ -143,3 +143,84 @@ def test_vendored_copy_found_and_patched_on_request(run_py, tmp_path, package):
         from kvpatch.patches._lazy import MAX_EDGES
 
         assert max(on["edges"]) <= MAX_EDGES < off["edges"][1], (on, off, MAX_EDGES)
+
+
+CHILD_REGISTERED = """
+import importlib, importlib.metadata, io, json, sys
+import mlx.core as mx
+import kvpatch
+import {package}.models.cache as upstream
+
+version = importlib.metadata.version("{package}".replace("_", "-"))
+kvpatch.register_copy("kvpatch_test_vendor.cache", of="{package}.models.cache", version=version,
+                      patches={patches})
+kvpatch.register_copy("kvpatch_test_vendor.other", of="{package}.models.cache", version=version,
+                      patches=["no-such-patch"])
+def copies():
+    return {{r.patch.id: r.state.value for r in kvpatch.records() if r.copy == "kvpatch_test_vendor.cache"}}
+mine = {{r.patch.id: r.state.value for r in kvpatch.records() if r.copy is None}}
+pending = copies()
+copy = importlib.import_module("kvpatch_test_vendor.cache")
+applied = copies()
+edges = None
+if applied.get("{offset}") == "applied":
+    def count(a):
+        buf = io.StringIO(); mx.export_to_dot(buf, a); return buf.getvalue().count("->")
+    cache = copy.BatchKVCache([2, 0])
+    x = mx.random.normal((2, 2, 3, 16), key=mx.random.key(0))
+    mx.eval(cache.update_and_fetch(x, x + 1))
+    for i in range(30):
+        s = mx.random.normal((2, 2, 1, 16), key=mx.random.key(i + 1))
+        mx.eval(cache.update_and_fetch(s, s + 1))
+    edges = count(cache.offset)
+    copy.BatchKVCache.update_and_fetch = lambda self, k, v: (k, v)  # the server replaces it: not kvpatch's fix
+overridden = copies()
+others = [(r.patch.id, r.state.value) for r in kvpatch.records() if r.copy == "kvpatch_test_vendor.other"]
+try:
+    kvpatch.require_applied()
+    problems = []
+except kvpatch.NotApplied as exc:
+    problems = [p.patch_id for p in exc.problems]
+print(json.dumps({{"mine": mine, "pending": pending, "applied": applied, "overridden": overridden,
+                  "edges": edges, "others": others, "problems": problems}}))
+"""
+
+OFFSET = {"mlx_lm": "offset-detach", "mlx_vlm": "offset-detach-vlm"}
+
+
+@pytest.mark.parametrize("package", ["mlx_lm", "mlx_vlm"])
+@pytest.mark.parametrize("chosen", [False, True], ids=["all", "chosen"])
+def test_registered_copy_has_records_of_its_own(run_py, tmp_path, package, chosen):
+    """A server registers its copy in code (kvpatch.register_copy): the copy's patches get statuses of their
+    own, applied only while the fix is in the copy, and the fix reaches the copy's classes."""
+    import importlib.metadata
+    import os
+
+    import kvpatch
+
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed here")
+    if importlib.metadata.version(package.replace("_", "-")) not in COPY_RELEASES[package]:
+        pytest.skip(f"the copy test runs on {package} {', '.join(COPY_RELEASES[package])}")
+    offset = OFFSET[package]
+    st = kvpatch.get_engine().status.get(offset)
+    if st is None or st.decision.action.value != "apply":
+        pytest.skip(f"{offset} does not apply here")
+    _make_copy(tmp_path, package)
+    env = {"PYTHONPATH": str(tmp_path / "vendor") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    code = CHILD_REGISTERED.format(package=package, offset=offset, patches=[offset] if chosen else None)
+    out = json.loads(run_py(code, env=env).strip().splitlines()[-1])
+    assert out["mine"][offset] == "applied", out  # upstream's own module: its own status
+    assert out["pending"][offset] == "pending", out  # the copy is not imported yet: not applied
+    assert out["applied"][offset] == "applied", out
+    if chosen:
+        assert set(out["applied"]) == {offset}, out
+    else:
+        assert len(out["applied"]) > 1, out
+        assert "applied" in out["mine"].values()
+    from kvpatch.patches._lazy import MAX_EDGES
+
+    assert out["edges"] is not None and out["edges"] <= MAX_EDGES, out  # the fix is in the copy's class
+    assert out["overridden"][offset] == "overridden", out  # replaced in the copy: no longer applied there
+    assert out["others"] == [("no-such-patch", "failed")] or out["others"] == [["no-such-patch", "failed"]], out
+    assert f"{offset} in kvpatch_test_vendor.cache" in out["problems"], out

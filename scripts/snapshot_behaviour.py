@@ -1,0 +1,101 @@
+"""Print what kvpatch promises in one environment, normalised so that two runs can be diffed.
+
+    .venv/bin/python scripts/in_bucket.py lm-0.32.2 -- python scripts/snapshot_behaviour.py > before.txt
+
+Each part runs in a fresh child process with empty, private verdict and state folders (nothing of the
+machine's caches is read or written) and no background verification:
+
+1. ``kvpatch status --json`` (no verdicts yet),
+2. ``records()`` after importing every target module,
+3. ``kvpatch verify --json``,
+4. ``kvpatch status --json`` and ``records()`` again, with the verdicts ``verify`` stored;
+
+with ``--verify``, only ``kvpatch status --verify --json`` (every relevant reproduction, without and with
+its patch: slow).
+
+Timestamps, process ids and temporary paths are replaced by placeholders; nothing else is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+RECORDS = r"""
+import importlib, json, kvpatch
+for r in kvpatch.records():
+    for m in r.patch.modules:
+        try:
+            importlib.import_module(m)
+        except Exception:
+            pass
+rows = [
+    (r.patch.id, r.state.value, r.reason, r.error, r.verified, list(r.drift), list(r.notes),
+     sorted(t.path for t in r.installed), list(r.wrapped), list(r.foreign))
+    for r in kvpatch.records()
+]
+print(json.dumps(rows, indent=1))
+"""
+
+_VARYING = [
+    (re.compile(r"\(verdict of [^,)]*"), "(verdict of <when>"),
+    (re.compile(r"pid \d+"), "pid <pid>"),
+    (re.compile(r"started at \d\d:\d\d"), "started at <hh:mm>"),
+]
+
+
+def _normalise(text: str, tmp: str) -> str:
+    text = text.replace(tmp, "<tmp>")
+    for pattern, replacement in _VARYING:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def _run(args: list[str], env: dict[str, str], tmp: str) -> str:
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, cwd=tmp, check=False)
+    out = proc.stdout
+    try:
+        data = json.loads(out)
+    except ValueError:
+        return _normalise(f"exit {proc.returncode}\n{out}\n{proc.stderr[-2000:]}", tmp)
+    if isinstance(data, dict):
+        if data.get("settled"):
+            data["settled"]["at"] = "<at>"
+        if "cache" in data:
+            data["cache"] = "<cache>"
+    return _normalise(f"exit {proc.returncode}\n{json.dumps(data, indent=1, sort_keys=True)}", tmp)
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory(prefix="kvpatch-snap-") as tmp:
+        env = dict(os.environ)
+        env.update(
+            KVPATCH_VERDICTS=os.path.join(tmp, "verdicts"),
+            KVPATCH_CACHE=os.path.join(tmp, "cache"),
+            KVPATCH_VERIFY="never",
+            PYTHONWARNINGS="ignore",
+        )
+        verify = [("status --verify --json", ["-m", "kvpatch", "status", "--verify", "--json", "--fresh"])]
+        parts = (
+            verify
+            if "--verify" in sys.argv[1:]
+            else [
+                ("status --json (no verdicts)", ["-m", "kvpatch", "status", "--json", "--fresh"]),
+                ("records() (no verdicts)", ["-c", RECORDS]),
+                ("verify --json", ["-m", "kvpatch", "verify", "--json"]),
+                ("status --json (verdicts stored)", ["-m", "kvpatch", "status", "--json", "--fresh"]),
+                ("records() (verdicts stored)", ["-c", RECORDS]),
+            ]
+        )
+        for title, args in parts:
+            print(f"===== {title}")
+            print(_run(args, env, tmp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
