@@ -34,7 +34,7 @@ def _plant_verdict(directory: Path, key: str, version: str | None = None) -> Non
 
     from kvpatch import __version__, verdicts
 
-    entry = {"patch": "demo", "outcome": verdicts.ABSENT, "detail": "", "at": 1.0, "by": "planted"}
+    entry = {"patch": "demo", "outcome": verdicts.Outcome.ABSENT, "detail": "", "at": 1.0, "by": "planted"}
     entry["kvpatch"] = version or __version__
     data = {"schema": verdicts.SCHEMA, "verdicts": {key: entry}, "attempts": {}, "fingerprints": {}}
     directory.mkdir(parents=True, exist_ok=True)
@@ -118,7 +118,7 @@ STORE = textwrap.dedent(
     p = Patch(id="demo", summary="demo", distribution="mlx-lm", affected="<1", checked_through="0.1",
               reference="none", expiry=Expiry("never"))
     up = {"mlx-lm": Upstream("mlx-lm", "0.3.0", Source())}
-    ok = verdicts.store("k", p, verdicts.Verdict(verdicts.FIXED, "", time.time(), "test"), up)
+    ok = verdicts.store("k", p, verdicts.Verdict(verdicts.Outcome.FIXED, "", time.time(), "test"), up)
     print("@@" + json.dumps({"stored": ok, "memory": verdicts.lookup("k") is not None}))
     """
 )

@@ -109,7 +109,7 @@ def test_an_install_outside_sys_prefix_writes_nothing_under_sys_prefix(tmp_path,
         p = Patch(id="demo", summary="demo", distribution="mlx-lm", affected="<1", checked_through="0.1",
                   reference="none", expiry=Expiry("never"))
         up = {"mlx-lm": Upstream("mlx-lm", "0.3.0", Source())}
-        ok = verdicts.store("k", p, verdicts.Verdict(verdicts.FIXED, "", time.time(), "test"), up)
+        ok = verdicts.store("k", p, verdicts.Verdict(verdicts.Outcome.FIXED, "", time.time(), "test"), up)
         print("@@" + json.dumps({"stored": ok}))
         """
     )
