@@ -154,7 +154,11 @@ def _cached_verdict(engine: Engine, st: PatchStatus) -> verdicts.Verdict | None:
 def auto_activation() -> str | None:
     """Why kvpatch's ``.pth`` start-up hook does not run in this interpreter (``None``: it does), e.g. a
     ``pip install --target`` directory on ``PYTHONPATH``, which ``site`` does not process."""
-    if "_kvpatch_boot" in sys.modules or any(
+    # The bootstrap notes the start-up sys.path when kvpatch.pth / kvpatch.start hand over to it; until the first
+    # mlx import the .pth's stand-in finder is on sys.meta_path instead. (kvpatch itself loads _kvpatch_boot too,
+    # for its reading of KVPATCH, so the module being loaded says nothing.)
+    boot = sys.modules.get("_kvpatch_boot")
+    if getattr(boot, "_startup_path", None) is not None or any(
         getattr(f, "__name__", type(f).__name__) == "KvpatchBootstrapFinder" for f in sys.meta_path
     ):
         return None
