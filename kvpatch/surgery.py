@@ -158,6 +158,9 @@ def describe(obj: Any) -> str:
     return f"<{type(obj).__module__}.{type(obj).__qualname__} object>"
 
 
+_BUILTIN_METHODS = (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)
+
+
 def foreign(obj: Any, package: str) -> str | None:
     """Whose code ``obj`` (a target's live object) is, when it is not ``package``'s own: ``None`` for a plain
     function (or a classmethod / staticmethod of one) defined in a module of ``package``; else the qualified
@@ -169,6 +172,9 @@ def foreign(obj: Any, package: str) -> str | None:
         if module == package or module.startswith(package + "."):
             return None
         return f"{module}.{func.__qualname__}"
+    owner = getattr(func, "__objclass__", None)
+    if isinstance(func, _BUILTIN_METHODS) and getattr(owner, "__module__", "") == "builtins":
+        return None  # a method a class inherits from ``object`` (``__reduce_ex__``): no library's code
     kind = type(func)
     inner = getattr(func, "__wrapped__", None)
     wraps = f" around {getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', '?')}" if inner else ""

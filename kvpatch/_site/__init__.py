@@ -1,9 +1,9 @@
 """The start-up bootstrap, and access to its import machinery from inside kvpatch.
 
-Files here are installed twice by the wheel: ``kvpatch.pth``, ``kvpatch.start``, ``_kvpatch_boot.py``
-and ``_kvpatch_hooks.py`` at the top of site-packages (where ``site`` runs them), and this package as
-the fallback for processes that did not start through them (a source tree on ``PYTHONPATH``,
-``python -S``, ``KVPATCH=off`` at start-up).
+The wheel installs ``kvpatch.pth``, ``kvpatch.start``, ``_kvpatch_boot.py`` and ``_kvpatch_hooks.py`` at the top
+of site-packages (where ``site`` runs them), beside this package; a source tree on ``PYTHONPATH`` has them here.
+This package finds them in either place for processes that did not start through them (``python -S``,
+``KVPATCH=off`` at start-up, a ``--target`` install).
 """
 
 from __future__ import annotations

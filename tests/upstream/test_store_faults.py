@@ -106,6 +106,8 @@ def test_a_changed_fingerprint_is_not_hidden_by_the_settled_status_cache(tmp_pat
     copy = tmp_path / "site"
     installed = Path(site_packages()) / "kvpatch"  # the installed one: a source checkout has no kvpatch/patches
     shutil.copytree(installed, copy / "kvpatch", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("_kvpatch_boot.py", "_kvpatch_hooks.py"):  # the wheel puts the bootstrap beside the package
+        shutil.copy2(installed.parent / name, copy / name)
     path = os.pathsep.join([str(copy), os.environ.get("PYTHONPATH", "")])
     env = {"PYTHONPATH": path, "KVPATCH_CACHE": str(tmp_path / "cache"), "KVPATCH_VERDICTS": str(tmp_path / "v")}
 
