@@ -65,13 +65,20 @@ def _verify_enabled(config: pytest.Config) -> bool:
 
 
 def _run_verify() -> tuple[int, str]:
-    """``python -m kvpatch verify --missing`` in a child process: (exit status, its last lines)."""
+    """``python -m kvpatch verify --missing`` in a child process: (exit status, its last lines).
+
+    As every child kvpatch starts (``kvpatch.verdicts``' background verifier too), it runs no code from a directory
+    kvpatch did not choose: ``-P`` keeps the test session's working directory off its ``sys.path``, and it runs in
+    ``/``. (This module must not import kvpatch, which would activate it, so it cannot share that code.)
+    """
     import subprocess
     import sys
 
+    safe = ["-P"] if sys.version_info >= (3, 11) else []
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "kvpatch", "verify", "--missing"],
+            [sys.executable, *safe, "-m", "kvpatch", "verify", "--missing"],
+            cwd="/",
             capture_output=True,
             text=True,
             timeout=1800,

@@ -195,3 +195,22 @@ def test_a_symlinked_log_is_not_followed(tmp_path):
     if (directory / "verify.lock").exists():
         _wait_for_lock(directory / "verify.lock")
     assert not victim.exists(), "the verifier's log was written through a planted symlink"
+
+
+def test_the_pytest_plugins_verifier_runs_no_code_from_the_session_directory(tmp_path):
+    """``pytest --kvpatch-verify`` in a directory holding a ``kvpatch`` package: the plugin's child verifier runs
+    the installed kvpatch, not that one (the session itself runs with ``-P``, as a careful user's would)."""
+    cwd = tmp_path / "project"
+    (cwd / "kvpatch").mkdir(parents=True)
+    (cwd / "kvpatch" / "__init__.py").write_text(PLANT.format(where=str(cwd)))
+    (cwd / "kvpatch" / "__main__.py").write_text("")
+    (cwd / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    env = {"KVPATCH_VERDICTS": str(tmp_path / "verdicts")}
+    proc = run_child(
+        [*SAFE, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--kvpatch-verify", "test_nothing.py"],
+        env,
+        cwd,
+        timeout=600,
+    )
+    assert not (cwd / "PLANTED-RAN").exists(), "the plugin's verifier ran a planted kvpatch package"
+    assert "kvpatch verify" in proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
