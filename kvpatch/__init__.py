@@ -26,16 +26,21 @@ __all__ = [
     "Kind",
     "KvpatchWarning",
     "NotApplied",
+    "NotFixed",
     "Patch",
     "PatchStatus",
     "State",
     "Target",
+    "UnknownPatch",
     "__version__",
     "activate",
+    "bounded_prompt_cache",
     "deactivate",
     "fingerprint",
     "get_engine",
+    "is_fixed",
     "records",
+    "require",
     "require_applied",
 ]
 
@@ -108,12 +113,24 @@ def records() -> list[PatchStatus]:
     return [engine.status[p.id] for p in engine.patches]
 
 
-def __getattr__(name: str) -> object:
-    # The start-up assertions load on first use (kvpatch.require_applied / kvpatch.NotApplied).
-    if name in ("NotApplied", "require_applied"):
-        from . import assertions
+#: Public names of the server API, loaded on first use (nothing of it runs at import): name -> module.
+_LAZY = {
+    "NotApplied": "assertions",
+    "require_applied": "assertions",
+    "NotFixed": "assertions",
+    "UnknownPatch": "assertions",
+    "require": "assertions",
+    "is_fixed": "assertions",
+    "bounded_prompt_cache": "bounding",
+}
 
-        return getattr(assertions, name)
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
     raise AttributeError(f"module 'kvpatch' has no attribute {name!r}")
 
 
