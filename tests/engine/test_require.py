@@ -13,7 +13,6 @@ from kvpatch.detect import Upstream
 from kvpatch.engine import Engine, State
 
 
-
 def _engine(version, config=None, *, opt_in=False, broken=None):
     patch = synthetic_patch("p", opt_in=opt_in)  # targets mlx_lm.models.base: not importable here
     return Engine([patch], upstream={"mlx-lm": Upstream("mlx-lm", version)}, config=config or Config(), broken=broken)
