@@ -6,12 +6,15 @@ Where mlx-lm has ``BatchGenerator._make_new_cache`` (0.31.2, 0.31.3) the helper'
 ``CacheList`` model (falcon_h1) the helper also bounds the nested ``KVCache`` that ``_make_new_cache`` leaves
 unbounded. On every release the bounded caches generate, single-stream and batched, and stay bounded.
 The process-wide opt-in ``max-kv-size-ignored`` is not needed and not touched (``make_prompt_cache`` keeps
-upstream's documented behaviour).
+upstream's documented behaviour). Runs in the ``lm-*`` buckets (once per mlx-lm release).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import importlib.util
+import os
 from typing import Any
 
 import pytest
@@ -20,6 +23,10 @@ import kvpatch
 from kvpatch.testing import tiny_llama, without
 
 N = 16
+
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("KVPATCH_BUCKET", "lm-").startswith("lm-"), reason="runs in the lm-* buckets"
+)
 
 
 def _lfm2() -> Any:
@@ -41,7 +48,7 @@ def _lfm2() -> Any:
 
 
 def _cohere2() -> Any:
-    from patches.max_kv_size_ignored import _tiny_cohere2
+    from kvpatch.patches.max_kv_size_ignored import _tiny_cohere2
 
     return _tiny_cohere2(window=8)
 
@@ -65,10 +72,9 @@ MODELS = {"llama": lambda: tiny_llama(vocab=64), "lfm2": _lfm2, "cohere2": _cohe
 
 
 def _model(name: str) -> Any:
-    try:
-        return {**MODELS, "falcon_h1": _falcon_h1}[name]()
-    except (ImportError, AttributeError, TypeError) as exc:  # the architecture is younger than this release
-        pytest.skip(f"{name} cannot be built on this mlx-lm: {type(exc).__name__}: {exc}")
+    if importlib.util.find_spec(f"mlx_lm.models.{name}") is None:
+        pytest.skip(f"mlx-lm {importlib.metadata.version('mlx-lm')} has no {name}")
+    return {**MODELS, "falcon_h1": _falcon_h1}[name]()
 
 
 def topology(caches: Any) -> list[Any]:

@@ -2,12 +2,14 @@
 
 ``batch-logits-processors`` applies to mlx-lm 0.31.2-0.31.x and is fixed upstream from 0.32.0: in the
 ``lm-0.31.3`` bucket it must be applied (and reached) for ``require`` to pass, in ``lm-0.32.2`` upstream has
-the fix and ``require`` passes even with kvpatch's patch switched off.
+the fix and ``require`` passes even with kvpatch's patch switched off. Each check starts a child process,
+so this runs in those two buckets only (or outside the matrix).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -18,6 +20,11 @@ from support import child_env
 import kvpatch
 
 ID = "batch-logits-processors"
+BUCKETS = ("lm-0.31.3", "lm-0.32.2")  # the newest release with the bug, the newest release
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("KVPATCH_BUCKET", BUCKETS[0]) not in BUCKETS, reason=f"runs in the {' and '.join(BUCKETS)} buckets"
+)
 CODE = """
 import importlib, kvpatch
 importlib.import_module("mlx_lm.generate")
