@@ -1,4 +1,4 @@
-"""``kvpatch.require`` / ``kvpatch.is_fixed`` on real releases (tests/engine/test_require.py has the table).
+"""``kvpatch.require`` / ``kvpatch.is_fixed`` on real releases (tests/engine/test_guarantees.py has the table).
 
 ``batch-logits-processors`` applies to mlx-lm 0.31.2-0.31.x and is fixed upstream from 0.32.0: in the
 ``lm-0.31.3`` bucket it must be applied (and reached) for ``require`` to pass, in ``lm-0.32.2`` upstream has

@@ -1,5 +1,5 @@
 """``kvpatch.require`` / ``kvpatch.is_fixed`` (kvpatch.assertions' per-fix guarantees), table-driven over
-synthetic records and facts. The run on real releases is tests/upstream/test_require.py."""
+synthetic records and facts. The run on real releases is tests/upstream/test_guarantees_upstream.py."""
 
 from __future__ import annotations
 
