@@ -362,16 +362,20 @@ def _churn_edges(cycles: int, sweep: bool) -> int:
             num_tokens=[0], cache=[cache], requests=[object()],
         )  # fmt: skip
 
+    sweep_method = vars(MLLMBatch)["_sync_reshuffle_metadata"]
     if not sweep:
         MLLMBatch._sync_reshuffle_metadata = lambda self: None  # type: ignore[method-assign]
-    live = batch(0, 4)
-    live.extend(batch(1, 4))
-    for i in range(cycles):
-        live.extend(batch(i + 2, 4))
-        (cache,) = live.cache
-        kv = mx.random.normal((len(live), 1, 1, 8), key=mx.random.key(1000 + i))
-        mx.eval(*cache.update_and_fetch(kv, kv))
-        live.filter(list(range(1, len(live))))
+    try:
+        live = batch(0, 4)
+        live.extend(batch(1, 4))
+        for i in range(cycles):
+            live.extend(batch(i + 2, 4))
+            (cache,) = live.cache
+            kv = mx.random.normal((len(live), 1, 1, 8), key=mx.random.key(1000 + i))
+            mx.eval(*cache.update_and_fetch(kv, kv))
+            live.filter(list(range(1, len(live))))
+    finally:
+        MLLMBatch._sync_reshuffle_metadata = sweep_method  # type: ignore[method-assign]
     (cache,) = live.cache
     return edges(cache.offset) + edges(cache.left_padding)
 
