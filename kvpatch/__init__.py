@@ -27,17 +27,22 @@ __all__ = [
     "Kind",
     "KvpatchWarning",
     "NotApplied",
+    "NotFixed",
     "Patch",
     "PatchStatus",
     "State",
     "Target",
+    "UnknownPatch",
     "__version__",
     "activate",
+    "bounded_prompt_cache",
     "deactivate",
     "fingerprint",
     "get_engine",
+    "is_fixed",
     "records",
     "register_copy",
+    "require",
     "require_applied",
 ]
 
@@ -131,12 +136,24 @@ def register_copy(module: str, *, of: str, version: str, patches: Iterable[str] 
     return vendored.register_copy(get_engine(), module, of=of, version=version, patches=patches)
 
 
-def __getattr__(name: str) -> object:
-    # The start-up assertions load on first use (kvpatch.require_applied / kvpatch.NotApplied).
-    if name in ("NotApplied", "require_applied"):
-        from . import assertions
+#: Public names of the server API, loaded on first use (nothing of it runs at import): name -> module.
+_LAZY = {
+    "NotApplied": "assertions",
+    "require_applied": "assertions",
+    "NotFixed": "assertions",
+    "UnknownPatch": "assertions",
+    "require": "assertions",
+    "is_fixed": "assertions",
+    "bounded_prompt_cache": "bounding",
+}
 
-        return getattr(assertions, name)
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
     raise AttributeError(f"module 'kvpatch' has no attribute {name!r}")
 
 

@@ -3,6 +3,8 @@
 Off unless asked, to keep CI inside its time: ``KVPATCH_COEXIST=1`` runs the issue-11 scenarios (both
 import orders) and the server test files aimed at the attributes both patch (a few minutes per bucket);
 ``KVPATCH_COEXIST=full`` also every server test file that touches mlx-lm / mlx-vlm caches (longer).
+At every level the servers' fix test files also run with the server fixes kvpatch replaces switched off
+(tests/coexist/server_fixes.py) and must match the run with them on (about a minute per bucket).
 ``KVPATCH_COEXIST=coexist-rapid-mlx`` (a bucket name list) runs those buckets at level 1.
 """
 

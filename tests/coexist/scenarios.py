@@ -69,9 +69,10 @@ def batch_layout(caches: Any) -> list[str]:
     return [type(c).__name__ for c in caches]
 
 
-def mixed_batch_crashes() -> str | None:
+def mixed_batch_crashes(before_step: Any = None) -> str | None:
     """A request without logits processors joins one with processors mid-prefill (what Rapid-MLX's slot
-    guard and kvpatch's batch-logits-processors protect against). None when it decodes, else the error."""
+    guard and kvpatch's batch-logits-processors protect against). None when it decodes, else the error.
+    ``before_step(generator)`` runs before every ``next()`` (vllm-mlx's scheduler sanitizes there)."""
     import mlx.core as mx
 
     generate = importlib.import_module("mlx_lm.generate")
@@ -85,6 +86,8 @@ def mixed_batch_crashes() -> str | None:
     finished: set[int] = set()
 
     def step() -> None:
+        if before_step is not None:
+            before_step(gen)
         responses = gen.next()
         if isinstance(responses, tuple):
             responses = responses[1]
@@ -260,6 +263,128 @@ def scenario_alias(order: str) -> dict[str, Any]:
     kvpatch.deactivate()
     restored = observe()
     return {"active": active, "deactivated": restored, "status": status_of("max-kv-size-ignored")}
+
+
+# -- vllm-mlx's live hand patches (issue 29 item 7) ---------------------------------------------------
+# vllm-mlx 0.6.0 patches no mlx-lm attribute on its live path (``patch_mlx_lm_for_mamba`` is dead code:
+# ``ensure_mamba_support()`` only logs). Its live fixes are its own code around upstream's objects: the
+# None-slot sanitizer ``Scheduler.step`` calls before every ``BatchGenerator.next()``, the bounding
+# ``Scheduler._bound_cache_layers`` and the metadata sweep ``MLLMBatch._sync_reshuffle_metadata``.
+
+
+def _kvpatch_in(order: str, *modules: str) -> Any:
+    """Import ``modules`` (the server's) and kvpatch in ``order``; return kvpatch."""
+    if order == "kvpatch-first":
+        kvpatch = activate_kvpatch()
+    for name in modules:
+        importlib.import_module(name)
+    if order == "server-first":
+        kvpatch = activate_kvpatch()
+    return kvpatch
+
+
+def scenario_vllm_sanitizer(order: str) -> dict[str, Any]:
+    """A mixed batch through mlx-lm's BatchGenerator with vllm-mlx's sanitizer before every step, as
+    ``Scheduler.step`` runs it. On mlx-lm 0.31.3 it looks for ``active_batch`` / ``_partial``, which that
+    BatchGenerator does not have: only kvpatch's batch-logits-processors keeps the batch alive."""
+    kvpatch = _kvpatch_in(order, "vllm_mlx.scheduler", "mlx_lm.generate")
+    from vllm_mlx.scheduler import _sanitize_batch_generator_logits_processors as sanitize
+
+    generate = importlib.import_module("mlx_lm.generate")
+    seen: list[bool] = []
+
+    def before_step(gen: Any) -> None:
+        seen.append(hasattr(gen, "active_batch") or hasattr(gen, "_partial"))
+        sanitize(gen)
+
+    return {
+        "error": mixed_batch_crashes(before_step),
+        "sanitizer_reaches_batch": any(seen),
+        "has_active_batch": hasattr(generate.BatchGenerator, "active_batch"),
+        "is_fixed": kvpatch.is_fixed("batch-logits-processors"),
+    }
+
+
+def _topology(caches: Any) -> list[Any]:
+    out: list[Any] = []
+    for c in caches:
+        children = getattr(c, "caches", None)
+        if children is not None:
+            out.append([type(c).__name__, _topology(children)])
+        else:
+            out.append([type(c).__name__, getattr(c, "max_size", None), getattr(c, "keep", None)])
+    return out
+
+
+def scenario_vllm_bounding(order: str) -> dict[str, Any]:
+    """vllm-mlx's ``Scheduler._bound_cache_layers`` next to ``kvpatch.bounded_prompt_cache`` / ``bound_layout``:
+    the same topology for a make_cache model and for CacheList layers (its nested KVCache bounded too)."""
+    kvpatch = _kvpatch_in(order, "vllm_mlx.scheduler")
+    from mlx_lm.models import cache as c
+    from vllm_mlx.scheduler import Scheduler
+
+    from kvpatch.bounding import bound_layout
+
+    model = tiny_llama()
+
+    def nested() -> list[Any]:
+        return [c.CacheList(c.KVCache(), c.RotatingKVCache(max_size=128)), c.KVCache(), c.ArraysCache(size=2)]
+
+    return {
+        "server_llama": _topology(Scheduler._bound_cache_layers(c.make_prompt_cache(model), 16)),
+        "kvpatch_llama": _topology(kvpatch.bounded_prompt_cache(model, 16)),
+        "server_nested": _topology(Scheduler._bound_cache_layers(nested(), 16)),
+        "kvpatch_nested": _topology(bound_layout(nested(), 16)),
+        "upstream_unchanged": _topology(c.make_prompt_cache(model, 16)),
+    }
+
+
+def _churn_edges(cycles: int, sweep: bool) -> int:
+    """Edges of the lazy graph behind the batch cache's ``offset`` / ``left_padding`` after ``cycles`` of
+    vllm-mlx's ``MLLMBatch.extend`` (one new row) + one decode step + ``MLLMBatch.filter`` (the oldest row)."""
+    import io
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+    from vllm_mlx.mllm_batch_generator import MLLMBatch
+
+    def edges(array: Any) -> int:
+        buf = io.StringIO()
+        mx.export_to_dot(buf, array)
+        return buf.getvalue().count("->")
+
+    def batch(uid: int, prompt_len: int) -> Any:
+        cache = BatchKVCache([0])
+        kv = mx.random.normal((1, 1, prompt_len, 8), key=mx.random.key(uid))
+        mx.eval(cache.update_and_fetch(kv, kv))
+        return MLLMBatch(
+            uids=[uid], request_ids=[str(uid)], y=mx.array([1]), logprobs=[mx.array([0.0])], max_tokens=[8],
+            num_tokens=[0], cache=[cache], requests=[object()],
+        )  # fmt: skip
+
+    sweep_method = vars(MLLMBatch)["_sync_reshuffle_metadata"]
+    if not sweep:
+        MLLMBatch._sync_reshuffle_metadata = lambda self: None  # type: ignore[method-assign]
+    try:
+        live = batch(0, 4)
+        live.extend(batch(1, 4))
+        for i in range(cycles):
+            live.extend(batch(i + 2, 4))
+            (cache,) = live.cache
+            kv = mx.random.normal((len(live), 1, 1, 8), key=mx.random.key(1000 + i))
+            mx.eval(*cache.update_and_fetch(kv, kv))
+            live.filter(list(range(1, len(live))))
+    finally:
+        MLLMBatch._sync_reshuffle_metadata = sweep_method  # type: ignore[method-assign]
+    (cache,) = live.cache
+    return edges(cache.offset) + edges(cache.left_padding)
+
+
+def scenario_vllm_sweep(order: str, cycles: str = "200") -> dict[str, Any]:
+    """vllm-mlx's metadata sweep stays effective with kvpatch on (and what is left without it)."""
+    _kvpatch_in(order, "vllm_mlx.mllm_batch_generator")
+    n = int(cycles)
+    return {"with_sweep": _churn_edges(n, sweep=True), "without_sweep": _churn_edges(n, sweep=False)}
 
 
 def offset_graph(cache_class: Any) -> dict[int, int]:

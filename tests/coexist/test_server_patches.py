@@ -14,6 +14,12 @@ kvpatch activates late). Every scenario runs in a fresh interpreter (``scenarios
   reported as "bug absent upstream", and is a ``--check`` failure.
 - item 5: module-level copies outside mlx_lm/mlx_vlm (``vllm_mlx.specprefill.make_prompt_cache``) follow
   activation and deactivation.
+
+vllm-mlx's ``patch_mlx_lm_for_mamba`` is dead code in vllm-mlx itself (``ensure_mamba_support()`` only logs):
+items 1-2 use it as a real foreign replacement of kvpatch's targets, not as the server's behaviour. The
+code vllm-mlx runs is tested at the end (issue 29 item 7): its None-slot sanitizer, its bounding and its
+metadata sweep, each next to kvpatch; Rapid-MLX's live patches (the slot guard and the quantized-SDPA
+wrapper) are the ones items 1-2 use.
 """
 
 from __future__ import annotations
@@ -140,3 +146,42 @@ def test_module_level_copies_outside_upstream_follow(order):
     assert restored["same"] and restored["alias_layout"] == restored["owner_layout"], (
         f"the name-imported copy kept kvpatch's replacement after deactivate(): {r}"
     )
+
+
+# -- issue 29 item 7: vllm-mlx's live hand patches ------------------------------------------------------
+@pytest.mark.parametrize("order", ORDERS)
+def test_vllm_sanitizer_does_not_reach_the_pinned_batch_generator_kvpatch_does(order):
+    """vllm-mlx's ``_sanitize_batch_generator_logits_processors`` before every step, as ``Scheduler.step`` runs
+    it: mlx-lm 0.31.3's BatchGenerator has no ``active_batch`` / ``_partial``, so a mixed batch still dies
+    without kvpatch's ``batch-logits-processors`` and decodes with it."""
+    needs("vllm-mlx")
+    on = run_scenario("vllm_sanitizer", order=order)
+    assert on["error"] is None and on["is_fixed"], on
+    assert not on["sanitizer_reaches_batch"] and not on["has_active_batch"], on
+    off = run_scenario("vllm_sanitizer", order=order, env={"KVPATCH_DISABLE": "batch-logits-processors"})
+    assert off["error"] is not None and "not iterable" in off["error"], off
+    assert off["is_fixed"] is False, off
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_vllm_bounding_and_kvpatch_bounding_agree(order):
+    """``Scheduler._bound_cache_layers`` and ``kvpatch.bounded_prompt_cache`` / ``bound_layout`` build the same
+    caches (keep=0, CacheList children bounded, non-attention caches kept), and upstream's own
+    ``make_prompt_cache`` keeps its documented behaviour (the opt-in is off)."""
+    needs("vllm-mlx")
+    r = run_scenario("vllm_bounding", order=order, env={"KVPATCH_ENABLE": ""})
+    assert r["server_llama"] == r["kvpatch_llama"] == [["RotatingKVCache", 16, 0]] * 2, r
+    assert r["server_nested"] == r["kvpatch_nested"], r
+    assert r["kvpatch_nested"][0] == ["CacheList", [["RotatingKVCache", 16, 0], ["RotatingKVCache", 128, 0]]], r
+    assert r["upstream_unchanged"] == [["KVCache", None, None]] * 2, r
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_vllm_metadata_sweep_still_works_with_kvpatch_on(order):
+    """200 cycles of ``MLLMBatch.extend`` (one row) + a decode step + ``MLLMBatch.filter`` (the oldest row):
+    with vllm-mlx's ``_sync_reshuffle_metadata`` the batch cache's offset / left_padding hold no lazy graph;
+    without it the graph grows (kvpatch has no fix for membership churn yet: issue 29 item 1)."""
+    needs("vllm-mlx")
+    r = run_scenario("vllm_sweep", "200", order=order)
+    assert r["with_sweep"] == 0, r
+    assert r["without_sweep"] > 1000, r
