@@ -9,8 +9,8 @@ no-op (or, for vllm-mlx's bounding, with ``kvpatch.bounding.bound_layout``). Not
 copy is edited, child processes of the server's tests inherit the switch, and the server imports its
 own modules in its own order: the fix's caller looks the name up at call time, so it gets the no-op.
 
-Kept on (no kvpatch fix yet): vllm-mlx's metadata sweep ``MLLMBatch._sync_reshuffle_metadata``
-(membership-churn chains, issue 29 item 1).
+vllm-mlx's metadata sweep ``MLLMBatch._sync_reshuffle_metadata`` is switched off too: kvpatch's
+``churn-metadata-detach`` (and its mlx-vlm twin) evaluate the metadata that ``extend`` / ``filter`` rebuild.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ SERVER_FIXES: tuple[ServerFix, ...] = (
         "vllm-mlx",
         "vllm_mlx.mllm_batch_generator",
         "MLLMBatch._sync_reshuffle_metadata",
-        None,
+        "churn-metadata-detach",
         "#442",
         "evaluates offset / left_padding / lengths of every cache after MLLMBatch.filter / extend",
     ),

@@ -67,7 +67,7 @@ FIX_FILES = {
         "tests/test_batching.py",  # Scheduler.step's None-slot sanitizer
         "tests/test_scheduler_max_kv_size.py",  # Scheduler._bound_cache_layers and its topology check
         "tests/test_max_kv_size.py",
-        "tests/test_batch_reshuffle_metadata.py",  # the metadata sweep (kept on: no kvpatch fix yet)
+        "tests/test_batch_reshuffle_metadata.py",  # the metadata sweep (churn-metadata-detach in its place)
     ],
     "rapid-mlx": [
         "tests/test_mixed_batch_logits_processor_slots.py",  # the #1525 batch slot guard

@@ -18,7 +18,7 @@ kvpatch activates late). Every scenario runs in a fresh interpreter (``scenarios
 vllm-mlx's ``patch_mlx_lm_for_mamba`` is dead code in vllm-mlx itself (``ensure_mamba_support()`` only logs):
 items 1-2 use it as a real foreign replacement of kvpatch's targets, not as the server's behaviour. The
 code vllm-mlx runs is tested at the end (issue 29 item 7): its None-slot sanitizer, its bounding and its
-metadata sweep, each next to kvpatch; Rapid-MLX's live patches (the slot guard and the quantized-SDPA
+metadata sweep (not needed with kvpatch's churn-metadata-detach), each next to kvpatch; Rapid-MLX's live patches (the slot guard and the quantized-SDPA
 wrapper) are the ones items 1-2 use.
 """
 
@@ -177,11 +177,16 @@ def test_vllm_bounding_and_kvpatch_bounding_agree(order):
 
 
 @pytest.mark.parametrize("order", ORDERS)
-def test_vllm_metadata_sweep_still_works_with_kvpatch_on(order):
+def test_vllm_metadata_sweep_is_not_needed_with_kvpatch(order):
     """200 cycles of ``MLLMBatch.extend`` (one row) + a decode step + ``MLLMBatch.filter`` (the oldest row):
-    with vllm-mlx's ``_sync_reshuffle_metadata`` the batch cache's offset / left_padding hold no lazy graph;
-    without it the graph grows (kvpatch has no fix for membership churn yet: issue 29 item 1)."""
+    the batch cache's offset / left_padding hold no lazy graph with vllm-mlx's ``_sync_reshuffle_metadata``,
+    and none without it while kvpatch's churn-metadata-detach is in; with that patch left out, the graph grows
+    without the sweep."""
     needs("vllm-mlx")
     r = run_scenario("vllm_sweep", "200", order=order)
-    assert r["with_sweep"] == 0, r
-    assert r["without_sweep"] > 1000, r
+    assert r == {"with_sweep": 0, "without_sweep": 0}, r
+    off = run_scenario(
+        "vllm_sweep", "200", order=order, env={"KVPATCH_DISABLE": "churn-metadata-detach,churn-metadata-detach-vlm"}
+    )
+    assert off["with_sweep"] == 0, off
+    assert off["without_sweep"] > 1000, off

@@ -40,6 +40,7 @@ def _lfm2() -> Any:
             num_key_value_heads=1, max_position_embeddings=256, norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
             block_dim=32, block_ff_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
             block_auto_adjust_ff_dim=False, rope_theta=10000.0, layer_types=["conv", "full_attention", "conv"],
+            full_attn_idxs=[1],  # what releases before layer_types take (from_dict drops what a release lacks)
         )
     )  # fmt: skip
     model = lfm2.Model(args)
