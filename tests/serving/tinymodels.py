@@ -66,6 +66,7 @@ KINDS: dict[str, dict[str, Any]] = {
         "block_auto_adjust_ff_dim": False,
         "block_ff_dim": 128,
         "full_attn_idxs": [1],
+        "rope_theta": 1000000.0,  # a required field before mlx-lm 0.31 (later releases default it)
     },
     # Sliding window: cohere2's first layer keeps an 8-token window (RotatingKVCache), the second is global.
     "cohere2": {

@@ -13,10 +13,16 @@ from kvpatch.testing import without
 CHECKPOINTS = (*_churn.CHECKPOINTS, 500)
 
 
+#: A read of metadata with decrements pending (arrays-advance-detach, where upstream's filter leaves ``lengths``
+#: alone: mlx-lm 0.30.4-0.31.1) computes ``base - total`` afresh: that subtraction's few edges, never a chain.
+READ_EDGES = 8
+
+
 def bounded(module: Any, kind: str) -> None:
-    """Pending edges on the metadata stay at 0 however many rows came and went (18 more per cycle unpatched)."""
+    """Pending edges on the metadata stay flat however many rows came and went (18 more per cycle unpatched):
+    none, or the few of one fresh read."""
     edges, _ = _churn.churn_edges(module, kind, CHECKPOINTS)
-    assert set(edges.values()) == {0}, (kind, edges)
+    assert len(set(edges.values())) == 1 and max(edges.values()) <= READ_EDGES, (kind, edges)
 
 
 def values(cache: Any) -> list[Any]:
