@@ -878,14 +878,22 @@ class Engine:
 
     @contextmanager
     def without(self, *patch_ids: str) -> Iterator[None]:
-        """Run a block with the named patches removed (for reproductions and tests)."""
+        """Run a block with the named patches removed (for reproductions and tests).
+
+        Patches stacked on one attribute come out outermost first and go back innermost first, so the stack is
+        as it was after the block, whatever order the ids were named in."""
         ids = [pid for pid in patch_ids if self.status[pid].installed or self.status[pid].state is State.APPLIED]
-        for pid in ids:
+        with self._lock:
+            installed_at: dict[str, int] = {}
+            for i, change in enumerate(self._changes):
+                installed_at.setdefault(change.patch_id, i)
+        ids.sort(key=lambda pid: installed_at.get(pid, len(self._changes)))
+        for pid in reversed(ids):
             self.suspend(pid)
         try:
             yield
         finally:
-            for pid in reversed(ids):
+            for pid in ids:
                 self.resume(pid)
 
     def changes(self) -> list[tuple[str, str]]:
