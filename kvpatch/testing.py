@@ -73,6 +73,9 @@ BACKEND_GAPS = (
     # a kernel mlx compiles at run time (NVRTC) and cannot compile on this host, e.g. mlx-cuda-13 0.32.4's
     # qmm_sm90_* on an H100 whose CUDA headers lack crt/mma.h (nvidia-cuda-crt, which mlx-cuda-13 does not require)
     "Failed to compile kernel",
+    # a model whose upstream code calls a custom Metal kernel (mx.fast.metal_kernel) on a host without Metal, e.g.
+    # mlx-vlm 0.6.0-0.6.3's qwen3_5 on Linux
+    "No Metal back-end",
 )
 
 

@@ -54,7 +54,9 @@ PATCH = Patch(
 )
 
 
-@PATCH.replace("mlx_vlm.models.qwen3_5.language", "Qwen3_5Attention.__call__")
+# optional: mlx-vlm 0.6.0-0.6.3 build a Metal kernel when this module is imported, so without Metal it cannot be
+# imported at all (nothing to patch there, and no failure of kvpatch's)
+@PATCH.replace("mlx_vlm.models.qwen3_5.language", "Qwen3_5Attention.__call__", optional=True)
 def _build(original: Any) -> Any:
     import mlx.core as mx
 
