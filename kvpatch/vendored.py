@@ -614,7 +614,7 @@ def _install_in_copy(patch: Patch, target: Target, module: str, *, recorded: boo
                 release = f"{patch.distribution} release the patch was validated on"
                 return f"drifted: {module}.{target.qualname} is not the code of any {release}"
     where = Target(module, target.qualname, target.kind, target.optional)
-    function = surgery.prepare(patch.id, where, owner, original, patch.builders[target])
+    function = surgery.prepare(patch, where, owner, original, patch.builders[target])
     if function is original:
         return "declined: the patch's builder declined for this copy"
     own = vars(owner)
