@@ -27,8 +27,8 @@ def test_no_mlx_vlm_patch_on_a_class_of_mlx_lm():
         for module in r.patch.modules:
             try:
                 importlib.import_module(module)
-            except ImportError:
-                pass  # a module this release lacks
+            except Exception:
+                pass  # a module this release lacks, or cannot import on this backend
     borrowed_seen = []
     for r in kvpatch.records():
         patch = r.patch
@@ -37,8 +37,8 @@ def test_no_mlx_vlm_patch_on_a_class_of_mlx_lm():
         for target in patch.targets:
             try:
                 owner = _owner(target.module, target.qualname)
-            except (AttributeError, ImportError):
-                continue  # a target this release lacks
+            except Exception:
+                continue  # a target this release lacks, or a module this backend cannot import
             if not borrowed(owner, patch.import_name):
                 continue
             borrowed_seen.append(target.path)
