@@ -601,12 +601,13 @@ class Engine:
                 if target.optional:
                     continue  # may never exist in this release; imported later, its own hook decides again
                 return False
+            owner = _owner(target, module)
             original = self.upstream_original(target, module)
             if original is _MISSING:
                 if target.optional:
                     continue
                 return False
-            if not self._builder_declines(st, target, original):
+            if not self._builder_declines(st, target, owner, original):
                 return False
             seen += 1
         if not seen:
@@ -616,23 +617,20 @@ class Engine:
         return True
 
     @staticmethod
-    def _builder_declines(st: PatchStatus, target: Target, original: Any) -> bool:
-        """Whether the patch's builder for ``target`` returns ``original`` itself (asked once per original)."""
+    def _builder_declines(st: PatchStatus, target: Target, owner: Any, original: Any) -> bool:
+        """Whether the patch declines ``target`` (:func:`kvpatch.surgery.build`; asked once per original)."""
         if st.declined.get(target, _MISSING) is original:
             return True
-        if st.record.builders[target](original) is not original:
+        if surgery.build(st.record, owner, original, st.record.builders[target]) is not original:
             return False
         st.declined[target] = original
         return True
 
-    def _locate(self, target: Target, module: types.ModuleType) -> Any:
-        owner: Any = module
-        for part in target.owner_path:
-            owner = getattr(owner, part, _MISSING)
-            if owner is _MISSING:
-                if target.optional:
-                    return _MISSING
-                raise TargetMissing(f"{target.path}: {'.'.join(target.owner_path)} not found in {target.module}")
+    @staticmethod
+    def _locate(target: Target, module: types.ModuleType) -> Any:
+        owner = _owner(target, module)
+        if owner is _MISSING and not target.optional:
+            raise TargetMissing(f"{target.path}: {'.'.join(target.owner_path)} not found in {target.module}")
         return owner
 
     def _install_target(self, st: PatchStatus, target: Target, module: types.ModuleType) -> Change | None:
@@ -675,7 +673,7 @@ class Engine:
                 original = None
             if st.declined.get(target, _MISSING) is original:
                 return None  # the builder declined this very original already
-            function = surgery.prepare(patch.id, target, owner, original, patch.builders[target])
+            function = surgery.prepare(patch, target, owner, original, patch.builders[target])
             if function is original:
                 st.declined[target] = original  # the builder declined: this target needs no change here
                 return None
@@ -701,7 +699,7 @@ class Engine:
     def _splice_back(self, st: PatchStatus, old: Change, proxy: Any) -> Change | None:
         """Resume a patch whose original restore spliced in under a foreign proxy: splice the fix back there."""
         key = (id(old.owner), old.name)
-        function = surgery.prepare(st.patch.id, old.target, old.owner, old.original, st.record.builders[old.target])
+        function = surgery.prepare(st.record, old.target, old.owner, old.original, st.record.builders[old.target])
         with self._lock:
             self._spliced.pop(key, None)
             if proxy is not old.spliced_into or not surgery.splice_under(proxy, old.original, function):
@@ -733,11 +731,9 @@ class Engine:
 
     def upstream_original(self, target: Target, module: types.ModuleType) -> Any:
         """The upstream object at ``target``, looking through kvpatch's own changes."""
-        owner: Any = module
-        for part in target.owner_path:
-            owner = getattr(owner, part, _MISSING)
-            if owner is _MISSING:
-                return _MISSING
+        owner = _owner(target, module)
+        if owner is _MISSING:
+            return _MISSING
         for change in self._changes:
             if change.owner is owner and change.name == target.attribute:
                 raw = change.raw_original
@@ -981,6 +977,16 @@ def _mlx_state_kept() -> Iterator[None]:
             state[:] = saved
         mx.set_default_device(device)
         mx.set_default_stream(stream)
+
+
+def _owner(target: Target, module: types.ModuleType) -> Any:
+    """The object holding ``target``'s attribute in ``module`` now, or ``_MISSING``."""
+    owner: Any = module
+    for part in target.owner_path:
+        owner = getattr(owner, part, _MISSING)
+        if owner is _MISSING:
+            break
+    return owner
 
 
 def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _KEEP) -> None:

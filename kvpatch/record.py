@@ -37,6 +37,8 @@ __all__ = [
     "Patch",
     "RecordError",
     "Target",
+    "borrowed",
+    "own_class",
     "symptom",
     "upstream_missing",
 ]
@@ -167,6 +169,24 @@ def upstream_missing(exc: ImportError) -> bool:
     return name.split(".")[0] in DISTRIBUTIONS.values()
 
 
+def borrowed(obj: Any, import_name: str) -> bool:
+    """True when ``obj`` is a class another upstream distribution defines than ``import_name``'s (mlx-vlm
+    0.6.3 and older re-export mlx-lm's batch caches and ``ArraysCache`` from ``mlx_vlm.models.cache``)."""
+    if not isinstance(obj, type):
+        return False
+    top = str(getattr(obj, "__module__", "")).split(".", 1)[0]
+    return top != import_name and top in DISTRIBUTIONS.values()
+
+
+def own_class(module: Any, name: str) -> Any:
+    """``module``'s class ``name`` where ``module``'s own distribution defines it; None where it is absent or
+    another distribution's (see :func:`borrowed`)."""
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type) or borrowed(cls, module.__name__.split(".", 1)[0]):
+        return None
+    return cls
+
+
 Builder = Callable[[Any], Any]
 Reproduction = Callable[[], Finding]
 
@@ -207,6 +227,10 @@ class Patch:
     #: since without it that reproduction cannot run at all there (its own verify still takes it out).
     #: Example: qsdpa-cuda-shapes (dequantized attention where CUDA's quantized products fail).
     enabler: bool = False
+    #: True for a patch of mlx-vlm's own copies of mlx-lm's classes: a target whose owner class is another
+    #: distribution's (:func:`borrowed`, looked up when the target is installed) is left alone, as a builder
+    #: that declines leaves it; that class is the other distribution's twin patch's.
+    own_classes_only: bool = False
     targets: list[Target] = field(default_factory=list)
     builders: dict[Target, Builder] = field(default_factory=dict, repr=False)
     reproduction: Reproduction | None = field(default=None, repr=False)

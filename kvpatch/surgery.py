@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .record import DISTRIBUTIONS, Target
+from .record import DISTRIBUTIONS, Patch, Target, borrowed
 
 __all__ = [
     "MARK",
@@ -181,18 +181,27 @@ def foreign(obj: Any, package: str) -> str | None:
     return f"{kind.__module__}.{kind.__qualname__}{wraps}"
 
 
+def build(patch: Patch, owner: Any, original: Any, builder: Callable[[Any], Any]) -> Any:
+    """``builder(original)``; ``original`` itself where the patch declines: its builder returns it, or the patch
+    fixes only its own distribution's classes and ``owner`` is another's (``Patch.own_classes_only``)."""
+    if patch.own_classes_only and borrowed(owner, patch.import_name):
+        return original
+    return builder(original)
+
+
 def prepare(
-    patch_id: str,
+    patch: Patch,
     target: Target,
     owner: Any,
     original: Any,
-    build: Callable[[Any], Any],
+    builder: Callable[[Any], Any],
 ) -> Any:
     """Build the replacement for ``target`` and give it the original's identity and kvpatch's mark.
 
-    Returns ``original`` itself when the builder declines (nothing to change here).
+    Returns ``original`` itself when the patch declines (nothing to change here: :func:`build`).
     """
-    function = build(original)
+    patch_id = patch.id
+    function = build(patch, owner, original, builder)
     if function is original:
         return original
     if isinstance(function, property) and (

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import config, surgery
+from ._warn import emit
 from .engine import fingerprint, fingerprint_source, hook_registry
 from .record import DISTRIBUTIONS, Kind, Patch, Target
 
@@ -434,18 +435,18 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
                     _install(engine, copy)  # stacks on a copy kvpatch patched already (engine order)
                 except Exception as exc:
                     copy.state = f"not patched: {type(exc).__name__}: {exc}"
-                    log.warning("kvpatch: vendored copy %s not patched: %s", copy.path, copy.state)
+                    emit(f"kvpatch: vendored copy {copy.path} {copy.state}", key=f"vendored:{copy.path}")
                 if copy.state != "patched":
                     _state.notes[(copy.patch_id, copy.path)] = copy.state
         return copies
     except Exception as exc:  # kvpatch never raises into its host
-        log.warning("kvpatch: patching vendored copies failed: %s: %s", type(exc).__name__, exc)
+        emit(f"kvpatch: patching vendored copies failed: {type(exc).__name__}: {exc}")
         return []
 
 
 def restore() -> list[str]:
     """Take kvpatch's replacements out of vendored copies where they are still in place; returns the paths
-    restored. A replacement someone wrapped since is left (with the wrapper) and logged."""
+    restored. A replacement someone wrapped since is left (with the wrapper) and warned about."""
     from .engine import State, set_state
 
     restored = []
@@ -455,7 +456,7 @@ def restore() -> list[str]:
                 for change in reversed(changes):
                     note = surgery.restore(change)
                     if note:
-                        log.warning("kvpatch: vendored copy: %s", note)
+                        emit(f"kvpatch: vendored copy: {note}")
                     else:
                         restored.append(change.target.path)
                 st = reg.statuses[pid]
@@ -466,7 +467,7 @@ def restore() -> list[str]:
         for item in reversed(_state.installed):
             note = surgery.restore(item.change)
             if note:
-                log.warning("kvpatch: vendored copy: %s", note)
+                emit(f"kvpatch: vendored copy: {note}")
                 continue
             item.copy.state = "found"
             restored.append(item.copy.path)
@@ -614,7 +615,7 @@ def _install_in_copy(patch: Patch, target: Target, module: str, *, recorded: boo
                 release = f"{patch.distribution} release the patch was validated on"
                 return f"drifted: {module}.{target.qualname} is not the code of any {release}"
     where = Target(module, target.qualname, target.kind, target.optional)
-    function = surgery.prepare(patch.id, where, owner, original, patch.builders[target])
+    function = surgery.prepare(patch, where, owner, original, patch.builders[target])
     if function is original:
         return "declined: the patch's builder declined for this copy"
     own = vars(owner)
@@ -673,7 +674,7 @@ def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
 
             register(patch_module, name)
     except Exception as exc:
-        log.warning("kvpatch: could not hook vendored modules: %s: %s", type(exc).__name__, exc)
+        emit(f"kvpatch: could not hook vendored modules: {type(exc).__name__}: {exc}")
 
 
 def format_copies(copies: list[Copy]) -> str:

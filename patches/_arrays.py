@@ -17,7 +17,7 @@ from typing import Any
 
 from kvpatch.patches._lazy import graph_edges
 
-from kvpatch.record import Finding
+from kvpatch.record import Finding, own_class
 
 #: Deferred metadata lives in the cache's ``__dict__`` beside upstream's attribute, which keeps the array a writer
 #: last stored (the *base*): PENDING + name holds ``(base, total)``, the Python sum of the ``N`` advanced since that
@@ -35,10 +35,7 @@ def vlm_own_arrays_cache() -> Any:
     """mlx-vlm's own ArraysCache class (0.6.4+), or None where ``mlx_vlm.models.cache`` has mlx-lm's."""
     import mlx_vlm.models.cache as vlm_cache
 
-    cls = getattr(vlm_cache, "ArraysCache", None)
-    if cls is None or not cls.__module__.startswith("mlx_vlm."):
-        return None
-    return cls
+    return own_class(vlm_cache, "ArraysCache")
 
 
 def deferred_metadata(name: str) -> property:

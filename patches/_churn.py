@@ -16,7 +16,7 @@ from typing import Any
 
 from kvpatch.patches._lazy import graph_edges
 
-from kvpatch.record import Finding
+from kvpatch.record import Finding, own_class
 
 #: The per-row metadata ``extend`` / ``filter`` rebuild (absent names and non-arrays are skipped): ``offset`` and
 #: ``left_padding`` of the batch KV caches, ``left_padding`` / ``lengths`` of ArraysCache (read through whatever
@@ -35,10 +35,7 @@ def vlm_own(name: str) -> Any:
     re-exported: that one is churn-metadata-detach's)."""
     import mlx_vlm.models.cache as vlm_cache
 
-    cls = getattr(vlm_cache, name, None)
-    if not isinstance(cls, type) or not cls.__module__.startswith("mlx_vlm."):
-        return None
-    return cls
+    return own_class(vlm_cache, name)
 
 
 def metadata(cache: Any) -> list[Any]:

@@ -8,7 +8,7 @@ copies the pad tokens already written at the row's tail and counts them. Measure
 holds 5 positions with ``offset = 5`` instead of 3, in all three classes, on 0.6.4 (dense and rotating;
 the quantized class has no ``extract`` there), 0.6.5 and 0.7.10. Not fixed as of 0.7.10 (nor on mlx-vlm main
 of Aug 2026). Before 0.6.4 mlx-vlm re-exports mlx-lm's ``BatchKVCache`` / ``BatchRotatingKVCache``: those are
-``batch-extract-right-padding``'s business, and this patch's builders leave them as they are.
+``batch-extract-right-padding``'s business, and this patch leaves them as they are (``own_classes_only``).
 
 How users meet it: mlx-vlm's batched prefill (``generate/ar.py``) declares right padding at batch creation and
 spreads the prefill over scheduler steps, finishing short rows at chunk boundaries; its APC checkpoints extract
@@ -31,6 +31,7 @@ from typing import Any
 
 from kvpatch.patches import _pending, _right_padding
 
+from kvpatch import record
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -40,6 +41,7 @@ PATCH = Patch(
     affected=">=0.6.4,<=0.7.10",
     checked_through="0.7.10",
     catalogue="N2 (mlx-vlm's copies)",
+    own_classes_only=True,
     reference="not reported upstream (mlx-lm twin: ml-explore/mlx-lm#1746, closed unmerged)",
     expiry=Expiry(
         "retire when mlx-vlm's batch caches' extract leave pending right padding out (set fixed_in then) and "
@@ -53,16 +55,16 @@ def own_class(name: str) -> Any:
     """mlx-vlm's own class ``name`` with an ``extract``, or None (absent, re-exported from mlx-lm, or no extract)."""
     import mlx_vlm.models.cache as vlm_cache
 
-    cls = getattr(vlm_cache, name, None)
-    if cls is None or not cls.__module__.startswith("mlx_vlm.") or not hasattr(cls, "extract"):
-        return None
-    return cls
+    cls = record.own_class(vlm_cache, name)
+    return cls if hasattr(cls, "extract") else None
 
 
-def _only_own(name: str, build: Any) -> Any:
+def _with_extract(name: str, build: Any) -> Any:
     def builder(original: Any) -> Any:
-        if own_class(name) is None:
-            return original  # nothing of mlx-vlm's own to fix here
+        import mlx_vlm.models.cache as vlm_cache
+
+        if not hasattr(getattr(vlm_cache, name), "extract"):
+            return original  # no extract here: nothing of this patch's to fix
         return build(original)
 
     return builder
@@ -73,14 +75,14 @@ _ROTATING = _right_padding.extract_without_pending(_right_padding.rotating_pendi
 
 for _name in ("BatchKVCache", "BatchQuantizedKVCache"):
     PATCH.replace("mlx_vlm.models.cache", f"{_name}.prepare", optional=True)(
-        _only_own(_name, _right_padding.record_ends)
+        _with_extract(_name, _right_padding.record_ends)
     )
     PATCH.replace("mlx_vlm.models.cache", f"{_name}.filter", optional=True)(
-        _only_own(_name, _pending.filter_pending(_right_padding.ENDS))
+        _with_extract(_name, _pending.filter_pending(_right_padding.ENDS))
     )
-    PATCH.replace("mlx_vlm.models.cache", f"{_name}.extract", optional=True)(_only_own(_name, _DENSE))
+    PATCH.replace("mlx_vlm.models.cache", f"{_name}.extract", optional=True)(_with_extract(_name, _DENSE))
 PATCH.replace("mlx_vlm.models.cache", "BatchRotatingKVCache.extract", optional=True)(
-    _only_own("BatchRotatingKVCache", _ROTATING)
+    _with_extract("BatchRotatingKVCache", _ROTATING)
 )
 
 

@@ -17,7 +17,7 @@ each prompt batch and drops a request that is cancelled while its batch is being
 generation loop dies.
 
 Where mlx-vlm re-exports mlx-lm's ``BatchKVCache`` (0.6.3 and older) that class is ``batch-filter-unprimed``'s
-business: this patch's builder leaves it as it is (decided once at install).
+business: this patch leaves it as it is (``own_classes_only``).
 
 Fix: the same delta as ``batch-filter-unprimed`` (``patches/_unprimed.py``): after the original, a negative
 ``_idx`` is set to 0 and the excess given back to ``left_padding``, the state mlx-vlm 0.7.8's capped shift
@@ -32,7 +32,7 @@ from typing import Any
 
 from kvpatch.patches import _unprimed
 
-from kvpatch.record import Expiry, Finding, Patch
+from kvpatch.record import Expiry, Finding, Patch, own_class
 
 PATCH = Patch(
     id="batch-filter-unprimed-vlm",
@@ -41,6 +41,7 @@ PATCH = Patch(
     affected=">=0.5.0,<0.7.8",
     fixed_in="0.7.8",
     catalogue="N1 (mlx-vlm's copies; twin of V13)",
+    own_classes_only=True,
     reference="not reported upstream (fixed without a public commit in mlx-vlm 0.7.8; mlx-lm twin: "
     "ml-explore/mlx-lm#1736)",
     expiry=Expiry(
@@ -54,20 +55,13 @@ def own_batch_kv_cache() -> Any:
     """mlx-vlm's own BatchKVCache class (0.6.4+), or None where it re-exports mlx-lm's."""
     import mlx_vlm.models.cache as vlm_cache
 
-    cls = getattr(vlm_cache, "BatchKVCache", None)
-    if cls is None or not cls.__module__.startswith("mlx_vlm."):
-        return None
-    return cls
+    return own_class(vlm_cache, "BatchKVCache")
 
 
 PATCH.replace("mlx_vlm.models.cache", "BatchQuantizedKVCache.filter")(_unprimed.cap_shift_at_written)
 
 
-@PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.filter", optional=True)
-def _build_own_batch_kv(original: Any) -> Any:
-    if own_batch_kv_cache() is None:
-        return original  # mlx-lm's class (mlx-vlm < 0.6.4): batch-filter-unprimed's business
-    return _unprimed.cap_shift_at_written(original)
+PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.filter", optional=True)(_unprimed.cap_shift_at_written)
 
 
 @PATCH.reproduce

@@ -13,7 +13,7 @@ adds 4 edges per cycle to the same chain, measured). Not affected: ``BatchRotati
 the keys every step: 12 edges, flat), ``BatchQuantizedKVCache`` and ``BatchTurboQuantKVCache`` (18,010 after 1000 cycles
 with kvpatch off, a flat 17 with ``offset-detach-vlm``, which ties the offset into every step's keys), and
 ``BatchPoolingCache`` (its metadata are Python lists). Before 0.6.4 ``mlx_vlm.models.cache`` re-exports mlx-lm's
-classes: those are ``churn-metadata-detach``'s, and this unit's builders decline them (decided once, at install).
+classes: those are ``churn-metadata-detach``'s, and this patch leaves them alone (``own_classes_only``).
 
 Upstream: not fixed as of 0.7.10; Blaizzy/mlx-vlm#1093 (closed unmerged) proposed evaluating the metadata every
 decode step; the server-side fix is waybarrios/vllm-mlx#708 (``MLLMBatch._sync_reshuffle_metadata``).
@@ -27,7 +27,6 @@ through upstream's properties, which after a writer return the stored array. Val
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Any
 
 from kvpatch.patches import _churn
 
@@ -43,6 +42,7 @@ PATCH = Patch(
     "(mlx-lm twin: churn-metadata-detach)",
     catalogue="issue 29 item 1 (mlx-vlm's copies)",
     order=200,
+    own_classes_only=True,
     expiry=Expiry(
         "retire when mlx-vlm's BatchKVCache and ArraysCache evaluate or tie the metadata extend()/filter() rebuild",
         review_by=_dt.date(2027, 3, 1),
@@ -52,18 +52,9 @@ PATCH = Patch(
 CLASSES = ("BatchKVCache", "ArraysCache")
 
 
-def _builder(name: str) -> Any:
-    def build(original: Any) -> Any:
-        if _churn.vlm_own(name) is None:
-            return original  # mlx-lm's class, re-exported (mlx-vlm < 0.6.4): churn-metadata-detach's business
-        return _churn.settle(original)
-
-    return build
-
-
 for _name in CLASSES:
     for _method in ("extend", "filter"):
-        PATCH.replace("mlx_vlm.models.cache", f"{_name}.{_method}", optional=True)(_builder(_name))
+        PATCH.replace("mlx_vlm.models.cache", f"{_name}.{_method}", optional=True)(_churn.settle)
 
 
 @PATCH.reproduce

@@ -9,8 +9,7 @@ every 50 steps does not reach the offset. Measured here on 0.5.0, 0.6.3, 0.6.4 a
 evaluated every step): each cache's offset graph has 55 edges after 10 steps, 305 after 60. mlx-vlm's
 generators evaluate cache state every 50 steps, which bounds it there; custom decode loops (servers
 driving the model directly) are unbounded. Before 0.6.4 ``mlx_vlm.models.cache.BatchKVCache`` IS
-mlx-lm's class: that one is fixed by ``offset-detach`` and this patch leaves it alone (its builder
-returns the attribute it was given, decided once at install).
+mlx-lm's class: that one is fixed by ``offset-detach`` and this patch leaves it alone (``own_classes_only``).
 
 Upstream: not fixed (checked through 0.7.10). mlx-lm fixed the twin in BatchRotatingKVCache with
 ``mx.depends`` (ml-explore/mlx-lm#960); mlx-vlm's BatchRotatingKVCache copy (0.6.4+) carries that fix.
@@ -35,7 +34,7 @@ from typing import Any
 from kvpatch.patches import _lazy
 from kvpatch.patches._lazy import CHECKPOINTS, graph_edges
 
-from kvpatch.record import Expiry, Finding, Patch
+from kvpatch.record import Expiry, Finding, Patch, own_class
 
 PATCH = Patch(
     id="offset-detach-vlm",
@@ -46,6 +45,7 @@ PATCH = Patch(
     reference="not reported upstream (mlx-lm twin fixed by ml-explore/mlx-lm#960)",
     catalogue="V32",
     hot_path=True,
+    own_classes_only=True,
     expiry=Expiry(
         "retire when mlx-vlm's batch caches evaluate or tie their offset",
         review_by=_dt.date(2027, 3, 1),
@@ -70,30 +70,22 @@ def _build(original: Any) -> Any:
     return _tie_offset(original)
 
 
-def _own_batch_kv_cache() -> Any:
+def own_batch_kv_cache() -> Any:
     """mlx-vlm's own BatchKVCache class (0.6.4+), or None where it re-exports mlx-lm's."""
     import mlx_vlm.models.cache as vlm_cache
 
-    cls = getattr(vlm_cache, "BatchKVCache", None)
-    if cls is None or not cls.__module__.startswith("mlx_vlm."):
-        return None
-    return cls
+    return own_class(vlm_cache, "BatchKVCache")
 
 
-@PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.step", optional=True)
-def _build_own_step(original: Any) -> Any:
-    """mlx-vlm's own BatchKVCache (0.6.4+): its class attribute ``step``, served by the growth tie."""
-    if _own_batch_kv_cache() is None:
-        return original  # mlx-lm's class (mlx-vlm < 0.6.4): offset-detach's business, left as it is
-    return _lazy.serve_step(original)
+# mlx-vlm's own BatchKVCache (0.6.4+): its class attribute ``step``, served by the growth tie
+PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.step", optional=True)(_lazy.serve_step)
 
 
 @PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.update_and_fetch", optional=True)
 def _build_own_batch_kv(original: Any) -> Any:
-    own = _own_batch_kv_cache()
-    if own is None:
-        return original  # mlx-lm's class (mlx-vlm < 0.6.4): offset-detach's business, left as it is
-    if _lazy.growth_tied(original, own):
+    import mlx_vlm.models.cache as vlm_cache
+
+    if _lazy.growth_tied(original, vlm_cache.BatchKVCache):
         return original  # upstream's own class: the growth tie on ``step`` covers it (a vendored copy is wrapped)
     return _tie_offset(original)
 
@@ -107,7 +99,7 @@ def caches() -> dict[str, Any]:
         "BatchQuantizedKVCache": BatchQuantizedKVCache([2, 0], group_size=64, bits=8),
         "BatchTurboQuantKVCache": BatchTurboQuantKVCache([2, 0], bits=3),
     }
-    own = _own_batch_kv_cache()
+    own = own_batch_kv_cache()
     if own is not None:
         found["BatchKVCache"] = own([2, 0])
     return found

@@ -25,7 +25,7 @@ from typing import Any
 
 from kvpatch.patches import _offset_rebind
 
-from kvpatch.record import Expiry, Finding, Patch
+from kvpatch.record import Expiry, Finding, Patch, own_class
 
 PATCH = Patch(
     id="offset-rebind-vlm",
@@ -37,6 +37,7 @@ PATCH = Patch(
     reference="not reported to mlx-vlm (mlx-lm twin: ml-explore/mlx-lm#1806, fixed by #1848)",
     hot_path=True,
     order=90,
+    own_classes_only=True,
     expiry=Expiry(
         "retire when mlx-vlm's batch caches rebind offset instead of += (as mlx-lm 0.32.0 does)",
         review_by=_dt.date(2027, 3, 1),
@@ -48,26 +49,13 @@ def _own(name: str) -> Any:
     """mlx-vlm's own class ``name`` in mlx_vlm.models.cache (0.6.4+), or None where it is mlx-lm's."""
     import mlx_vlm.models.cache as vlm_cache
 
-    cls = getattr(vlm_cache, name, None)
-    if cls is None or not cls.__module__.startswith("mlx_vlm."):
-        return None
-    return cls
+    return own_class(vlm_cache, name)
 
 
-@PATCH.replace("mlx_vlm.models.cache", "BatchQuantizedKVCache.update_and_fetch")
-@PATCH.replace("mlx_vlm.turboquant", "BatchTurboQuantKVCache.update_and_fetch")
-def _build(original: Any) -> Any:
-    return _offset_rebind.build(original)
-
-
-@PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.update_and_fetch", optional=True)
-def _build_kv(original: Any) -> Any:
-    return _offset_rebind.build(original) if _own("BatchKVCache") is not None else original
-
-
-@PATCH.replace("mlx_vlm.models.cache", "BatchRotatingKVCache.update_and_fetch", optional=True)
-def _build_rotating(original: Any) -> Any:
-    return _offset_rebind.build(original) if _own("BatchRotatingKVCache") is not None else original
+PATCH.replace("mlx_vlm.turboquant", "BatchTurboQuantKVCache.update_and_fetch")(_offset_rebind.build)
+PATCH.replace("mlx_vlm.models.cache", "BatchQuantizedKVCache.update_and_fetch")(_offset_rebind.build)
+PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.update_and_fetch", optional=True)(_offset_rebind.build)
+PATCH.replace("mlx_vlm.models.cache", "BatchRotatingKVCache.update_and_fetch", optional=True)(_offset_rebind.build)
 
 
 @PATCH.reproduce

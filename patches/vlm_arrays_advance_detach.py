@@ -23,8 +23,8 @@ in-place ``-=``, in each case as 0.6.16's own fix does): ``left_padding`` / ``le
 mlx-vlm's own class, ``advance`` stores ``(stored array, total + N)`` per attribute in one store, and a read returns
 the stored array minus that total, computed afresh and stored nowhere (a pure read, as 0.6.16's); a writer's new
 array drops the total; pickles and copies carry upstream's values only (``__reduce_ex__``); taking the patch out
-writes every total into its attribute. Where ``mlx_vlm.models.cache`` has mlx-lm's class the builders decline (that
-is arrays-advance-detach's). No host synchronisation; values identical.
+writes every total into its attribute. Where ``mlx_vlm.models.cache`` has mlx-lm's class the engine leaves it alone
+(``own_classes_only``: that class is arrays-advance-detach's). No host synchronisation; values identical.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ PATCH = Patch(
     catalogue="N4 (mlx-vlm's copy of B3)",
     reference="Blaizzy/mlx-vlm#1984 (issue Blaizzy/mlx-vlm#1972; mlx-lm twin: arrays-advance-detach)",
     hot_path=True,
+    own_classes_only=True,
     expiry=Expiry(
         "retire when kvpatch stops supporting mlx-vlm < 0.6.16",
         review_by=_dt.date(2027, 6, 1),
@@ -57,28 +58,17 @@ PATCH = Patch(
 
 @PATCH.add("mlx_vlm.models.cache", "ArraysCache.left_padding")
 def _left_padding(_: Any) -> Any:
-    # None declines: where mlx_vlm.models.cache has mlx-lm's class, that is arrays-advance-detach's business
-    return _arrays.deferred_metadata("left_padding") if _arrays.vlm_own_arrays_cache() is not None else None
+    return _arrays.deferred_metadata("left_padding")
 
 
 @PATCH.add("mlx_vlm.models.cache", "ArraysCache.lengths")
 def _lengths(_: Any) -> Any:
-    return _arrays.deferred_metadata("lengths") if _arrays.vlm_own_arrays_cache() is not None else None
+    return _arrays.deferred_metadata("lengths")
 
 
-@PATCH.replace("mlx_vlm.models.cache", "ArraysCache.advance")
-def _build(original: Any) -> Any:
-    if _arrays.vlm_own_arrays_cache() is None:
-        return original  # mlx-lm's class: arrays-advance-detach's business, left as it is
-    return _arrays.defer_advance(original)
-
-
-@PATCH.replace("mlx_vlm.models.cache", "ArraysCache.__reduce_ex__", optional=True)
-def _pickle(original: Any) -> Any:
-    # optional: upstream's class inherits object's, which has no source to fingerprint
-    if _arrays.vlm_own_arrays_cache() is None:
-        return original  # mlx-lm's class: arrays-advance-detach's business, left as it is
-    return _arrays.pickle_upstream_values(original)
+PATCH.replace("mlx_vlm.models.cache", "ArraysCache.advance")(_arrays.defer_advance)
+# optional: upstream's class inherits object's, which has no source to fingerprint
+PATCH.replace("mlx_vlm.models.cache", "ArraysCache.__reduce_ex__", optional=True)(_arrays.pickle_upstream_values)
 
 
 @PATCH.after_restore

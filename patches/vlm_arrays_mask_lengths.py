@@ -24,13 +24,12 @@ Upstream: not reported for mlx-vlm's copy (the mlx-lm twin: ml-explore/mlx-lm#17
 Fix: the same delta as ``arrays-mask-lengths`` (shared in ``_arrays``): with both set, the original's
 mask is ANDed with ``arange(N) < lengths``; otherwise the original's result is returned unchanged. Lazy,
 no host synchronisation. Before 0.6.4 ``mlx_vlm.models.cache.ArraysCache`` is mlx-lm's class and this
-patch leaves it alone (decided once, in the builder).
+patch leaves it alone (``own_classes_only``).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Any
 
 from kvpatch.patches import _arrays
 
@@ -46,6 +45,7 @@ PATCH = Patch(
     catalogue="N5 (mlx-vlm's copy)",
     reference="not reported upstream for mlx-vlm's copy (mlx-lm twin: ml-explore/mlx-lm#1736, fixed in 0.32.0)",
     hot_path=True,
+    own_classes_only=True,
     expiry=Expiry(
         "retire when mlx-vlm's ArraysCache.make_mask combines the left-padding and lengths masks",
         review_by=_dt.date(2027, 3, 1),
@@ -53,11 +53,7 @@ PATCH = Patch(
 )
 
 
-@PATCH.replace("mlx_vlm.models.cache", "ArraysCache.make_mask")
-def _build(original: Any) -> Any:
-    if _arrays.vlm_own_arrays_cache() is None:
-        return original  # mlx-lm's class: arrays-mask-lengths' business, left as it is
-    return _arrays.combined_make_mask(original)
+PATCH.replace("mlx_vlm.models.cache", "ArraysCache.make_mask")(_arrays.combined_make_mask)
 
 
 @PATCH.reproduce

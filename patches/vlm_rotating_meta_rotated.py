@@ -18,11 +18,10 @@ Fix: the same delta as mlx-lm's: the original setter runs, then ``rotated`` is r
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Any
 
 from kvpatch.patches import _meta_rotated
 
-from kvpatch.record import Expiry, Finding, Patch
+from kvpatch.record import Expiry, Finding, Patch, own_class
 
 PATCH = Patch(
     id="vlm-rotating-meta-rotated",
@@ -31,6 +30,7 @@ PATCH = Patch(
     affected=">=0.6.4,<=0.7.10",
     checked_through="0.7.10",
     catalogue="N7 (mlx-vlm's copy)",
+    own_classes_only=True,
     reference="not reported to mlx-vlm (mlx-lm twin: ml-explore/mlx-lm#1250)",
     expiry=Expiry(
         "retire when mlx-vlm's BatchRotatingKVCache reads rotated back as a bool",
@@ -39,13 +39,7 @@ PATCH = Patch(
 )
 
 
-@PATCH.replace("mlx_vlm.models.cache", "BatchRotatingKVCache.meta_state")
-def _build(original: Any) -> Any:
-    import mlx_vlm.models.cache as vlm_cache
-
-    if not vlm_cache.BatchRotatingKVCache.__module__.startswith("mlx_vlm."):
-        return original  # mlx-lm's class (mlx-vlm < 0.6.4): rotating-meta-rotated's business
-    return _meta_rotated.build_setter(original)
+PATCH.replace("mlx_vlm.models.cache", "BatchRotatingKVCache.meta_state")(_meta_rotated.build_setter)
 
 
 @PATCH.reproduce
@@ -53,7 +47,7 @@ def reproduce() -> Finding:
     """Restore a non-rotated mlx-vlm batch rotating cache via state + meta_state; one decode step must match."""
     from mlx_vlm.models import cache
 
-    if not cache.BatchRotatingKVCache.__module__.startswith("mlx_vlm."):
+    if own_class(cache, "BatchRotatingKVCache") is None:
         return Finding(False, skipped="mlx_vlm.models.cache.BatchRotatingKVCache is mlx-lm's class here")
     present, detail = _meta_rotated.reproduce(cache)
     return Finding(present, detail)

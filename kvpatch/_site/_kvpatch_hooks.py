@@ -74,14 +74,6 @@ def register_post_import_hook(hook, name):
     _call(hook, module)
 
 
-def discard_post_import_hook(hook, name):
-    """Withdraw a hook that has not fired yet (no-op otherwise)."""
-    with _lock:
-        waiting = _hooks.get(name)
-        if waiting and hook in waiting:
-            waiting.remove(hook)
-
-
 def _notify(module):
     name = module.__name__
     with _lock:

@@ -1,4 +1,4 @@
-"""COMPAT.md, generated from the registry (``python -m kvpatch compat --write``), and fingerprints."""
+"""COMPAT.md, generated from the registry (``python -m kvpatch.maint.regenerate``), and fingerprints."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def render() -> str:
     out = [
         "# COMPAT: which kvpatch patch applies to which upstream release or commit",
         "",
-        "Generated from the patch registry by `python -m kvpatch compat --write`; a test fails when it is",
+        "Generated from the patch registry by `python -m kvpatch.maint.regenerate`; a test fails when it is",
         "stale. Ranges are PEP 440 over released versions. A git install is placed against the fixing",
         "commit with kvpatch's upstream commit index; a commit the index does not know, a pre-release of",
         "the fixing release, an editable install, or a release newer than the last one checked is left",

@@ -13,7 +13,6 @@ This module uses only the standard library and ``packaging``; it never imports m
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -24,7 +23,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -39,12 +38,7 @@ from packaging.utils import (
 )
 
 from .. import config
-from ..store import cache_root
-
-try:  # POSIX only; without it racing builders still end up correct, just do double work.
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
+from ..store import Place, cache_root, locked
 
 __all__ = [
     "BUCKET_VAR",
@@ -328,20 +322,6 @@ def _marker_applies(marker: Marker, extras: Iterable[str], interp: _Interpreter)
 # Layers
 
 
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    if fcntl is None:  # pragma: no cover - Windows
-        yield
-        return
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with lock_path.open("a") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
 def _is_built(path: Path) -> bool:
     return (path / _MARKER).is_file()
 
@@ -367,7 +347,8 @@ def layer(requirement: str, python: str | None = None) -> Path:
     if _is_built(final):
         return final
     layers.mkdir(parents=True, exist_ok=True)
-    with _locked(layers / ".locks" / f"{spec.key}.lock"):
+    # kvpatch's one file lock (no symlink followed; a directory another user can write is refused)
+    with locked(Place(layers / ".locks", cache_dir()), f"{spec.key}.lock", wait=True, what="release layers"):
         if _is_built(final):
             return final
         # With the lock held, temp dirs for this key are leftovers of a killed build.

@@ -82,7 +82,7 @@ def evaluate(patch: Patch, today: _dt.date | None = None, floor: Mapping[str, st
                 Reason.FIXED_EVERYWHERE,
                 f"{patch.id}: expired: every supported {patch.distribution} release (>= {oldest}, the oldest in "
                 f"kvpatch/maint/matrix.py) has upstream's fix (fixed_in {patch.fixed_in}): delete {where}, add it to "
-                "RETIRED in kvpatch/maint/retired.py, and run `python -m kvpatch compat --write`",
+                "RETIRED in kvpatch/maint/retired.py, and run `python -m kvpatch.maint.regenerate`",
             )
         )
     review_by = patch.expiry.review_by

@@ -9,7 +9,7 @@ from kvpatch.maint.compat import render
 
 def test_compat_md_is_current():
     current = (REPO / "COMPAT.md").read_text()
-    assert current == render(), "COMPAT.md is stale: run `python -m kvpatch compat --write`"
+    assert current == render(), "COMPAT.md is stale: run `python -m kvpatch.maint.regenerate`"
 
 
 def test_one_source_for_the_release_matrix():

@@ -62,4 +62,4 @@ def test_applying_patch_has_fingerprints_for_every_target(patch):
         lacking = [r for r in releases if r not in labels]
         if lacking and not target.optional:
             missing.append(f"{target.path}: no fingerprint for {patch.distribution} {', '.join(lacking)}")
-    assert not missing, "run scripts/record_fingerprints.py --only " + patch.id + ":\n" + "\n".join(missing)
+    assert not missing, "run python -m kvpatch.maint.regenerate --only " + patch.id + ":\n" + "\n".join(missing)

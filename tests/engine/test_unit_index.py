@@ -26,7 +26,7 @@ _SOURCES = (Source(), Source(kind="archive", url="file:///w.whl"), Source(kind="
 
 def test_index_says_what_the_units_say():
     current = registry.index_path().read_text(encoding="utf-8")
-    assert current == units.render(units.expected()), "stale: run python -m kvpatch.maint.units --write"
+    assert current == units.render(units.expected()), "stale: run python -m kvpatch.maint.regenerate"
 
 
 def test_stub_decides_as_its_record():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from kvpatch.patches._lazy import growth_period, max_edges
-from kvpatch.patches.offset_detach_vlm import PATCH, _own_batch_kv_cache, arrays, caches, checkpoints, graph_edges
+from kvpatch.patches.offset_detach_vlm import PATCH, arrays, caches, checkpoints, graph_edges, own_batch_kv_cache
 
 import kvpatch
 from kvpatch.gate import Action
@@ -45,7 +45,7 @@ def _checkpoints(name: str) -> tuple[int, int, int]:
 
 def _bound(name: str) -> int:
     """The most edges a fixed cache's offset graph may hold: one step's (tied every step), or a buffer's worth."""
-    period = growth_period(_own_batch_kv_cache()) if name == "BatchKVCache" else None
+    period = growth_period(own_batch_kv_cache()) if name == "BatchKVCache" else None
     return max_edges(period) if period else 10
 
 
