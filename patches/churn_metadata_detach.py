@@ -59,6 +59,10 @@ PATCH = Patch(
 for _name in ("BatchKVCache", "ArraysCache"):
     for _method in ("extend", "filter"):
         PATCH.replace("mlx_lm.models.cache", f"{_name}.{_method}")(_churn.settle)
+# BatchRotatingKVCache (from mlx-lm 0.28.1) rebuilds the same metadata; its decode path ties it every step from
+# 0.31.3, so what stays pending is a short chain, evaluated here all the same (a server's sweep evaluates it too)
+for _method in ("extend", "filter"):
+    PATCH.replace("mlx_lm.models.cache", f"BatchRotatingKVCache.{_method}", optional=True)(_churn.settle)
 
 
 @PATCH.reproduce
