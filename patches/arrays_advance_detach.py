@@ -46,13 +46,15 @@ Where this differs from upstream's in-place ``-=`` (mx.array's ``__isub__`` chan
 key while some are pending); an array read before an ``advance``, and a ``copy.copy``'s attribute, keep their value
 instead of moving with the cache; an in-place edit of a read array (``lp[0] = 100``) reaches the cache only where no
 decrement is pending (the read then returns the stored array itself, as upstream's does); each read after an
-``advance`` is a new array. mlx-vlm 0.6.16+ behaves the same way in each of these (its ``vars`` hold
+``advance`` is a new array (one lazy subtraction from the stored one, so evaluating ``cache.state`` does not leave
+the attribute evaluated: mlx-lm 0.32's own ``test_arrays_cache_advance`` counts that one graph edge).
+mlx-vlm 0.6.16+ behaves the same way in each of these (its ``vars`` hold
 ``_left_padding`` and ``_left_padding_advance``). It cannot be otherwise: a stored array that moves on ``advance`` is
 upstream's chain. No mlx-lm or mlx-vlm code in this patch's range (or vlm-arrays-advance-detach's) reads a cache's
 ``__dict__``, edits its metadata in place, holds it across an ``advance``, or copies a cache with ``copy.copy``.
 
 Cost: nothing is tied or rebased while decoding (the nodes upstream frees when the caches are discarded are
-freed then, as upstream does); see the README, "On Linux with an NVIDIA GPU".
+freed then, as upstream does); see docs/performance.md.
 """
 
 from __future__ import annotations
