@@ -194,7 +194,9 @@ def _patch_status(engine: Engine, patch_id: str) -> PatchStatus | Guarantee:
         return st
     module = patch_id.replace("-", "_")
     for name, error in engine.broken.items():
-        if name.rsplit(".", 1)[-1] == module:
+        folder, _, leaf = name.rpartition(".")  # the unit's file name drops its folder's lm/vlm (CONTRIBUTING.md)
+        short = folder.rpartition(".")[2].removeprefix("mlx_")
+        if module in (leaf, f"{short}_{leaf}", f"{leaf}_{short}"):
             return Guarantee(patch_id, False, "broken", f"its patch unit could not be loaded: {error}")
     raise UnknownPatch(patch_id, engine.status)
 

@@ -1,6 +1,6 @@
 """Patch records: what a patch is, as plain data plus its fix and its reproduction.
 
-A patch module in ``patches/`` builds one :class:`Patch` and registers, with decorators,
+A patch unit in ``kvpatch/patches/`` builds one :class:`Patch` and registers, with decorators,
 
 * one *builder* per target (``@PATCH.replace(module, qualname)`` or ``@PATCH.add(...)``): a
   function that receives the original object (or ``None`` for an added attribute) and returns the

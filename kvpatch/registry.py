@@ -1,8 +1,8 @@
 """Discover the patch units.
 
-In an installed kvpatch the units live in the ``kvpatch.patches`` package (the wheel maps the
-repository's top-level ``patches/`` folder there). In a source checkout or an editable install the
-same folder is found beside the ``kvpatch`` package and loaded under the same name.
+The units live in the ``kvpatch.patches`` package, one folder per distribution whose release gates them
+(``kvpatch.patches.mlx_lm``, ``kvpatch.patches.mlx_vlm``); the underscore modules beside those folders are
+shared fix helpers, not units.
 
 :func:`load` imports every unit (``status``, ``verify``, tests). Auto-activation, which runs inside the
 user's ``import mlx_lm``, uses :func:`index` instead: the gate's facts of every unit come from the shipped
@@ -73,7 +73,7 @@ def _patches_package() -> ModuleType:
     except ModuleNotFoundError as exc:
         if exc.name != PACKAGE:
             raise
-    folder = Path(__file__).resolve().parent.parent / "patches"
+    folder = Path(__file__).resolve().parent / "patches"
     init = folder / "__init__.py"
     if not init.is_file():
         raise ModuleNotFoundError(f"kvpatch's patch units are missing (looked for {PACKAGE} and {folder})")
@@ -98,8 +98,13 @@ def _unit(name: str) -> Patch:
 
 
 def _unit_names(package: ModuleType) -> list[str]:
-    """The unit modules of ``package`` (underscore modules are shared helpers, not units), sorted."""
-    return sorted(f"{PACKAGE}.{info.name}" for info in pkgutil.iter_modules(package.__path__) if info.name[0] != "_")
+    """The unit modules in ``package``'s distribution folders (underscore modules are not units), sorted."""
+    return sorted(
+        f"{PACKAGE}.{folder}.{info.name}"
+        for folder in DISTRIBUTIONS.values()
+        for info in pkgutil.iter_modules([str(Path(root) / folder) for root in package.__path__])
+        if info.name[0] != "_"
+    )
 
 
 @lru_cache(maxsize=1)

@@ -63,9 +63,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import Paired, hot_path_ids, run_until
-from kvpatch.patches._lazy import EVERY
 
 import kvpatch
+from kvpatch.patches._lazy import EVERY
 
 LLAMA_1B = dict(
     model_type="llama",

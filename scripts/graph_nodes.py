@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import hot_path_ids
 from bench_gpu import _prefilled, _prompts, build
-from kvpatch.patches._lazy import EVERY
 
 import kvpatch
+from kvpatch.patches._lazy import EVERY
 
 _OP = re.compile(r'label ="([A-Za-z0-9_]+)[^"]*", shape=rectangle')
 

@@ -28,11 +28,11 @@ PY
   "$tmp/venv/bin/"python scripts/in_bucket.py "$bucket" -- python -m pytest -q -p no:cacheprovider "$@" 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed" | cut -c1-200
   git checkout -q -- "$file"
 }
-run offset-detach-no-tie lm-0.32.2 patches/_lazy.py "keys = state[\"keys\"] = join(keys, self.offset)" "pass" \
+run offset-detach-no-tie lm-0.32.2 kvpatch/patches/_lazy.py "keys = state[\"keys\"] = join(keys, self.offset)" "pass" \
   tests/upstream/test_offset_detach.py tests/upstream/test_regressions.py -k "offset_detach or offset-detach"
-run trim-no-floor lm-0.32.2 patches/batch_trim_capped.py "            self.offset = mx.maximum(self.offset, 0)
+run trim-no-floor lm-0.32.2 kvpatch/patches/mlx_lm/batch_trim_capped.py "            self.offset = mx.maximum(self.offset, 0)
 " "" tests/upstream/test_batch_trim_capped.py tests/upstream/test_regressions.py -k "trim"
-run mask-fill-inverted lm-0.22.0 patches/mask_fill.py "mx.where(mask, mx.array(0, queries.dtype), mx.array(mx.finfo(queries.dtype).min, queries.dtype))" "mx.where(mask, mx.array(mx.finfo(queries.dtype).min, queries.dtype), mx.array(0, queries.dtype))" \
+run mask-fill-inverted lm-0.22.0 kvpatch/patches/mlx_lm/mask_fill.py "mx.where(mask, mx.array(0, queries.dtype), mx.array(mx.finfo(queries.dtype).min, queries.dtype))" "mx.where(mask, mx.array(mx.finfo(queries.dtype).min, queries.dtype), mx.array(0, queries.dtype))" \
   tests/upstream/test_regressions.py tests/upstream/test_e2e_lm.py -k "mask"
 "$tmp/venv/bin/"pip install -q --no-deps --force-reinstall . >/dev/null 2>&1
 echo "=== unmutated, same selections"

@@ -37,7 +37,7 @@ def tiny(name: str, window: int) -> Any:
     config = importlib.import_module(f"mlx_vlm.models.{name}.config").TextConfig
     language = importlib.import_module(f"mlx_vlm.models.{name}.language")
     if name == "qwen3_5":
-        from kvpatch.patches.qwen35_batch_positions import tiny_config
+        from kvpatch.patches.mlx_vlm.qwen35_batch_positions import tiny_config
 
         return language.LanguageModel(tiny_config(), VISION)
     if name == "gemma4":
@@ -48,7 +48,7 @@ def tiny(name: str, window: int) -> Any:
             max_position_embeddings=512,
         )  # fmt: skip
         return language.LanguageModel(text)
-    from kvpatch.patches.glm4v_batch_positions import tiny_config
+    from kvpatch.patches.mlx_vlm.glm4v_batch_positions import tiny_config
 
     return language.LanguageModel(tiny_config(), VISION)
 

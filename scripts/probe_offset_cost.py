@@ -18,10 +18,10 @@ import time
 
 import mlx.core as mx
 import mlx_lm.generate  # noqa: F401  (the cache module: the engine installs its patches on this import)
-from kvpatch.patches._lazy import EVERY
 from mlx_lm.models.cache import BatchKVCache
 
 import kvpatch
+from kvpatch.patches._lazy import EVERY
 
 LAYERS = 16
 

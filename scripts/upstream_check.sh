@@ -21,7 +21,7 @@ if [ "$status" -ne 0 ]; then
   cat >&2 <<MSG
 
 UPSTREAM CHECK FAILED (exit $status): upstream changed under a patch, or a reproduction could not run.
-For every line under "records that disagree with what was measured" above, open the patches/<file>.py it
+For every line under "records that disagree with what was measured" above, open the kvpatch/patches/<dist>/<file>.py it
 names and set the field it names (fixed_in, fixed_commit, affected, checked_through, expiry) to the value
 it gives; for "target moved or gone", retarget the patch (bug still there) or retire it (bug gone). Then:
     $VENV/bin/kvpatch compat --write && bash scripts/test.sh

@@ -29,6 +29,7 @@ from packaging.version import Version
 
 from ..record import Patch
 from .matrix import SUPPORTED_FLOOR
+from .units import module_for
 
 __all__ = [
     "SUPPORTED_FLOOR",
@@ -62,9 +63,8 @@ class Expired:
 
 
 def patch_file(patch: Patch) -> str:
-    """The patch module's path in the repository (``patches/mask_fill.py``)."""
-    name = (patch.module or "").rsplit(".", 1)[-1] or patch.id.replace("-", "_")
-    return f"patches/{name}.py"
+    """The patch module's path in the repository (``kvpatch/patches/mlx_lm/mask_fill.py``)."""
+    return (patch.module or module_for(patch.id, patch.distribution)).replace(".", "/") + ".py"
 
 
 def evaluate(patch: Patch, today: _dt.date | None = None, floor: Mapping[str, str] | None = None) -> list[Expired]:

@@ -1,7 +1,7 @@
 """Patches kvpatch no longer carries, for COMPAT.md's "Retired patches" section.
 
 A patch is retired when every supported upstream release has upstream's fix (see
-:mod:`kvpatch.maint.expiry`): its module is deleted from ``patches/`` and one :class:`Retired` entry is
+:mod:`kvpatch.maint.expiry`): its module is deleted from ``kvpatch/patches/`` and one :class:`Retired` entry is
 added here, so that users pinned to an old upstream release can find the last kvpatch release that
 still carries it.
 """

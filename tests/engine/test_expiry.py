@@ -76,7 +76,7 @@ def _patch(
     fixed_in: str | None = "0.24.0",
     checked: str | None = None,
     review_by: dt.date | None = dt.date(2027, 6, 1),
-    module: str = "kvpatch.patches.some_fix",
+    module: str = "kvpatch.patches.mlx_lm.some_fix",
 ) -> Patch:
     p = Patch(
         id="some-fix",
@@ -139,18 +139,20 @@ def test_evaluate(patch, today, floor, expect):
 
 
 def test_messages_name_the_file_field_and_value():
-    dead = _patch(fixed_in="0.24.0", module="kvpatch.patches.mask_fill")
+    dead = _patch(fixed_in="0.24.0", module="kvpatch.patches.mlx_lm.mask_fill")
     [e] = evaluate(dead, TODAY, {"mlx-lm": "0.24.0"})
-    assert "delete patches/mask_fill.py" in e.message and "RETIRED in kvpatch/maint/retired.py" in e.message
+    assert (
+        "delete kvpatch/patches/mlx_lm/mask_fill.py" in e.message and "RETIRED in kvpatch/maint/retired.py" in e.message
+    )
     late = _patch(
         fixed_in=None,
         affected=">=0.28.0,<=0.32.2",
         checked="0.32.2",
         review_by=dt.date(2026, 1, 1),
-        module="kvpatch.patches.x_y",
+        module="kvpatch.patches.mlx_lm.x_y",
     )
     [e] = evaluate(late, TODAY)
-    assert "2026-01-01" in e.message and "Expiry(review_by=...) in patches/x_y.py" in e.message
+    assert "2026-01-01" in e.message and "Expiry(review_by=...) in kvpatch/patches/mlx_lm/x_y.py" in e.message
     assert expiry_reasons([late], TODAY) == [e.message]
 
 
@@ -165,13 +167,13 @@ def test_enforcement_policy():
 
 
 def test_patch_file_without_module_falls_back_to_the_id():
-    assert patch_file(_patch(module="")) == "patches/some_fix.py"
+    assert patch_file(_patch(module="")) == "kvpatch/patches/mlx_lm/some_fix.py"
 
 
 # -- upstream-check: what the record expects and whether a measurement agrees ---------------------------
 
-OPEN = _patch(affected=">=0.28.0,<=0.32.2", fixed_in=None, checked="0.32.2", module="kvpatch.patches.open_bug")
-FIXED = _patch(affected=">=0.22.0,<0.24.0", fixed_in="0.24.0", module="kvpatch.patches.fixed_bug")
+OPEN = _patch(affected=">=0.28.0,<=0.32.2", fixed_in=None, checked="0.32.2", module="kvpatch.patches.mlx_lm.open_bug")
+FIXED = _patch(affected=">=0.22.0,<0.24.0", fixed_in="0.24.0", module="kvpatch.patches.mlx_lm.fixed_bug")
 
 
 @pytest.mark.parametrize(
@@ -226,7 +228,7 @@ def test_relevant_needs_the_distribution_checked():
         (OPEN, "0.33.0", Measured.FIXED, {}, False, ["fixed_in='0.33.0'"]),
         (OPEN, "0.32.2", Measured.FIXED, {}, False, ["says mlx-lm 0.32.2 is affected", "fixed_in='0.32.2'"]),
         (OPEN, "0.33.0", Measured.FIXED, {"local": True}, False, ["local mlx-lm build"]),
-        (OPEN, "0.33.0", Measured.MOVED, {}, False, ["retarget", "patches/open_bug.py"]),
+        (OPEN, "0.33.0", Measured.MOVED, {}, False, ["retarget", "kvpatch/patches/mlx_lm/open_bug.py"]),
         (OPEN, "0.33.0", Measured.COULD_NOT_RUN, {}, False, ["could not run"]),
         (OPEN, "0.33.0", Measured.COULD_NOT_RUN, {"skipped": True}, None, []),
         (OPEN, "0.33.0", Measured.INCONCLUSIVE, {}, False, ["inconclusive", "not a record error"]),

@@ -82,6 +82,10 @@ def test_broken_unit_is_not_fixed_and_not_unknown():
         engine = _engine("0.23.2", broken={"kvpatch.patches.some_fix": "SyntaxError: x"})
     (g,) = guarantees(engine, ["some-fix"])
     assert not g.fixed and g.state == "broken" and "SyntaxError: x" in g.reason, g
+    with pytest.warns(UserWarning, match="could not be loaded"):
+        engine = _engine("0.23.2", broken={"kvpatch.patches.mlx_vlm.offset_detach": "SyntaxError: y"})
+    (g,) = guarantees(engine, ["offset-detach-vlm"])  # the file name drops the folder's "vlm"
+    assert not g.fixed and g.state == "broken" and "SyntaxError: y" in g.reason, g
 
 
 def test_not_fixed_message_lists_every_id_with_state_and_reason():

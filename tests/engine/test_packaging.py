@@ -28,6 +28,19 @@ def test_license_file_is_in_the_repository_and_the_wheel():
     assert "LICENSE" in PYPROJECT["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
 
 
+def test_the_units_ship_once_inside_the_package():
+    """The wheel ships the units as ``kvpatch.patches`` (the ``kvpatch`` package, nothing mapped in beside it):
+    every file once, and no top-level ``patches`` to shadow another project's."""
+    files = [str(f) for f in importlib.metadata.files("kvpatch") or []]
+    units = [f for f in files if f.startswith("kvpatch/patches/") and f.endswith(".py")]
+    assert len(units) == len(set(units)), sorted(f for f in units if units.count(f) > 1)
+    assert "kvpatch/patches/mlx_lm/mask_fill.py" in units and "kvpatch/patches/mlx_vlm/offset_detach.py" in units
+    assert not [f for f in files if f.split("/")[0] == "patches"]
+    wheel = PYPROJECT["tool"]["hatch"]["build"]["targets"]["wheel"]
+    assert wheel["packages"] == ["kvpatch"]
+    assert not [k for k, v in wheel.get("force-include", {}).items() if "patches" in k or "patches" in v]
+
+
 def test_project_urls_and_classifiers():
     urls = dict(entry.split(", ", 1) for entry in METADATA.get_all("Project-URL"))
     assert set(urls) == {"Homepage", "Source", "Issues", "Changelog", "Documentation"}

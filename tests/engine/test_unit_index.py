@@ -66,7 +66,7 @@ def test_activation_imports_only_units_that_can_apply(tmp_path):
         from kvpatch.engine import Engine, State
         up = {"mlx-lm": Upstream("mlx-lm", "0.32.2"), "mlx-vlm": Upstream("mlx-vlm", None)}
         engine = Engine(registry.index(), upstream=up, config=Config())
-        loaded = sorted(m for m in sys.modules if m.startswith("kvpatch.patches.") and m.split(".")[-1][0] != "_")
+        loaded = sorted(m for m in sys.modules if m.startswith(("kvpatch.patches.mlx_lm.", "kvpatch.patches.mlx_vlm.")))
         pending = sorted(st.patch.module for st in engine.status.values() if st.state is State.PENDING)
         print(json.dumps({"loaded": loaded, "pending": pending, "broken": engine.broken}))
         """

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from kvpatch.patches import _churn
-
 from kvpatch.testing import without
 
 #: Where the edge count is compared: the reproduction's checkpoints and one more, further on.

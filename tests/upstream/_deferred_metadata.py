@@ -8,10 +8,9 @@ import copy
 import warnings
 from typing import Any
 
+import kvpatch
 from kvpatch.patches import _arrays
 from kvpatch.patches._lazy import MAX_EDGES, graph_edges
-
-import kvpatch
 from kvpatch.testing import without
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import _deferred_metadata as checks
 import pytest
-from kvpatch.patches._lazy import MAX_EDGES
-from kvpatch.patches.arrays_advance_detach import PATCH, graph_edges
 
 import kvpatch
 from kvpatch.gate import Action
+from kvpatch.patches._lazy import MAX_EDGES
+from kvpatch.patches.mlx_lm.arrays_advance_detach import PATCH, graph_edges
 from kvpatch.testing import import_targets, natural_decision, without
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [11, 12, 13, 14]]

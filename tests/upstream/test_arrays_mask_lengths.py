@@ -11,11 +11,11 @@ from __future__ import annotations
 import importlib.metadata
 
 import pytest
-from kvpatch.patches.arrays_mask_lengths import PATCH
 from packaging.version import Version
 from support import arrays_state_error
 
 import kvpatch
+from kvpatch.patches.mlx_lm.arrays_mask_lengths import PATCH
 from kvpatch.testing import error_and_tolerance, without
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17]]

@@ -7,8 +7,8 @@ and the caches stay bfloat16 step after step. Two empty batches joined, then pre
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.batch_extend_empty import PATCH
 
+from kvpatch.patches.mlx_lm.batch_extend_empty import PATCH
 from kvpatch.testing import tiny_llama
 
 PROMPTS = [[7, 3, 22, 41, 8], [9, 13, 2]]

@@ -13,9 +13,9 @@
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches import _right_padding
-from kvpatch.patches.batch_extract_right_padding import PATCH
 
+from kvpatch.patches import _right_padding
+from kvpatch.patches.mlx_lm.batch_extract_right_padding import PATCH
 from kvpatch.testing import skip_unless_in_place
 
 pytestmark = pytest.mark.requires_patch(PATCH.id)

@@ -12,9 +12,9 @@
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches import _right_padding
-from kvpatch.patches.batch_extract_right_padding_vlm import PATCH, classes
 
+from kvpatch.patches import _right_padding
+from kvpatch.patches.mlx_vlm.batch_extract_right_padding import PATCH, classes
 from kvpatch.testing import skip_unless_in_place
 
 pytestmark = pytest.mark.requires_patch(PATCH.id)

@@ -10,9 +10,9 @@
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches import _unprimed
-from kvpatch.patches.batch_filter_unprimed import PATCH
 
+from kvpatch.patches import _unprimed
+from kvpatch.patches.mlx_lm.batch_filter_unprimed import PATCH
 from kvpatch.testing import without
 
 pytestmark = pytest.mark.requires_patch(PATCH.id)

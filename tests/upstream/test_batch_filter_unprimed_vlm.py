@@ -11,10 +11,10 @@ reproduction:
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches import _unprimed
-from kvpatch.patches.batch_filter_unprimed_vlm import PATCH, own_batch_kv_cache
 
 from kvpatch import get_engine
+from kvpatch.patches import _unprimed
+from kvpatch.patches.mlx_vlm.batch_filter_unprimed import PATCH, own_batch_kv_cache
 from kvpatch.testing import without
 
 pytestmark = pytest.mark.requires_patch(PATCH.id)

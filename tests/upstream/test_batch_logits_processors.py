@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from kvpatch.patches.batch_logits_processors import PATCH, _ban_last, _tiny_llama, run_late_join
 
 from kvpatch.gate import Action
+from kvpatch.patches.mlx_lm.batch_logits_processors import PATCH, _ban_last, _tiny_llama, run_late_join
 from kvpatch.testing import import_targets, natural_decision, without
 
 pytest.importorskip("mlx.core")

@@ -8,8 +8,8 @@ range: reported, not patched).
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.batch_merge_empty import PATCH
 
+from kvpatch.patches.mlx_lm.batch_merge_empty import PATCH
 from kvpatch.testing import tiny_llama
 
 PREFIX = [7, 3, 22, 41, 8]

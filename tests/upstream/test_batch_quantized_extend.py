@@ -9,8 +9,8 @@ On a fixed release (0.6.0+) the same tests check upstream's own ``extend``.
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.batch_quantized_extend import PATCH
 
+from kvpatch.patches.mlx_vlm.batch_quantized_extend import PATCH
 from kvpatch.testing import (
     error_and_tolerance,
     quantization_gap,

@@ -4,7 +4,8 @@ prepare(), filter() while padding is pending, CacheList forwarding, and the capa
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.batch_quantized_prepare import PATCH
+
+from kvpatch.patches.mlx_vlm.batch_quantized_prepare import PATCH
 
 HEADS, DIM, GROUP, BITS, WIDTH = 2, 32, 32, 8, 6
 

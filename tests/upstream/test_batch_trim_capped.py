@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.batch_trim_capped import PATCH
 
+from kvpatch.patches.mlx_lm.batch_trim_capped import PATCH
 from kvpatch.testing import error_and_tolerance, tiny_llama
 
 SHORT, LONG = [9], [7, 3, 22, 41, 8]

@@ -49,7 +49,7 @@ def _lfm2() -> Any:
 
 
 def _cohere2() -> Any:
-    from kvpatch.patches.max_kv_size_ignored import _tiny_cohere2
+    from kvpatch.patches.mlx_lm.max_kv_size_ignored import _tiny_cohere2
 
     return _tiny_cohere2(window=8)
 

@@ -7,8 +7,8 @@ over the whole sequence at every step, through several chunk boundaries.
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.chunked_trim_front import PATCH
 
+from kvpatch.patches.mlx_lm.chunked_trim_front import PATCH
 from kvpatch.testing import error_and_tolerance
 
 PROMPT = [7, 3, 22]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import _churn_cases
 import pytest
-from kvpatch.patches import _churn
-from kvpatch.patches.churn_metadata_detach import PATCH
 
+from kvpatch.patches import _churn
+from kvpatch.patches.mlx_lm.churn_metadata_detach import PATCH
 from kvpatch.testing import require_affected
 
 

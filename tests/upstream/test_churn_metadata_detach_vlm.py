@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import _churn_cases
 import pytest
-from kvpatch.patches import _churn
-from kvpatch.patches.churn_metadata_detach_vlm import CLASSES, PATCH
 
+from kvpatch.patches import _churn
+from kvpatch.patches.mlx_vlm.churn_metadata_detach import CLASSES, PATCH
 from kvpatch.testing import require_affected, without
 
 

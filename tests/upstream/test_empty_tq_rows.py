@@ -7,8 +7,8 @@ each row decoded alone; a merge of two prefilled caches (the path the patch leav
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.empty_tq_rows import PATCH
 
+from kvpatch.patches.mlx_vlm.empty_tq_rows import PATCH
 from kvpatch.testing import (
     error_and_tolerance,
     quantization_gap,

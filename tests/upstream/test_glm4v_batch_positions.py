@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from kvpatch.patches.glm4v_batch_positions import PATCH, batched_vs_alone, tiny_model
 
+from kvpatch.patches.mlx_vlm.glm4v_batch_positions import PATCH, batched_vs_alone, tiny_model
 from kvpatch.testing import require_affected, without
 
 

@@ -6,8 +6,8 @@ bf16 rounding of the unpatched (float32-promoted) run; every scheme pairing retu
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.hybrid_quant_dtype import PATCH, policy
 
+from kvpatch.patches.mlx_vlm.hybrid_quant_dtype import PATCH, policy
 from kvpatch.testing import tiny_pixtral_language_model, without
 
 TOKENS = [5, 9, 2, 33, 17, 21]

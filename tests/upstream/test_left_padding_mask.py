@@ -10,8 +10,8 @@ On a fixed release (0.6.0+) the same tests check upstream's own masks.
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.left_padding_mask import PATCH
 
+from kvpatch.patches.mlx_vlm.left_padding_mask import PATCH
 from kvpatch.testing import (
     error_and_tolerance,
     tiny_pixtral_language_model,

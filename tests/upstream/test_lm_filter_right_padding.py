@@ -12,8 +12,8 @@
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.lm_filter_right_padding import PATCH, PENDING, compare, new_cache, prefill_and_decode
 
+from kvpatch.patches.mlx_lm.filter_right_padding import PATCH, PENDING, compare, new_cache, prefill_and_decode
 from kvpatch.record import Kind
 from kvpatch.testing import without
 
@@ -82,8 +82,9 @@ def _run_with(filter_function, cls_name):
 @pytest.mark.parametrize("cls_name", CLASSES)
 def test_composes_with_vlm_filter_right_padding(cls_name):
     import mlx.core as mx
-    from kvpatch.patches.vlm_filter_right_padding import PATCH as VLM
     from mlx_lm.models import cache as cache_module
+
+    from kvpatch.patches.mlx_vlm.filter_right_padding import PATCH as VLM
 
     with without(PATCH.id):
         original = getattr(cache_module, cls_name).filter

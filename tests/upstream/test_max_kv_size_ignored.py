@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from kvpatch.patches.max_kv_size_ignored import PATCH, _layout, _tiny_cohere2
 
+from kvpatch.patches.mlx_lm.max_kv_size_ignored import PATCH, _layout, _tiny_cohere2
 from kvpatch.testing import require_applies
 
 mx = pytest.importorskip("mlx.core")

@@ -8,11 +8,11 @@ evaluated array has none): deterministic, unlike RSS or timing.
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches._lazy import CHECKPOINTS, EVERY, ClassValue, growth_period, max_edges
-from kvpatch.patches.offset_detach import PATCH, graph_edges
 
 import kvpatch
 from kvpatch.gate import Action
+from kvpatch.patches._lazy import CHECKPOINTS, EVERY, ClassValue, growth_period, max_edges
+from kvpatch.patches.mlx_lm.offset_detach import PATCH, graph_edges
 from kvpatch.testing import import_targets, natural_decision, without
 
 STEPS = 3000
@@ -207,7 +207,8 @@ def test_decode_runs_kvpatch_code_only_when_the_buffer_grows():
     for _ in range(5):
         step()
     # offset-detach's code: its module and the shared _lazy (offset-rebind, < 0.32.0, wraps every call on purpose)
-    from kvpatch.patches import _lazy, offset_detach
+    from kvpatch.patches import _lazy
+    from kvpatch.patches.mlx_lm import offset_detach
 
     ours = (_lazy.growth_tie.__code__.co_filename, offset_detach.reproduce.__code__.co_filename)
     calls: collections.Counter = collections.Counter()

@@ -15,9 +15,9 @@ Other model files that keep an offset across an update (read, not run here): mlx
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.offset_rebind import PATCH as LM_PATCH
-from kvpatch.patches.offset_rebind_vlm import PATCH as VLM_PATCH
 
+from kvpatch.patches.mlx_lm.offset_rebind import PATCH as LM_PATCH
+from kvpatch.patches.mlx_vlm.offset_rebind import PATCH as VLM_PATCH
 from kvpatch.testing import error_and_tolerance
 
 PROMPTS = [[7, 3, 22], [5, 9, 2, 33, 17]]

@@ -5,8 +5,8 @@ array offsets and decode calls get upstream's own result."""
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.pooling_mask_offset import PATCH, chunked_masks
 
+from kvpatch.patches.mlx_vlm.pooling_mask_offset import PATCH, chunked_masks
 from kvpatch.testing import reproduce, require_affected, without
 
 

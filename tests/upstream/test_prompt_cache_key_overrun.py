@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 from _mlx_lm_server import Server, tiny_llama
+
 from kvpatch.patches._prompt_cache import prompt_cache_class
-from kvpatch.patches.prompt_cache_key_overrun import PATCH
+from kvpatch.patches.mlx_lm.prompt_cache_key_overrun import PATCH
 
 pytestmark = pytest.mark.requires_patch(PATCH.id)
 

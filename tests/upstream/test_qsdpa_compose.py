@@ -10,11 +10,11 @@ on 0.24.0-0.31.3 only qsdpa-gqa-batch-mask applies; on 0.32+ neither does and up
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.mask_fill import PATCH as MASK_FILL
-from kvpatch.patches.qsdpa_gqa_batch_mask import PATCH
 
 import kvpatch
 from kvpatch.gate import Action
+from kvpatch.patches.mlx_lm.mask_fill import PATCH as MASK_FILL
+from kvpatch.patches.mlx_lm.qsdpa_gqa_batch_mask import PATCH
 from kvpatch.testing import import_targets, natural_decision, tolerance, without
 
 TARGET = "mlx_lm.models.base.quantized_scaled_dot_product_attention"

@@ -12,9 +12,9 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from kvpatch.patches import _cuda
 
 from kvpatch import registry
+from kvpatch.patches import _cuda
 from kvpatch.testing import require_affected, tolerance
 
 mx = pytest.importorskip("mlx.core")

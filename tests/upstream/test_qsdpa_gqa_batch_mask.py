@@ -11,10 +11,10 @@
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.mask_fill import PATCH as MASK_FILL
-from kvpatch.patches.qsdpa_gqa_batch_mask import PATCH
 
 from kvpatch.gate import Action
+from kvpatch.patches.mlx_lm.mask_fill import PATCH as MASK_FILL
+from kvpatch.patches.mlx_lm.qsdpa_gqa_batch_mask import PATCH
 from kvpatch.testing import (
     natural_decision,
     skip_unless_in_place,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import importlib
 
 import pytest
-from kvpatch.patches.quantized_nbytes import PATCH
 
 from kvpatch.gate import Action
+from kvpatch.patches.mlx_lm.quantized_nbytes import PATCH
 from kvpatch.testing import import_targets, natural_decision
 
 mx = pytest.importorskip("mlx.core")

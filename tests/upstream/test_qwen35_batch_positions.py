@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from kvpatch.patches.qwen35_batch_positions import PATCH, batched_vs_alone, tiny_attention
 
+from kvpatch.patches.mlx_vlm.qwen35_batch_positions import PATCH, batched_vs_alone, tiny_attention
 from kvpatch.testing import require_affected, without
 
 

@@ -11,11 +11,11 @@ keep its own fix, and they must be stacked batch-merge-empty first.
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.batch_merge_empty import PATCH as MERGE_EMPTY
-from kvpatch.patches.rotating_merge_empty import PATCH
 
 import kvpatch
 from kvpatch.gate import Action
+from kvpatch.patches.mlx_lm.batch_merge_empty import PATCH as MERGE_EMPTY
+from kvpatch.patches.mlx_lm.rotating_merge_empty import PATCH
 from kvpatch.testing import (
     error_and_tolerance,
     import_targets,

@@ -8,8 +8,8 @@ untouched.
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.rotating_merge_wrapped import PATCH
 
+from kvpatch.patches.mlx_lm.rotating_merge_wrapped import PATCH
 from kvpatch.testing import error_and_tolerance, skip_unless_in_place, tiny_llama
 
 WINDOW = 8

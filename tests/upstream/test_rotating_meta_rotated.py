@@ -12,10 +12,10 @@ import os
 import tempfile
 
 import pytest
-from kvpatch.patches._meta_rotated import restore
-from kvpatch.patches.rotating_meta_rotated import PATCH as LM_PATCH
-from kvpatch.patches.vlm_rotating_meta_rotated import PATCH as VLM_PATCH
 
+from kvpatch.patches._meta_rotated import restore
+from kvpatch.patches.mlx_lm.rotating_meta_rotated import PATCH as LM_PATCH
+from kvpatch.patches.mlx_vlm.rotating_meta_rotated import PATCH as VLM_PATCH
 from kvpatch.testing import require_affected, tiny_llama
 
 PROMPTS = [[7, 3, 22], [5, 9, 2, 33, 17]]

@@ -9,9 +9,9 @@ On fixed releases (>= 0.31.1) the same tests check upstream's own fix.
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.rotating_offset_detach import PATCH, graph_edges
 
 import kvpatch
+from kvpatch.patches.mlx_lm.rotating_offset_detach import PATCH, graph_edges
 from kvpatch.testing import without
 
 STEPS = 3000

@@ -11,8 +11,8 @@ import contextlib
 import importlib
 
 import pytest
-from kvpatch.patches.speculative_stale_cache import PATCH, _LinkedCacheList, _tiny_llama
 
+from kvpatch.patches.mlx_lm.speculative_stale_cache import PATCH, _LinkedCacheList, _tiny_llama
 from kvpatch.testing import require_applies, without
 
 mx = pytest.importorskip("mlx.core")

@@ -13,7 +13,8 @@ contract for every caller that now finds them (the capability checks in mlx-vlm 
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.tq_batch_prepare import PATCH
+
+from kvpatch.patches.mlx_vlm.tq_batch_prepare import PATCH
 
 pytestmark = pytest.mark.requires_patch(PATCH.id)
 

@@ -12,8 +12,8 @@
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.tq_dequantize_dtype import PATCH
 
+from kvpatch.patches.mlx_vlm.tq_dequantize_dtype import PATCH
 from kvpatch.testing import without
 
 pytestmark = pytest.mark.requires_patch(PATCH.id)

@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.tq_filter_unprimed import PATCH
 
+from kvpatch.patches.mlx_vlm.tq_filter_unprimed import PATCH
 from kvpatch.testing import without
 
 H, D = 2, 32

@@ -5,9 +5,9 @@ codecs, and stores bit-identical states and decodes identically to the unpatched
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.tq_fused_quantize_metal import PATCH, measure
 
 import kvpatch
+from kvpatch.patches.mlx_vlm.tq_fused_quantize_metal import PATCH, measure
 from kvpatch.testing import without
 
 pytestmark = pytest.mark.requires_patch(PATCH.id, needed=True)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from kvpatch.patches.tq_prefix_snapshot import PATCH
+
+from kvpatch.patches.mlx_vlm.tq_prefix_snapshot import PATCH
 
 pytestmark = pytest.mark.requires_patch(PATCH.id)
 

@@ -16,8 +16,8 @@ On fixed releases (0.6.4+) the same tests check upstream's own fix.
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.tq_trim import PATCH
 
+from kvpatch.patches.mlx_vlm.tq_trim import PATCH
 from kvpatch.testing import (
     error_and_tolerance,
     skip_unless_in_place,

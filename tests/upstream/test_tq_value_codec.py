@@ -9,8 +9,8 @@
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.tq_value_codec import PATCH
 
+from kvpatch.patches.mlx_vlm.tq_value_codec import PATCH
 from kvpatch.testing import without
 
 H, DK, DV = 2, 96, 64

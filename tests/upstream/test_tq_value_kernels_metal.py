@@ -11,9 +11,9 @@ wrappers are correct, before it is used on a Hadamard codec.
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.tq_value_kernels_metal import PATCH, measure
 
 import kvpatch
+from kvpatch.patches.mlx_vlm.tq_value_kernels_metal import PATCH, measure
 from kvpatch.testing import without
 
 pytestmark = pytest.mark.requires_patch(PATCH.id, needed=True)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import _deferred_metadata as checks
 import pytest
-from kvpatch.patches import _arrays
-from kvpatch.patches._lazy import graph_edges
-from kvpatch.patches.vlm_arrays_advance_detach import PATCH
 
 import kvpatch
 from kvpatch.gate import Action
+from kvpatch.patches import _arrays
+from kvpatch.patches._lazy import graph_edges
+from kvpatch.patches.mlx_vlm.arrays_advance_detach import PATCH
 from kvpatch.testing import import_targets, natural_decision, without
 
 

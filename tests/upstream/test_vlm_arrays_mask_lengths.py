@@ -10,11 +10,11 @@ row real left padding.)
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches import _arrays
-from kvpatch.patches.vlm_arrays_mask_lengths import PATCH
 from support import arrays_state_error
 
 import kvpatch
+from kvpatch.patches import _arrays
+from kvpatch.patches.mlx_vlm.arrays_mask_lengths import PATCH
 from kvpatch.testing import without
 
 # Applies by version, or where the reproduction decides (archive, editable, git installs: the GPU host's wheel files)

@@ -10,8 +10,8 @@ join keeps bfloat16 with kvpatch installed (mlx-lm's own ``batch-extend-empty`` 
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.vlm_batch_extend_dtype import PATCH
 
+from kvpatch.patches.mlx_vlm.batch_extend_dtype import PATCH
 from kvpatch.testing import require_affected, tiny_pixtral_language_model
 
 PROMPTS = [[7, 3, 22, 41, 8], [9, 13, 2]]

@@ -6,7 +6,8 @@ unchanged."""
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.vlm_filter_right_padding import PATCH
+
+from kvpatch.patches.mlx_vlm.filter_right_padding import PATCH
 
 CLASSES = ("BatchKVCache", "BatchRotatingKVCache", "BatchQuantizedKVCache")
 

@@ -8,9 +8,9 @@ import importlib
 import sys
 
 import pytest
-from kvpatch.patches.vlm_qsdpa_batch_mask import _MODULES, PATCH
 
 import kvpatch
+from kvpatch.patches.mlx_vlm.qsdpa_batch_mask import _MODULES, PATCH
 from kvpatch.testing import without
 
 pytestmark = pytest.mark.requires_patch(PATCH.id, needed=True)
@@ -109,5 +109,5 @@ def test_no_module_keeps_the_unpatched_function():
         for attr, value in list(vars(module).items()):
             if getattr(value, "__name__", None) == "quantized_scaled_dot_product_attention" and callable(value):
                 origin = getattr(value, "__module__", "")
-                if origin.startswith("mlx_vlm") or origin.startswith("patches"):
+                if origin.startswith("mlx_vlm") or origin.startswith("kvpatch.patches"):
                     assert id(value) in current, f"{name}.{attr} is not the patched function"

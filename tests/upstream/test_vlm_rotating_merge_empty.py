@@ -4,7 +4,8 @@ empty row between two full ones, rows that were never filled, and an all-empty m
 from __future__ import annotations
 
 import pytest
-from kvpatch.patches.vlm_rotating_merge_empty import PATCH, _empty_with_storage
+
+from kvpatch.patches.mlx_vlm.rotating_merge_empty import PATCH, _empty_with_storage
 
 pytestmark = pytest.mark.requires_patch(PATCH.id)
 

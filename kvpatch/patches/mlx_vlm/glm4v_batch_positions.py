@@ -1,0 +1,143 @@
+"""glm4v-batch-positions: mlx-vlm's ``GLM4VModel.__call__`` (glm4v_moe) assumes an integer cache offset.
+
+Broken: ``mlx_vlm.models.glm4v_moe.language.GLM4VModel.__call__``, given no ``position_ids``, computes them as
+``mx.arange(cache[0].offset, cache[0].offset + L)``. With a batch cache (``BatchKVCache``, whose ``offset`` is a
+per-row array) ``mx.arange`` raises ``TypeError: arange(): incompatible function arguments``. ``LanguageModel``
+passes ``position_ids`` itself unless it is given a mask that is not 2-D (``rope_mask.ndim != 2``), so the
+batched path fails for callers that hand the model a 4-D mask or drive ``GLM4VModel`` directly, as servers do
+(vllm-mlx carries its own replacement of this method). Measured (Linux, mlx[cpu]; a tiny random glm4v_moe from
+its ``TextConfig``, a left-padded 2-row batch, ``GLM4VModel`` called with ``position_ids=None``): the TypeError
+on 0.4.4, 0.5.0, 0.6.4 and 0.7.10 (the line is unchanged since the model came, 0.3.3, git 287c20b3). In range from
+0.5.0, the first release whose batch path this model follows: on 0.4.4 ``GLM4VModel`` builds its mask with
+``create_attention_mask(h, cache)`` from the list of caches, which ignores left padding, so with positions fixed
+the padded row still differs from the row alone by 1.6 (batching this model there is not a kvpatch fix). The same
+``arange`` line is in ``glm4v``, ``glm_ocr`` and ``paddleocr_vl`` (not measured, not patched here).
+
+Upstream: not reported, not fixed as of 0.7.10 (``LanguageModel`` of the same file builds per-row positions from
+``cache_offsets`` in its decode path; ``GLM4VModel`` was not given the same).
+
+Fix: a delta in front of the original: when ``position_ids`` is None and the first cache's ``offset`` is a
+per-row array, the positions are built per row, ``offset[:, None] + arange(L)`` repeated over the 3 mRoPE
+sections (the ``(3, B, L)`` layout ``LanguageModel`` passes), and handed to the original; each row then gets the
+positions it has alone (its left padding at negative positions, masked). Anything else goes to the original as it
+is. Lazy, no host synchronisation; one check per forward pass (not per layer).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Any
+
+from kvpatch.patches import _mrope
+from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
+
+PATCH = Patch(
+    id="glm4v-batch-positions",
+    summary="glm4v_moe GLM4VModel builds position_ids with mx.arange(cache.offset): batch caches raise TypeError",
+    distribution="mlx-vlm",
+    affected=">=0.5.0,<=0.7.10",
+    checked_through="0.7.10",
+    reference="not reported upstream (mlx_vlm/models/glm4v_moe/language.py, GLM4VModel.__call__; "
+    "vllm-mlx patches it in vllm_mlx/patches/glm4v_moe_mllm.py)",
+    catalogue="issue 29 item 5",
+    hot_path=True,
+    expiry=Expiry(
+        "retire when mlx-vlm's GLM4VModel builds per-row position_ids for an array cache offset",
+        review_by=_dt.date(2027, 3, 1),
+    ),
+)
+
+
+@PATCH.replace("mlx_vlm.models.glm4v_moe.language", "GLM4VModel.__call__")
+def _build(original: Any) -> Any:
+    import mlx.core as mx
+
+    positions = _mrope.row_positions(mx)
+
+    def __call__(
+        self: Any,
+        inputs: Any,
+        inputs_embeds: Any = None,
+        cache: Any = None,
+        mask: Any = None,
+        position_ids: Any = None,
+    ) -> Any:
+        if position_ids is None and cache and cache[0] is not None:
+            length = (inputs if inputs_embeds is None else inputs_embeds).shape[1]
+            position_ids = positions(cache[0].offset, length)
+        return original(self, inputs, inputs_embeds, cache, mask, position_ids)
+
+    return __call__
+
+
+def tiny_config() -> Any:
+    """A tiny glm4v_moe ``TextConfig`` (2 layers, hidden 64, 4 heads, 2 KV heads of 16, 4 experts, vocabulary 64)."""
+    from mlx_vlm.models.glm4v_moe.config import TextConfig
+
+    return TextConfig(
+        model_type="glm4v_moe", vocab_size=64, hidden_size=64, intermediate_size=128, max_position_embeddings=512,
+        moe_intermediate_size=32, norm_topk_prob=True, num_attention_heads=4, n_group=1, head_dim=16, topk_group=1,
+        n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0, num_experts_per_tok=2,
+        first_k_dense_replace=1, num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-6, use_qk_norm=False,
+        attention_bias=False, partial_rotary_factor=0.5, rope_theta=10000.0,
+        rope_scaling={"type": "default", "mrope_section": [2, 1, 1]},
+    )  # fmt: skip
+
+
+def tiny_model() -> Any:
+    """A tiny random glm4v_moe ``GLM4VModel`` (:func:`tiny_config`)."""
+    import mlx.core as mx
+    from mlx_vlm.models.glm4v_moe.language import GLM4VModel
+
+    mx.random.seed(0)
+    model = GLM4VModel(tiny_config())
+    mx.eval(model.parameters())
+    return model
+
+
+def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 2) -> list[float]:
+    """Each row of a left-padded batch (``BatchKVCache`` per layer, ``position_ids`` left to the model) against
+    the row alone (``KVCache``): the largest difference of the hidden states over prefill and ``steps`` decode
+    steps, per row."""
+    import mlx.core as mx
+    from mlx_vlm.models.cache import BatchKVCache, KVCache
+
+    longest = max(lengths)
+    keys = mx.random.split(mx.random.key(1), len(lengths) + 1)
+    prompts = [mx.random.randint(1, 60, (1, n), key=keys[i]) for i, n in enumerate(lengths)]
+    decode = mx.random.randint(1, 60, (steps, len(lengths), 1), key=keys[-1])
+    layers = len(model.layers)
+    alone = []
+    for row, prompt in enumerate(prompts):
+        cache = [KVCache() for _ in range(layers)]
+        outs = [model(prompt, cache=cache)[:, -1]]
+        outs += [model(decode[s, row : row + 1], cache=cache)[:, -1] for s in range(steps)]
+        alone.append(outs)
+    padding = [longest - n for n in lengths]
+    batch = mx.concatenate([mx.pad(p, [(0, 0), (pad, 0)]) for p, pad in zip(prompts, padding, strict=True)])
+    cache = [BatchKVCache(padding) for _ in range(layers)]
+    outs = [model(batch, cache=cache)[:, -1]]
+    outs += [model(decode[s], cache=cache)[:, -1] for s in range(steps)]
+    return [
+        max(float(mx.abs(outs[s][row] - alone[row][s][0]).max()) for s in range(steps + 1))
+        for row in range(len(lengths))
+    ]
+
+
+@PATCH.reproduce
+def reproduce() -> Finding:
+    """A tiny glm4v_moe GLM4VModel over a left-padded batch with per-row cache offsets, against each row alone."""
+    try:
+        model = tiny_model()
+    except ImportError as exc:
+        if not upstream_missing(exc):
+            raise
+        return Finding(False, "this mlx-vlm has no glm4v_moe model: nothing to fix")
+    try:
+        errors = batched_vs_alone(model)
+    except TypeError as exc:
+        text = symptom(exc, "arange(): incompatible").splitlines()[0]
+        return Finding(True, f"GLM4VModel with a batch cache (array offset) raises TypeError: {text}")
+    if max(errors) > 1e-4:
+        return Finding(True, f"batched rows differ from each row alone by {errors}")
+    return Finding(False, f"batched rows equal each row alone (max differences {errors})")
