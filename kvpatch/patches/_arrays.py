@@ -2,8 +2,7 @@
 
 * ``deferred_metadata`` / ``defer_advance`` / ``pickle_upstream_values`` / ``flush`` (arrays-advance-detach,
   vlm-arrays-advance-detach): ``advance`` decrements ``left_padding`` / ``lengths`` lazily and nothing evaluates
-  them; ``advance_growth`` measures it, and ``decode_ties`` which steps of a decode carry a node kvpatch added to
-  the layer's graph.
+  them; ``advance_growth`` measures it.
 * ``combined_make_mask``: ``make_mask`` returns only the left-padding mask when both ``left_padding`` and
   ``lengths`` are set (arrays-mask-lengths, vlm-arrays-mask-lengths); ``mask_drops_lengths`` measures it.
 
@@ -195,31 +194,6 @@ def advance_growth(arrays_cache: type) -> Finding:
     if edges[200][0] > edges[20][0] or edges[200][1] > edges[20][1]:
         return Finding(True, f"{detail} (unbounded)")
     return Finding(False, f"{detail} (bounded)")
-
-
-def decode_ties(arrays_cache: type, steps: int = 60) -> tuple[list[int], Any, Any]:
-    """A recurrent layer's cache decoded ``steps`` steps (state read, new state stored, ``advance(1)``, state
-    evaluated): the steps whose state entry carried a ``Depends`` node when evaluated, and the final
-    ``left_padding`` and ``lengths``. None, unpatched and with ``defer_advance`` alike (an earlier version of
-    the fix tied its anchors into the state)."""
-    import io
-
-    import mlx.core as mx
-
-    cache = arrays_cache(1, left_padding=[4, 1])
-    cache.prepare(lengths=[6, 9])
-    cache[0] = mx.zeros((2, 3))
-    mx.eval(cache[0])
-    tied = []
-    for step in range(1, steps + 1):
-        cache[0] = cache[0] * 0.5 + 1
-        cache.advance(1)
-        dot = io.StringIO()
-        mx.export_to_dot(dot, cache[0])
-        if "Depends" in dot.getvalue():
-            tied.append(step)
-        mx.eval(cache[0])
-    return tied, cache.left_padding, cache.lengths
 
 
 def combined_make_mask(original: Any) -> Any:

@@ -11,18 +11,8 @@ from typing import Any
 #: The offset-detach family ties lazy cache metadata into the graph once every EVERY steps, not every step: the
 #: pending chain then holds at most EVERY steps' updates (5 graph edges each), whatever the number of steps,
 #: and the per-call cost of the tie (one graph node, ~3 us of CPU time) is paid once per EVERY calls. 10 keeps
-#: the graph under :data:`MAX_EDGES` and lines up with the step counts the reproductions measure at.
+#: the graph small and lines up with the step counts the reproductions measure at.
 EVERY = 10
-
-
-def max_edges(period: int) -> int:
-    """The most edges a metadata array's pending graph reaches when it is tied once every ``period`` steps (tests
-    check this): 5 edges a step, 7 with offset-rebind stacked on the same method (measured), and some slack."""
-    return 7 * period + 10
-
-
-#: :func:`max_edges` for ties every EVERY steps.
-MAX_EDGES = max_edges(EVERY)
 #: Where the reproductions of growth-tied caches compare the offset's graph: past the first buffer growth (at step
 #: 254 after a 3-token prompt), then a multiple of both tie periods (EVERY and 256) later, so a fixed cache has
 #: the same pending chain at both.
@@ -141,8 +131,3 @@ def growth_tied(original: Any, cls: Any) -> bool:
     class attribute ``step`` that :func:`serve_step` serves: the growth tie covers it, so no wrapper is needed (a
     vendored copy's function, or a class that sets ``step`` per instance, is not covered)."""
     return isinstance(cls, type) and original.__module__ == cls.__module__ and "step" in vars(cls)
-
-
-def growth_period(cls: Any) -> int | None:
-    """The growth tie's period (the class's ``step``) where it serves ``cls``'s ``step`` now, else None."""
-    return cls.step if isinstance(vars(cls).get("step"), ClassValue) else None

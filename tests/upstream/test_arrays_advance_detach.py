@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import _deferred_metadata as checks
 import pytest
+from _edges import MAX_EDGES
 
 import kvpatch
 from kvpatch.gate import Action
-from kvpatch.patches._lazy import MAX_EDGES
-from kvpatch.patches.mlx_lm.arrays_advance_detach import PATCH, graph_edges
+from kvpatch.patches._lazy import graph_edges
+from kvpatch.patches.mlx_lm.arrays_advance_detach import PATCH
 from kvpatch.testing import import_targets, natural_decision, without
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10], [11, 12, 13, 14]]

@@ -153,7 +153,7 @@ def test_reader_thread_during_hybrid_batch_decode(model_dir, run_py):
 
 def _batch_kv_classes() -> list:
     """The batch KV cache classes whose ``step`` the growth tie serves in this process."""
-    from kvpatch.patches._lazy import growth_period
+    from _edges import growth_period
 
     found = []
     try:

@@ -8,10 +8,11 @@ evaluated array has none): deterministic, unlike RSS or timing.
 from __future__ import annotations
 
 import pytest
+from _edges import growth_period, max_edges
 
 import kvpatch
 from kvpatch.gate import Action
-from kvpatch.patches._lazy import CHECKPOINTS, EVERY, ClassValue, growth_period, max_edges
+from kvpatch.patches._lazy import CHECKPOINTS, EVERY, ClassValue
 from kvpatch.patches.mlx_lm.offset_detach import PATCH, graph_edges
 from kvpatch.testing import import_targets, natural_decision, without
 

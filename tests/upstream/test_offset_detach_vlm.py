@@ -6,10 +6,10 @@ re-exported mlx-lm BatchKVCache (< 0.6.4) is left to offset-detach (not wrapped 
 from __future__ import annotations
 
 import pytest
+from _edges import growth_period, max_edges
 
 import kvpatch
 from kvpatch.gate import Action
-from kvpatch.patches._lazy import growth_period, max_edges
 from kvpatch.patches.mlx_vlm.offset_detach import PATCH, arrays, caches, checkpoints, graph_edges, own_batch_kv_cache
 from kvpatch.testing import import_targets, natural_decision, without
 

@@ -219,7 +219,7 @@ def test_nope_offset_chain_flat_with_kvpatch(models, tmp_path):
         runs[label] = json.loads(line[-1][7:])
         print(label, json.dumps(runs[label]))
     with_fix, without = runs["kvpatch"], runs["without"]
-    from kvpatch.patches._lazy import max_edges  # the fix ties the offset at every growth of the KV buffer (256)
+    from _edges import max_edges  # the fix ties the offset at every growth of the KV buffer (256)
 
     kept = [w["offset_edges"] for w in with_fix["windows"]]
     assert max(kept) <= max_edges(256) and len(set(kept)) == 1, with_fix  # the same at every 512th token

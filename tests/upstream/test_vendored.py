@@ -140,7 +140,7 @@ def test_vendored_copy_found_and_patched_on_request(run_py, tmp_path, package):
         assert off["edges"][1] > off["edges"][0], off  # the copy has the bug
         # and the fix reached it: the offset's graph stays bounded (ties every _lazy.EVERY steps, so it need
         # not be constant between checkpoints), far below the unpatched copy's
-        from kvpatch.patches._lazy import MAX_EDGES
+        from _edges import MAX_EDGES
 
         assert max(on["edges"]) <= MAX_EDGES < off["edges"][1], (on, off, MAX_EDGES)
 
@@ -218,7 +218,7 @@ def test_registered_copy_has_records_of_its_own(run_py, tmp_path, package, chose
     else:
         assert len(out["applied"]) > 1, out
         assert "applied" in out["mine"].values()
-    from kvpatch.patches._lazy import MAX_EDGES
+    from _edges import MAX_EDGES
 
     assert out["edges"] is not None and out["edges"] <= MAX_EDGES, out  # the fix is in the copy's class
     assert out["overridden"][offset] == "overridden", out  # replaced in the copy: no longer applied there

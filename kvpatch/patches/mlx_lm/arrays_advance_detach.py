@@ -64,7 +64,6 @@ import sys
 from typing import Any
 
 from kvpatch.patches import _arrays
-from kvpatch.patches._lazy import graph_edges  # noqa: F401  (re-exported for the tests)
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
