@@ -6,7 +6,7 @@
 * ``combined_make_mask``: ``make_mask`` returns only the left-padding mask when both ``left_padding`` and
   ``lengths`` are set (arrays-mask-lengths, vlm-arrays-mask-lengths); ``mask_drops_lengths`` measures it.
 
-Not a patch unit (the registry skips modules whose name starts with ``_``). Imports mlx lazily.
+Not a patch unit (units live in the distribution folders). Imports mlx lazily.
 """
 
 from __future__ import annotations

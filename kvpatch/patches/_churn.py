@@ -7,7 +7,7 @@
   oldest row leaves), measured as the pending graph edges on the metadata; the reproduction of both units.
 * ``vlm_own``: mlx-vlm's own class of a name, or None where ``mlx_vlm.models.cache`` re-exports mlx-lm's.
 
-Not a patch unit (the registry skips modules whose name starts with ``_``). Imports mlx lazily.
+Not a patch unit (units live in the distribution folders). Imports mlx lazily.
 """
 
 from __future__ import annotations

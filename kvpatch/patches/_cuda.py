@@ -1,7 +1,7 @@
 """Shared by qsdpa-cuda-shapes (mlx-lm) and vlm-qsdpa-cuda-shapes (mlx-vlm): quantized attention on MLX's CUDA
 backend, computed from dequantized keys and values (its transposed ``quantized_matmul`` is wrong or missing there).
 
-Not a patch unit (the registry skips modules whose name starts with ``_``). Imports mlx lazily.
+Not a patch unit (units live in the distribution folders). Imports mlx lazily.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Shared by the offset-detach family: tying lazy cache metadata into the graph, and measuring a graph.
 
-Not a patch unit (the registry skips modules whose name starts with ``_``). Imports mlx lazily.
+Not a patch unit (units live in the distribution folders). Imports mlx lazily.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Shared by rotating-meta-rotated (mlx-lm) and vlm-rotating-meta-rotated (mlx-vlm's copy): one bug, two classes.
 
 ``BatchRotatingKVCache.meta_state`` writes ``rotated`` as ``str(bool)`` and its setter reads it back with
-``bool(v[3])``; ``bool("False")`` is true. Not a patch unit (the registry skips ``_`` modules).
+``bool(v[3])``; ``bool("False")`` is true. Not a patch unit (units live in the distribution folders).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The batch caches advance ``offset`` with ``self.offset += S`` (and ``-=`` when right padding is rolled
 away), and ``+=`` on an ``mx.array`` updates that array object in place: every name a model bound to
-``cache.offset`` before ``update_and_fetch`` now reads the new value. Not a patch unit (the registry skips
-``_`` modules).
+``cache.offset`` before ``update_and_fetch`` then reads the new value. Not a patch unit (units live in the
+distribution folders).
 """
 
 from __future__ import annotations

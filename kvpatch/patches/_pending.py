@@ -1,5 +1,5 @@
 """Shared by vlm-filter-right-padding (V10) and lm-filter-right-padding (L-V10): one bug in mlx-vlm's and
-mlx-lm's copies of the batch caches. Not a patch unit (the registry skips ``_`` modules)."""
+mlx-lm's copies of the batch caches. Not a patch unit (units live in the distribution folders)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Shared by prompt-cache-exact-hit and prompt-cache-key-overrun: where the running mlx-lm keeps its
-server prompt cache. Not a patch unit (the registry skips ``_`` modules)."""
+server prompt cache. Not a patch unit (units live in the distribution folders)."""
 
 from __future__ import annotations
 

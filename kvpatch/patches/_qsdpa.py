@@ -3,7 +3,7 @@
 Quantized attention reshapes grouped-query scores to 5-D ``(B, n_kv_heads, n_repeats, L, S)`` while a
 4-D mask ``(B, 1 | n_q_heads, L, S)`` stays 4-D, so broadcasting lines the mask's batch axis up with
 the KV-head axis. The replacement regroups the mask to 5-D first, then calls the original. Not a patch
-unit (the registry skips modules whose name starts with ``_``).
+unit (units live in the distribution folders).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Shared by batch-extract-right-padding (mlx-lm) and batch-extract-right-padding-vlm (mlx-vlm's own copies): one
-bug in both origins of the batch caches. Not a patch unit (the registry skips ``_`` modules).
+bug in both origins of the batch caches. Not a patch unit (units live in the distribution folders).
 
 A right-padded prefill declares its padding with ``prepare(right_padding=..., lengths=...)``; the model then
 writes each short row's real tokens followed by its pad tokens, and ``finalize()`` rolls the written pads to

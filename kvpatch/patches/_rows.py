@@ -2,7 +2,7 @@
 
 When one side of ``extend`` has no keys yet, upstream keeps only the other side's packed rows while
 ``offset`` / ``left_padding`` count both. :func:`fill_missing_rows` adds the empty side's rows back (as
-zeros, which its left padding masks). Not a patch unit (the registry skips ``_`` modules).
+zeros, which its left padding masks). Not a patch unit (units live in the distribution folders).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ origins of the dense / uniform-quantized batch caches (the TurboQuant twin is ``
 
 Upstream ``filter`` drops the leading padding every kept row shares by subtracting ``min(left_padding)``
 from the write index ``_idx`` (and from ``left_padding``), also when fewer slots than that have been
-written: a cache filtered before its first update gets a negative ``_idx``. Not a patch unit (the
-registry skips ``_`` modules).
+written: a cache filtered before its first update gets a negative ``_idx``. Not a patch unit (units live in the
+distribution folders).
 """
 
 from __future__ import annotations

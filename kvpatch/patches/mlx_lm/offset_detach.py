@@ -26,8 +26,8 @@ gives 256, an instance's own ``step`` is still honoured, and a read anywhere els
 included) changes nothing. ``mx.depends`` shares the keys' buffer (no extra memory), does no arithmetic, adds no
 host synchronisation and leaves keys, values and offset bit-identical.
 
-Why not a wrapper: an earlier version wrapped ``update_and_fetch`` and tied every 10th call. Measured on Python
-3.12 (the H100 host's), any extra Python frame there costs ~2-7 us per call inside a model's forward pass (a bare
+Why not a wrapper around ``update_and_fetch`` (tying every 10th call): measured on Python 3.12 (the H100
+host's), any extra Python frame there costs ~2-7 us per call inside a model's forward pass (a bare
 pass-through as much as the wrapper; on 3.11 nothing), ~1% of a small llama's decode speed. The wrapper remains
 where there is no class attribute to serve: mlx-lm 0.28.0 sets ``self.step = 256`` in ``__init__``, and a vendored
 copy of the class (``KVPATCH_VENDORED``) is patched through its ``update_and_fetch``. There, whenever the write

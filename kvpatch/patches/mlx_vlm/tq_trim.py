@@ -33,7 +33,7 @@ Fix:
 * Not patched: Qwen 3.5's rollback has the same item assignment, but its module cannot be imported on
   non-Metal backends from 0.6.0 (it builds Metal kernels at import), which kvpatch's target import does
   not survive. Measured on 0.5.0: with this patch its batch TurboQuant caches roll back when all rows
-  accept the same number of drafts (before: ``IndexError``, they were taken for SSM caches); ragged
+  accept the same number of drafts (unpatched: ``IndexError``, they are taken for SSM caches); ragged
   acceptance still raises the ``TypeError`` above.
 
 Why adding methods is safe: ``is_trimmable()`` becoming True is the point of the fix (mlx-lm's
