@@ -106,11 +106,11 @@ def test_pins_in_the_wild(pin: str, has_v01: bool, has_v02: bool) -> None:
     assert index.contains(pin, V02_FIXED) is (not has_v02)
     assert index.contains(pin, V01_INTRODUCED) is True
 
+    full = index.resolve(pin)
+    assert full is not None and full.startswith(pin)
+    assert index.mainline[index.position(pin) or 0] == full
     v01 = place("mlx-vlm", pin, fixed_commit=V01_FIXED, introduced_commit=V01_INTRODUCED)
     assert v01.known
-    assert v01.mainline
-    assert v01.commit is not None
-    assert v01.commit.startswith(pin)
     assert v01.introduced is True
     assert v01.fixed is (not has_v01)
 
@@ -124,7 +124,6 @@ def test_pins_in_the_wild(pin: str, has_v01: bool, has_v02: bool) -> None:
 def test_reason_matches_brief() -> None:
     p = place("mlx-vlm", "f96138eef1f5ce7fb5d97f8dd41a664a195b5659", fixed_commit="2a55b80b")
     assert p.reason == "pinned commit f96138ee is before the fix 2a55b80b (#1208)"
-    assert p.fixed_commit == "2a55b80bf1ce68a83a3e3b688623a070cc3a6a63"
 
 
 def test_unknown_pin() -> None:
@@ -132,8 +131,6 @@ def test_unknown_pin() -> None:
     p = place("mlx-vlm", "deadbeef", fixed_commit=V01_FIXED)
     assert isinstance(p, Placement)
     assert not p.known
-    assert p.commit is None
-    assert not p.mainline
     assert p.fixed is None
     assert p.introduced is None
     assert p.reason == (
@@ -205,12 +202,12 @@ def test_real_index_has_no_ambiguous_seven_char_prefix() -> None:
 def test_index_shape(dist: str) -> None:
     index = load_index(dist)
     assert index.distribution == dist
-    assert index.branch == "main"
     assert index.head == index.mainline[-1]
     assert index.generated.tzinfo is not None
     assert len(set(index.mainline)) == len(index.mainline)
     text = (ROOT / "kvpatch" / "data" / f"commits-{dist}.txt").read_text()
     header = dict(line[2:].split(": ", 1) for line in text.splitlines() if line.startswith("# ") and ": " in line)
+    assert header["branch"] == "main"
     assert int(header["mainline"]) == len(index.mainline)
     assert int(header["side"]) == len(index) - len(index.mainline)
 
@@ -228,7 +225,6 @@ def test_side_pin() -> None:
     # A pin on a merged side branch: later fixes are known to be missing, earlier ones can't be told.
     later = place("mlx-vlm", "570afed3", fixed_commit="dccd29f4")
     assert later.known
-    assert not later.mainline
     assert later.fixed is False
     assert later.reason == "pinned commit 570afed3 (merged by c8d6057c, #1890) is before the fix dccd29f4 (#1916)"
     earlier = place("mlx-vlm", "570afed3", fixed_commit=V01_FIXED)
@@ -249,8 +245,6 @@ def test_fix_from_side_branch_maps_to_merge() -> None:
 
 
 def test_distribution_names() -> None:
-    assert load_index("MLX_VLM") is load_index("mlx-vlm")
-    assert load_index("mlx.lm") is load_index("mlx-lm")
     with pytest.raises(ValueError, match="no commit index"):
         load_index("mlx")
 
@@ -258,12 +252,12 @@ def test_distribution_names() -> None:
 def test_index_is_parsed_once_and_shared() -> None:
     """Each shipped index is parsed once per process and then shared (its cost belongs in a benchmark, not here)."""
     for dist in commits.DISTRIBUTIONS:
-        commits._load.cache_clear()
+        load_index.cache_clear()
         first = load_index(dist)
         assert len(first) > 0 and first.mainline[-1] == first.head
         assert load_index(dist) is first
-        assert commits._load.cache_info().misses == 1
-    commits._load.cache_clear()
+        assert load_index.cache_info().misses == 1
+    load_index.cache_clear()
 
 
 def test_does_not_import_mlx() -> None:
