@@ -62,7 +62,7 @@ def _default_placer(distribution: str, pinned: str, fixed: str | None, introduce
     return place(distribution, pinned, fixed_commit=fixed, introduced_commit=introduced)
 
 
-def _below(patch: Patch | Stub, version: object) -> bool:
+def _below(patch: Patch | Stub, version: Version) -> bool:
     """True when ``version`` fails one of the range's lower bounds."""
     return any(spec.operator in (">=", ">") and not spec.contains(version, prereleases=True) for spec in patch.range)
 
