@@ -15,7 +15,7 @@ import sys
 import threading
 import warnings
 
-__all__ = ["KvpatchWarning", "emit", "shorten"]
+__all__ = ["KvpatchWarning", "emit"]
 
 log = logging.getLogger("kvpatch")
 if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
@@ -31,7 +31,7 @@ class KvpatchWarning(UserWarning):
     """Something about kvpatch's patches needs attention (only ever warned, never raised)."""
 
 
-def shorten(text: str, limit: int = _MAX) -> str:
+def _shorten(text: str, limit: int = _MAX) -> str:
     """``text`` cut to ``limit`` characters, saying how much was cut."""
     if len(text) <= limit:
         return text
@@ -61,7 +61,7 @@ def _stacklevel() -> int:
 def emit(message: str, *, key: str | None = None) -> bool:
     """Warn once per ``key`` (default: the message). Never raises. True if it was emitted now."""
     try:
-        message = shorten(message)
+        message = _shorten(message)
         key = key or message
         with _emitted_lock:
             if key in _emitted:

@@ -36,7 +36,7 @@ class CommitIndex:
     mainline: tuple[str, ...]  # main-line commits, oldest first
     _position: dict[str, int] = field(repr=False)  # every indexed commit -> main-line position
     _prs: dict[int, int] = field(repr=False)  # main-line position -> pull-request number
-    _tags: dict[int, tuple[str, ...]] = field(repr=False)  # main-line position -> release tags
+    _tags: dict[int, str] = field(repr=False)  # main-line position -> its first release tag
 
     @classmethod
     def parse(cls, text: str, distribution: str = "") -> CommitIndex:
@@ -45,7 +45,7 @@ class CommitIndex:
         mainline: list[str] = []
         position: dict[str, int] = {}
         prs: dict[int, int] = {}
-        tags: dict[int, tuple[str, ...]] = {}
+        tags: dict[int, str] = {}
         pos = -1
         for line in text.splitlines():
             if not line:
@@ -64,15 +64,11 @@ class CommitIndex:
                 pos += 1
                 mainline.append(sha)
                 position[sha] = pos
-                if rest:
-                    line_tags: list[str] = []
-                    for word in rest.split():
-                        if word[0] == "#":
-                            prs[pos] = int(word[1:])
-                        else:
-                            line_tags.append(word)
-                    if line_tags:
-                        tags[pos] = tuple(line_tags)
+                for word in rest.split():
+                    if word[0] == "#":
+                        prs[pos] = int(word[1:])
+                    else:
+                        tags.setdefault(pos, word)
         if not mainline:
             raise ValueError("commit index: no commits")
         head = header.get("head", mainline[-1])
@@ -142,7 +138,7 @@ class CommitIndex:
             return None
         tag_positions = self._tag_positions
         i = bisect_left(tag_positions, pos)
-        return self._tags[tag_positions[i]][0] if i < len(tag_positions) else None
+        return self._tags[tag_positions[i]] if i < len(tag_positions) else None
 
     def describe(self, commit: str) -> str:
         """``2a55b80b (#1208)``, ``570afed3 (merged by c8d6057c, #1890)``; an unknown commit as given."""
