@@ -83,5 +83,5 @@ def save(*, wait: bool = False) -> None:
             entry = {**(entry if isinstance(entry, dict) else {}), **subs, "at": now}
             data["fingerprints"][file_key] = entry
 
-    if verdicts.update(change, wait=wait):
+    if verdicts.update(change, wait=wait) is None:
         _new.clear()

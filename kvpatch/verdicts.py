@@ -173,40 +173,37 @@ def _prune(table: dict[str, Any]) -> None:
 _memory: dict[str, Any] = _parse(None)
 #: Verdict key -> why its :func:`store` reached no file.
 _unstored: dict[str, str] = {}
-_last_error = ""
 _loaded: dict[str, Any] | None = None
 #: Verdict key -> the file its stored verdict was read from.
 _origins: dict[str, str] = {}
 
 
-def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> bool:
+def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> str | None:
     """Apply ``change`` to the writable file's tables, read afresh under its lock; never raises. ``wait=False``
-    (the user's process) gives up when another process is writing. False: not written (``change`` went to this
-    process's memory, with one warning, unless another process held the lock)."""
-    global _loaded, _last_error
-    place = None
+    (the user's process) gives up when another process is writing. Returns why it was not written (``None``:
+    written); ``change`` then went to this process's memory, with one warning, unless the lock was taken."""
+    global _loaded
     why = "no usable directory (" + ", ".join(str(p.path) for p in _store.verdict_places()) + ")"
     try:
         place = write_place()
         if place is not None:
             with _store.locked(place, LOCK, wait=wait, what="verdicts") as held:
                 if not held:
-                    return False  # another process is writing: this change waits for a later process
+                    return "another process held the lock"  # this change waits for a later process
                 data = _parse(_store.read_json(place, FILE, "verdicts"))
                 change(data)
                 for table in _TABLES:
                     _prune(data[table])
                 _store.write_json(place, FILE, data, "verdicts")
             _loaded = None
-            return True
+            return None
     except Exception as exc:  # a cache must never break anything
         why = f"{type(exc).__name__}: {exc}"
     change(_memory)
     _loaded = None
     if not all(_store.untrusted(p) for p in _store.verdict_places()):  # an untrusted place has said so, once
         emit(f"kvpatch could not write its verdicts ({why}); they are kept in memory", key="verdicts:memory")
-    _last_error = why
-    return False
+    return why
 
 
 def tables() -> dict[str, Any]:
@@ -313,8 +310,9 @@ def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[st
         data["verdicts"][verdict_key] = entry
         data["attempts"].pop(verdict_key, None)
 
-    if update(change):
+    why = update(change)
+    if why is None:
         _unstored.pop(verdict_key, None)
         return True
-    _unstored[verdict_key] = _last_error or "another process held the lock"
+    _unstored[verdict_key] = why
     return False
