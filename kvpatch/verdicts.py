@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Outcome",
     "Verdict",
+    "digest",
     "foreign_targets",
     "judge",
     "key",
