@@ -4,7 +4,7 @@ A PEP 610 pin's version number says little, so the gate asks whether the pin con
 comes from the shipped index of each upstream's first-parent main line (``kvpatch/data/commits-<dist>.txt``,
 built by ``scripts/build_commit_index.py``): main-line commits are ordered by position, and a commit merged
 from a side branch takes the position of the merge that brought it in. A pin not in the index (too new, a
-fork, an unmerged branch) is unknown: the reproduction decides. Release tags only label reasons (upstream
+fork, an unmerged branch) is unknown: the reproduction decides. The file's release tags are not read (upstream
 tags and PyPI wheels disagree in places).
 """
 
@@ -36,7 +36,6 @@ class CommitIndex:
     mainline: tuple[str, ...]  # main-line commits, oldest first
     _position: dict[str, int] = field(repr=False)  # every indexed commit -> main-line position
     _prs: dict[int, int] = field(repr=False)  # main-line position -> pull-request number
-    _tags: dict[int, str] = field(repr=False)  # main-line position -> its first release tag
 
     @classmethod
     def parse(cls, text: str, distribution: str = "") -> CommitIndex:
@@ -45,7 +44,6 @@ class CommitIndex:
         mainline: list[str] = []
         position: dict[str, int] = {}
         prs: dict[int, int] = {}
-        tags: dict[int, str] = {}
         pos = -1
         for line in text.splitlines():
             if not line:
@@ -67,8 +65,6 @@ class CommitIndex:
                 for word in rest.split():
                     if word[0] == "#":
                         prs[pos] = int(word[1:])
-                    else:
-                        tags.setdefault(pos, word)
         if not mainline:
             raise ValueError("commit index: no commits")
         head = header.get("head", mainline[-1])
@@ -81,16 +77,11 @@ class CommitIndex:
             mainline=tuple(mainline),
             _position=position,
             _prs=prs,
-            _tags=tags,
         )
 
     @functools.cached_property
     def _sorted(self) -> list[str]:
         return sorted(self._position)
-
-    @functools.cached_property
-    def _tag_positions(self) -> list[int]:
-        return sorted(self._tags)
 
     def __len__(self) -> int:
         return len(self._position)
@@ -130,15 +121,6 @@ class CommitIndex:
             return True
         # A side commit is an ancestor of its merge: anything merged later can't be in it.
         return False if fix_pos > pin_pos else None
-
-    def release_of(self, commit: str) -> str | None:
-        """First release tag at or after ``commit`` on the main line (None: unknown, or no tag yet)."""
-        pos = self.position(commit)
-        if pos is None:
-            return None
-        tag_positions = self._tag_positions
-        i = bisect_left(tag_positions, pos)
-        return self._tags[tag_positions[i]] if i < len(tag_positions) else None
 
     def describe(self, commit: str) -> str:
         """``2a55b80b (#1208)``, ``570afed3 (merged by c8d6057c, #1890)``; an unknown commit as given."""
@@ -229,8 +211,6 @@ def place(
         reason = f"{subject} can't be ordered against {targets} from kvpatch's index; the reproduction decides"
     elif clauses:
         reason = f"{subject} is " + " and ".join(clauses)
-    else:
-        release = index.release_of(pin)
-        where = f", first released in {release}" if release else ", in no release tag yet"
-        reason = f"{subject} is on {dist}'s main line at position {pin_pos}{where}"
+    else:  # nothing to place against (the gate then reads the version the checkout declares)
+        reason = f"{subject} is on {dist}'s main line at position {pin_pos}"
     return Placement(True, fixed, introduced, reason)
