@@ -1,16 +1,10 @@
-"""The one path every kvpatch warning takes: once per key, never raised into the host.
+"""The one path every kvpatch warning takes: once per key, as :class:`KvpatchWarning`, never raised into the host.
 
-* Through ``warnings`` (category :class:`KvpatchWarning`), pointing at the first frame outside kvpatch,
-  the import machinery, wrapt and the bootstrap: the user's ``import`` line, not kvpatch's own files.
-* Under ``-W error`` (or pytest's ``filterwarnings = error``) ``warnings.warn`` raises; the host must not
-  see that, so the message goes to standard error instead, once.
-* Logged at INFO on the ``kvpatch`` logger, which has a ``NullHandler``: nothing is printed by logging's
-  last-resort handler, and whoever configures logging for ``kvpatch`` gets every message.
-* Long messages (a 100 KB environment value) are cut.
-* The bootstrap's import machinery (``_kvpatch_hooks``, which cannot import kvpatch) warns through here
-  whenever this module is loaded.
-
-Imports nothing beyond the standard library, and never changes warning filters.
+The warning points at the first frame outside kvpatch, the import machinery, wrapt and the bootstrap (the user's
+``import`` line). Under ``-W error`` ``warnings.warn`` raises, so the message goes to standard error instead. Each
+message is also logged at INFO on the ``kvpatch`` logger (a ``NullHandler``: logging's last resort prints
+nothing). The bootstrap's hooks, which cannot import kvpatch, warn through here once it is loaded. Standard
+library only; warning filters are never changed.
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ import sys
 import threading
 import warnings
 
-__all__ = ["KvpatchWarning", "emit", "shorten"]
+__all__ = ["KvpatchWarning", "emit"]
 
 log = logging.getLogger("kvpatch")
 if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
@@ -37,7 +31,7 @@ class KvpatchWarning(UserWarning):
     """Something about kvpatch's patches needs attention (only ever warned, never raised)."""
 
 
-def shorten(text: str, limit: int = _MAX) -> str:
+def _shorten(text: str, limit: int = _MAX) -> str:
     """``text`` cut to ``limit`` characters, saying how much was cut."""
     if len(text) <= limit:
         return text
@@ -67,7 +61,7 @@ def _stacklevel() -> int:
 def emit(message: str, *, key: str | None = None) -> bool:
     """Warn once per ``key`` (default: the message). Never raises. True if it was emitted now."""
     try:
-        message = shorten(message)
+        message = _shorten(message)
         key = key or message
         with _emitted_lock:
             if key in _emitted:

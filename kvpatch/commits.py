@@ -1,41 +1,22 @@
-"""Place a pinned upstream commit relative to the commits that fixed or introduced a bug.
+"""Place a git-pinned upstream commit against the commits that fixed or introduced a bug.
 
-When mlx-lm or mlx-vlm is installed from git at a pinned commit (PEP 610
-``direct_url.json`` with ``vcs_info.commit_id``), its version number says little:
-kvpatch then asks whether that commit comes before or after the upstream commit
-that fixed (or introduced) a bug.  The answer comes from a shipped index of each
-upstream's first-parent main line (``kvpatch/data/commits-<dist>.txt``, built by
-``scripts/build_commit_index.py``):
-
-* main-line commits are totally ordered by their position;
-* a commit merged from a side branch takes the position of the merge commit
-  that first brought it into the main line, so a fix that landed through a merge
-  is "contained" exactly by the main-line commits at or after that merge.
-
-A pin that is not in the index (too new, from a fork, from an unmerged branch)
-is unknown: callers should fall back to reproducing the bug.  Release tags are
-informational only (upstream tags and PyPI wheels disagree in places).
-
-Standard library only; this module never imports mlx.
+A PEP 610 pin's version number says little, so the gate asks whether the pin contains the fix. The answer
+comes from the shipped index of each upstream's first-parent main line (``kvpatch/data/commits-<dist>.txt``,
+built by ``scripts/build_commit_index.py``): main-line commits are ordered by position, and a commit merged
+from a side branch takes the position of the merge that brought it in. A pin not in the index (too new, a
+fork, an unmerged branch) is unknown: the reproduction decides. The file's release tags are not read (upstream
+tags and PyPI wheels disagree in places).
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import resources
 
-__all__ = [
-    "DISTRIBUTIONS",
-    "MIN_PREFIX",
-    "CommitIndex",
-    "Placement",
-    "load_index",
-    "place",
-]
+__all__ = ["DISTRIBUTIONS", "MIN_PREFIX", "CommitIndex", "Placement", "load_index", "place"]
 
 DISTRIBUTIONS: tuple[str, ...] = ("mlx-lm", "mlx-vlm")
 MIN_PREFIX = 7  # shortest commit prefix accepted by CommitIndex.resolve
@@ -44,31 +25,17 @@ _FULL = 40  # length of a full (SHA-1) commit id
 _SHORT = 8  # length of commit ids in human-readable reasons
 
 
-def _normalize(distribution: str) -> str:
-    """PEP 503-normalize a distribution name: "MLX_LM" -> "mlx-lm"."""
-    return re.sub(r"[-_.]+", "-", distribution).lower()
-
-
 @dataclass(frozen=True, eq=False)
 class CommitIndex:
-    """Main-line history of one upstream, oldest first.
-
-    Build one with :func:`load_index`; :meth:`parse` is the file-format reader.
-    Every method that takes a commit accepts a full id or a unique prefix of at
-    least :data:`MIN_PREFIX` hex characters, in any case.
-    """
+    """Main-line history of one upstream, oldest first. A commit is given as a full id or a unique prefix of at
+    least :data:`MIN_PREFIX` hex characters, in any case."""
 
     distribution: str
-    source: str
-    branch: str
     head: str  # full id of the newest indexed main-line commit
     generated: datetime  # committer date of ``head`` (UTC)
     mainline: tuple[str, ...]  # main-line commits, oldest first
     _position: dict[str, int] = field(repr=False)  # every indexed commit -> main-line position
     _prs: dict[int, int] = field(repr=False)  # main-line position -> pull-request number
-    _tags: dict[int, tuple[str, ...]] = field(repr=False)  # main-line position -> release tags
-
-    # -- construction -----------------------------------------------------
 
     @classmethod
     def parse(cls, text: str, distribution: str = "") -> CommitIndex:
@@ -77,7 +44,6 @@ class CommitIndex:
         mainline: list[str] = []
         position: dict[str, int] = {}
         prs: dict[int, int] = {}
-        tags: dict[int, tuple[str, ...]] = {}
         pos = -1
         for line in text.splitlines():
             if not line:
@@ -89,22 +55,16 @@ class CommitIndex:
                 position[line[1 : _FULL + 1]] = pos
             elif first == "#":
                 key, sep, value = line[2:].partition(": ")
-                if sep and key in ("distribution", "source", "branch", "head", "generated"):
+                if sep and key in ("distribution", "head", "generated"):
                     header[key] = value.strip()
             else:
                 sha, _, rest = line.partition(" ")
                 pos += 1
                 mainline.append(sha)
                 position[sha] = pos
-                if rest:
-                    line_tags: list[str] = []
-                    for word in rest.split():
-                        if word[0] == "#":
-                            prs[pos] = int(word[1:])
-                        else:
-                            line_tags.append(word)
-                    if line_tags:
-                        tags[pos] = tuple(line_tags)
+                for word in rest.split():
+                    if word[0] == "#":
+                        prs[pos] = int(word[1:])
         if not mainline:
             raise ValueError("commit index: no commits")
         head = header.get("head", mainline[-1])
@@ -112,32 +72,19 @@ class CommitIndex:
             raise ValueError(f"commit index: header head {head} is not the last main-line commit {mainline[-1]}")
         return cls(
             distribution=header.get("distribution", distribution),
-            source=header.get("source", ""),
-            branch=header.get("branch", ""),
             head=head,
             generated=datetime.fromisoformat(header["generated"]),
             mainline=tuple(mainline),
             _position=position,
             _prs=prs,
-            _tags=tags,
         )
 
     @functools.cached_property
     def _sorted(self) -> list[str]:
         return sorted(self._position)
 
-    @functools.cached_property
-    def _tag_positions(self) -> list[int]:
-        return sorted(self._tags)
-
     def __len__(self) -> int:
-        """Number of indexed commits (main line and merged side commits)."""
         return len(self._position)
-
-    def __contains__(self, commit: object) -> bool:
-        return isinstance(commit, str) and self.resolve(commit) is not None
-
-    # -- lookups ----------------------------------------------------------
 
     def resolve(self, commit_or_prefix: str) -> str | None:
         """Full id of an indexed commit, or None (unknown, too short, not hex, or ambiguous)."""
@@ -155,21 +102,13 @@ class CommitIndex:
         return ids[i]
 
     def position(self, commit: str) -> int | None:
-        """Main-line position (0 = oldest) of a commit, or None if it is not indexed.
-
-        A side-branch commit gets the position of the merge that brought it in.
-        """
+        """Main-line position (0 = oldest; a side commit: its merge's), or None if it is not indexed."""
         full = self.resolve(commit)
         return None if full is None else self._position[full]
 
     def contains(self, pinned: str, fix_commit: str) -> bool | None:
-        """Whether the tree at ``pinned`` contains ``fix_commit``.
-
-        For a main-line pin: True when it is at or after the main-line commit that
-        brought ``fix_commit`` in.  None when either commit is unknown.  A pin on a
-        merged side branch is only decided when the fix came in after that branch
-        was merged (False) or is the pin itself (True); otherwise None.
-        """
+        """Whether the tree at ``pinned`` contains ``fix_commit`` (None: unknown). A pin on a merged side branch
+        is decided only when the fix came in after its merge (False) or is the pin itself (True)."""
         pin = self.resolve(pinned)
         fix = self.resolve(fix_commit)
         if pin is None or fix is None:
@@ -183,23 +122,8 @@ class CommitIndex:
         # A side commit is an ancestor of its merge: anything merged later can't be in it.
         return False if fix_pos > pin_pos else None
 
-    def release_of(self, commit: str) -> str | None:
-        """First release tag at or after ``commit`` on the main line (informational only).
-
-        None when the commit is unknown or no tag follows it yet.
-        """
-        pos = self.position(commit)
-        if pos is None:
-            return None
-        tag_positions = self._tag_positions
-        i = bisect_left(tag_positions, pos)
-        return self._tags[tag_positions[i]][0] if i < len(tag_positions) else None
-
     def describe(self, commit: str) -> str:
-        """Short human label: ``2a55b80b (#1208)``, ``570afed3 (merged by c8d6057c, #1890)``.
-
-        An unknown commit is echoed as given.
-        """
+        """``2a55b80b (#1208)``, ``570afed3 (merged by c8d6057c, #1890)``; an unknown commit as given."""
         full = self.resolve(commit)
         if full is None:
             return commit.strip()
@@ -212,33 +136,20 @@ class CommitIndex:
         return f"{full[:_SHORT]} (#{pr})" if pr is not None else full[:_SHORT]
 
 
-@functools.lru_cache(maxsize=4)
-def _load(distribution: str) -> CommitIndex:
+@functools.lru_cache(maxsize=len(DISTRIBUTIONS))
+def load_index(distribution: str) -> CommitIndex:
+    """The shipped commit index of ``mlx-lm`` or ``mlx-vlm``, parsed once (ValueError for any other)."""
     if distribution not in DISTRIBUTIONS:
         raise ValueError(f"no commit index for {distribution!r}; known: {', '.join(DISTRIBUTIONS)}")
     text = resources.files("kvpatch.data").joinpath(f"commits-{distribution}.txt").read_text(encoding="ascii")
     return CommitIndex.parse(text, distribution)
 
 
-def load_index(distribution: str) -> CommitIndex:
-    """The shipped commit index of ``mlx-lm`` or ``mlx-vlm`` (parsed once, then cached).
-
-    Raises ValueError for any other distribution.
-    """
-    return _load(_normalize(distribution))
-
-
 @dataclass(frozen=True)
 class Placement:
-    """Where a pinned commit stands relative to a bug's introducing and fixing commits."""
+    """Where a pinned commit stands relative to a bug's introducing and fixing commits (what the gate reads)."""
 
-    distribution: str
-    pinned: str  # as given by the caller
-    commit: str | None  # full id of the pin, None when it is not in the index
     known: bool  # the pin is in kvpatch's index
-    mainline: bool  # the pin is a first-parent main-line commit
-    fixed_commit: str | None  # full id when indexed, else as given; None if not asked
-    introduced_commit: str | None  # idem
     fixed: bool | None  # the pin contains the fix; None: not asked, or the index can't tell
     introduced: bool | None  # the pin contains the bug's introduction; None: not asked, or can't tell
     reason: str  # one line, for humans
@@ -251,12 +162,8 @@ def place(
     fixed_commit: str | None = None,
     introduced_commit: str | None = None,
 ) -> Placement:
-    """Place ``pinned`` against the commit that fixed and/or introduced a bug.
-
-    Raises ValueError for a distribution without an index.  An unknown pin, or a
-    fixing/introducing commit missing from the index, gives a Placement whose
-    ``fixed``/``introduced`` are None and whose reason says the reproduction decides.
-    """
+    """Place ``pinned`` against the commits that fixed and/or introduced a bug (ValueError: no index for the
+    distribution). What the index cannot tell is None, and the reason says the reproduction decides."""
     index = load_index(distribution)
     dist = index.distribution
     pin = index.resolve(pinned)
@@ -265,23 +172,10 @@ def place(
     pin_pos = index.position(pin) if pin is not None else None
     on_mainline = pin_pos is not None and index.mainline[pin_pos] == pin
 
-    def _placement(fixed: bool | None, introduced: bool | None, reason: str) -> Placement:
-        return Placement(
-            distribution=dist,
-            pinned=pinned,
-            commit=pin,
-            known=pin is not None,
-            mainline=on_mainline,
-            fixed_commit=fix or fixed_commit,
-            introduced_commit=intro or introduced_commit,
-            fixed=fixed,
-            introduced=introduced,
-            reason=reason,
-        )
-
     stamp = f"generated {index.generated:%Y-%m-%d} from head {index.head[:7]}"
     if pin is None or pin_pos is None:
-        return _placement(
+        return Placement(
+            False,
             None,
             None,
             f"commit {pinned.strip()} is not on {dist}'s main line in kvpatch's index ({stamp}); "
@@ -289,7 +183,8 @@ def place(
         )
     for given, full, what in ((fixed_commit, fix, "fix"), (introduced_commit, intro, "bug-introducing commit")):
         if given is not None and full is None:
-            return _placement(
+            return Placement(
+                True,
                 None,
                 None,
                 f"the {what} {given.strip()} is not in kvpatch's index of {dist} ({stamp}); the reproduction decides",
@@ -316,8 +211,6 @@ def place(
         reason = f"{subject} can't be ordered against {targets} from kvpatch's index; the reproduction decides"
     elif clauses:
         reason = f"{subject} is " + " and ".join(clauses)
-    else:
-        release = index.release_of(pin)
-        where = f", first released in {release}" if release else ", in no release tag yet"
-        reason = f"{subject} is on {dist}'s main line at position {pin_pos}{where}"
-    return _placement(fixed, introduced, reason)
+    else:  # nothing to place against (the gate then reads the version the checkout declares)
+        reason = f"{subject} is on {dist}'s main line at position {pin_pos}"
+    return Placement(True, fixed, introduced, reason)

@@ -1,26 +1,8 @@
-"""Every environment variable kvpatch reads, in one place.
+"""Every environment variable kvpatch reads, in one place (``docs/configuration.md`` is their table).
 
-``KVPATCH``          ``off`` (also ``0``, ``false``, ``no``, ``disable(d)``) turns kvpatch off entirely,
-                     including auto-activation. ``on`` or unset: active.
-``KVPATCH_DISABLE``  comma-separated patch ids to leave out; ``*`` leaves out all of them.
-``KVPATCH_ENABLE``   comma-separated ids of opt-in patches to turn on (patches that change documented
-                     upstream behaviour rather than fix a bug are off unless named here); ``*``: all.
-``KVPATCH_ENFORCE``  ``1``: overdue patches fail ``status --check`` and the test suite (set in CI,
-                     never by default).
-``KVPATCH_VERIFY``   ``never`` (also ``off``, ``0``, ``no``, ``false``): no background verification.
-``KVPATCH_VERDICTS`` a directory that holds the verdicts instead of the default places (:mod:`kvpatch.store`).
-``KVPATCH_CACHE``    the root of kvpatch's per-user state (default ``$XDG_CACHE_HOME/kvpatch``, else
-                     ``~/.cache/kvpatch``; :mod:`kvpatch.store`).
-``KVPATCH_VENDORED`` ``1`` patches vendored copies of upstream code too; a comma-separated list of module
-                     names hooks those modules as well (:mod:`kvpatch.vendored`).
-``KVPATCH_VERIFYING`` set by kvpatch itself in the environment of its verification processes.
-
-The bootstrap files in ``kvpatch/_site`` cannot import kvpatch and read ``KVPATCH`` themselves; every other
-read goes through this module.
-
-A malformed value never raises: it is reported through :attr:`Config.problems` and warned about once.
-Messages quote at most :data:`SHOWN` characters of a value, and an unknown patch id gets the closest
-known id as a suggestion (``mask-fil``: did you mean ``mask-fill``?), never the list of every id.
+The bootstrap in ``kvpatch/_site`` cannot import kvpatch and reads ``KVPATCH`` itself; :func:`is_off` asks it.
+A malformed value never raises: it is reported through :attr:`Config.problems` and warned about once, quoting
+at most :data:`SHOWN` characters, and an unknown patch id gets its closest known id as a suggestion.
 """
 
 from __future__ import annotations
@@ -55,13 +37,21 @@ _NAMED = 3
 OFF_VALUES = frozenset(_boot().OFF_VALUES)  # the bootstrap's: it reads KVPATCH before kvpatch can be imported
 ON_VALUES = frozenset({"", "on", "1", "true", "yes", "enable", "enabled", "auto"})
 
+#: ``off`` (:data:`OFF_VALUES`): kvpatch does nothing, auto-activation included.
 OFF = "KVPATCH"
+#: Comma-separated patch ids to leave out; ``*``: all.
 DISABLE = "KVPATCH_DISABLE"
+#: Comma-separated ids of opt-in patches (they change documented upstream behaviour) to turn on; ``*``: all.
 ENABLE = "KVPATCH_ENABLE"
+#: ``1``: overdue patches fail ``status --check`` and the test suite.
 ENFORCE = "KVPATCH_ENFORCE"
+#: ``never``: no background verification.
 VERIFY = "KVPATCH_VERIFY"
+#: The one directory verdicts are read from and written to (:mod:`kvpatch.store`).
 VERDICTS = "KVPATCH_VERDICTS"
+#: The root of kvpatch's per-user state (:mod:`kvpatch.store`).
 CACHE = "KVPATCH_CACHE"
+#: ``1``: patch vendored copies of upstream code too; module names: hook those as well (:mod:`kvpatch.vendored`).
 VENDORED = "KVPATCH_VENDORED"
 #: Set by kvpatch in the environment of a verification process (the background child, ``kvpatch verify``).
 VERIFYING = "KVPATCH_VERIFYING"
@@ -88,7 +78,7 @@ class Config:
 
 
 def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[str] | None = None) -> Config:
-    env = os.environ if environ is None else environ
+    env = _env(environ)
     problems: list[str] = []
 
     raw = env.get(OFF, "").strip().lower()
@@ -124,35 +114,32 @@ def is_off(environ: Mapping[str, str] | None = None) -> bool:
     return bool(_boot().is_off(_env(environ)))
 
 
-def background_verification(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether a process without a verdict may start a background verification (``KVPATCH_VERIFY``)."""
-    return _env(environ).get(VERIFY, "").strip().lower() not in _VERIFY_OFF
+def background_verification() -> bool:
+    """Whether a process without a verdict may start a background verification (:data:`VERIFY`)."""
+    return os.environ.get(VERIFY, "").strip().lower() not in _VERIFY_OFF
 
 
-def verifying(environ: Mapping[str, str] | None = None) -> bool:
+def verifying() -> bool:
     """Whether this process was started as a verification process (:data:`VERIFYING`)."""
-    return bool(_env(environ).get(VERIFYING))
+    return bool(os.environ.get(VERIFYING))
 
 
-def verdicts_override(environ: Mapping[str, str] | None = None) -> str | None:
-    """``KVPATCH_VERDICTS`` (``None``: unset or empty)."""
-    return _env(environ).get(VERDICTS) or None
+def verdicts_override() -> str | None:
+    return os.environ.get(VERDICTS) or None
 
 
-def cache_override(environ: Mapping[str, str] | None = None) -> str | None:
-    """``KVPATCH_CACHE`` (``None``: unset or empty)."""
-    return _env(environ).get(CACHE) or None
+def cache_override() -> str | None:
+    return os.environ.get(CACHE) or None
 
 
 def vendored(environ: Mapping[str, str] | None = None) -> str:
-    """``KVPATCH_VENDORED`` as set, stripped (``""``: unset); :func:`kvpatch.vendored.setting` parses it."""
+    """:data:`VENDORED` as set, stripped (``""``: unset); :func:`kvpatch.vendored.setting` parses it."""
     return _env(environ).get(VENDORED, "").strip()
 
 
-def values(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+def values() -> list[tuple[str, str | None]]:
     """Each of :data:`VARIABLES` with its value (``None``: unset)."""
-    env = _env(environ)
-    return [(name, env.get(name)) for name in VARIABLES]
+    return [(name, os.environ.get(name)) for name in VARIABLES]
 
 
 def _ids(

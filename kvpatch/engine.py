@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import surgery, verdicts
+from . import fingerprints, measurer, surgery, verdicts
 from ._warn import KvpatchWarning, emit
 from .config import Config, read_config
 from .detect import Upstream, detect
@@ -417,13 +417,13 @@ class Engine:
         """Compare each replaced target's source fingerprint with those recorded for the affected releases.
 
         The recorded ones are shipped data (``kvpatch/data/fingerprints.json``, read once); a target's own
-        fingerprint is cached by its file's stat (:func:`kvpatch.verdicts.fingerprint_cached`), so a
+        fingerprint is cached by its file's stat (:func:`kvpatch.fingerprints.cached`), so a
         verified environment reads no source here. A mismatch sends the patch to its verdict.
         """
         patch = self.record_of(st)
         if st.decision.action is Action.VERIFY:
             return  # the verdict decides whatever the code is (its key covers the target files)
-        known = verdicts.validated(patch)
+        known = fingerprints.validated(patch)
         if not known:
             return
         for target in patch.targets:
@@ -437,7 +437,7 @@ class Engine:
             if original is _MISSING:
                 continue
             st.fingerprinted.add(target)  # once per target per process
-            fp = verdicts.fingerprint_cached(original, fingerprint)
+            fp = fingerprints.cached(original, fingerprint)
             if fp not in recorded:
                 top = target.module.split(".", 1)[0]
                 # a proxy forwards upstream's name and is looked through by the fingerprint: only a plain
@@ -453,7 +453,7 @@ class Engine:
                         ),
                         None,
                     )
-                    if inner is not None and verdicts.fingerprint_cached(inner, fingerprint) in recorded:
+                    if inner is not None and fingerprints.cached(inner, fingerprint) in recorded:
                         continue  # another library's wrapper around upstream code kvpatch validated
                     # Another library replaced upstream's code before kvpatch came (and does not reach it):
                     # a verdict measures upstream's code in a clean process, so none can vouch for this.
@@ -467,7 +467,7 @@ class Engine:
                     f"{target.path} has source fingerprint {fp}, none of the {len(recorded)} recorded for "
                     f"{patch.distribution} releases in {patch.affected}"
                 )
-        verdicts.save_fingerprints(wait=verdicts.measuring() is not None)
+        fingerprints.save(wait=measurer.measuring() is not None)
 
     def _verify_and_apply(self, st: PatchStatus) -> None:
         """Settle a patch that the facts leave to its reproduction, from this environment's verdict.
@@ -491,20 +491,20 @@ class Engine:
             self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
             return
         verdict_key = verdicts.key(patch, self.upstream)
-        found = None if verdicts.remeasure() else verdicts.lookup(verdict_key)
-        by = verdicts.measuring()
+        found = None if measurer.remeasure() else verdicts.lookup(verdict_key)
+        by = measurer.measuring()
         if found is None and by is not None:
-            if patch.id in verdicts.MEASURING:
+            if patch.id in measurer.MEASURING:
                 return  # a hook fired by this very measurement (importing the targets): the outer call decides
-            verdicts.MEASURING.add(patch.id)
+            measurer.MEASURING.add(patch.id)
             try:
                 st.measurement = self.measure(patch, install=True)
             finally:
-                verdicts.MEASURING.discard(patch.id)
+                measurer.MEASURING.discard(patch.id)
             found = verdicts.verdict_of(st.measurement.before, st.measurement.after, by=by)
             verdicts.store(verdict_key, patch, found, self.upstream)
         if found is None:
-            set_state(st, State.UNVERIFIED, f"{why}; {verdicts.request_verification([verdict_key])}")
+            set_state(st, State.UNVERIFIED, f"{why}; {measurer.request_verification([verdict_key])}")
             return
         st.verified = found.describe()
         verdict = f"{why}; verdict: {st.verified}"

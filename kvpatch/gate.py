@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from . import versions
+from packaging.version import InvalidVersion, Version
+
 from .config import Config
 from .detect import Upstream
 from .record import Patch
@@ -61,7 +62,7 @@ def _default_placer(distribution: str, pinned: str, fixed: str | None, introduce
     return place(distribution, pinned, fixed_commit=fixed, introduced_commit=introduced)
 
 
-def _below(patch: Patch | Stub, version: object) -> bool:
+def _below(patch: Patch | Stub, version: Version) -> bool:
     """True when ``version`` fails one of the range's lower bounds."""
     return any(spec.operator in (">=", ">") and not spec.contains(version, prereleases=True) for spec in patch.range)
 
@@ -132,18 +133,14 @@ def _decide_installed(patch: Patch | Stub, upstream: Upstream, placer: Placer | 
     if upstream.version is None:  # a git pin the commit index could not place
         return _version_unknown(dist, upstream)
     try:
-        version = versions.parse(upstream.version)  # a plain release without packaging (kvpatch.versions)
-    except ValueError:  # packaging's InvalidVersion
+        version = Version(upstream.version)
+    except InvalidVersion:
         return Decision(Action.VERIFY, f"{dist} version {upstream.version!r} is not PEP 440; the reproduction decides")
 
     where = "" if source.kind in ("index", "vcs") else f" ({source.kind} install: its code may differ from the release)"
     local = f" (local build {version})" if version.local else ""
-    public = versions.parse(version.public)
-    fixed = versions.parse(patch.fixed_in) if patch.fixed_in else None
-    if not isinstance(patch.range, versions.Range) or (fixed is not None and type(fixed) is not type(public)):
-        # one of them needs packaging (a range or version that is not plain): all of them go to packaging
-        public = versions.full(public)
-        fixed = versions.full(fixed) if fixed is not None else None
+    public = Version(version.public)
+    fixed = Version(patch.fixed_in) if patch.fixed_in else None
 
     if fixed is not None and where and public.release == fixed.release:
         # A source tree declares the coming release before the fix has necessarily landed in it.

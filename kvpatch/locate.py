@@ -1,10 +1,9 @@
-"""Find a module's file without importing it (or any package above it).
+"""Find a module's file without importing it (or any package above it), and stamp a file.
 
 Verdict keys, the settled-status key and the vendored-copy scan stat or read upstream's files before (or
-without) importing them. A module already imported answers with its ``__file__``. Otherwise the top-level
-name is looked up with :func:`importlib.util.find_spec`, which consults ``sys.meta_path`` (so editable
-installs served by a finder are found; kvpatch's own finder only forwards the lookup) and imports
-nothing for a top-level name; the submodule's file is then looked for in the package's directories.
+without) importing them. An imported module answers with its ``__file__``; otherwise the top-level name goes
+through :func:`importlib.util.find_spec` (it consults ``sys.meta_path``, so editable installs served by a finder
+are found, and imports nothing for a top-level name) and the submodule is looked for in the package's directories.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import importlib.util
 import os
 import sys
 
-__all__ = ["module_file"]
+__all__ = ["module_file", "stamp"]
 
 
 def module_file(name: str) -> str | None:
@@ -45,3 +44,12 @@ def module_file(name: str) -> str | None:
         return None
     except Exception:  # ImportError, ValueError, a broken finder: not found
         return None
+
+
+def stamp(path: str | None) -> tuple[int, int] | None:
+    """(size, mtime_ns) of the file at ``path`` (``None``: no path, or it cannot be stat'ed)."""
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns) if st else None

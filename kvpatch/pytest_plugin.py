@@ -67,7 +67,7 @@ def _verify_enabled(config: pytest.Config) -> bool:
 def _run_verify() -> tuple[int, str]:
     """``python -m kvpatch verify --missing`` in a child process: (exit status, its last lines).
 
-    As every child kvpatch starts (``kvpatch.verdicts``' background verifier too), it runs no code from a directory
+    As every child kvpatch starts (``kvpatch.measurer``' background verifier too), it runs no code from a directory
     kvpatch did not choose: ``-P`` keeps the test session's working directory off its ``sys.path``, and it runs in
     ``/``. (This module must not import kvpatch, which would activate it, so it cannot share that code.)
     """

@@ -19,14 +19,10 @@ import datetime as _dt
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import versions
-
-if TYPE_CHECKING:
-    from packaging.specifiers import SpecifierSet
-
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -246,18 +242,16 @@ class Patch:
             raise RecordError(f"bad patch id {self.id!r}: use lower-case, no commas or '*'")
         if self.distribution not in DISTRIBUTIONS:
             raise RecordError(f"{self.id}: unknown distribution {self.distribution!r}")
-        # Plain ranges and versions are checked without packaging (kvpatch.versions: the start-up path imports
-        # every applicable unit); anything else is checked, and later compared, by packaging.
         try:
-            self.range: Any = versions.affected_range(self.affected)
-        except ValueError as exc:  # packaging's InvalidSpecifier
+            self.range: SpecifierSet = SpecifierSet(self.affected)
+        except InvalidSpecifier as exc:
             raise RecordError(f"{self.id}: bad affected range {self.affected!r}: {exc}") from exc
         for name in ("fixed_in", "checked_through"):
             value = getattr(self, name)
             if value is not None:
                 try:
-                    versions.parse(value)
-                except ValueError as exc:  # packaging's InvalidVersion
+                    Version(value)
+                except InvalidVersion as exc:
                     raise RecordError(f"{self.id}: bad {name} {value!r}") from exc
         if self.fixed_in is not None and self.range.contains(self.fixed_in, prereleases=True):
             raise RecordError(f"{self.id}: fixed_in {self.fixed_in} lies inside {self.affected}")
@@ -268,12 +262,10 @@ class Patch:
         if self.fixed_in is None and self.checked_through is None:
             raise RecordError(f"{self.id}: an unfixed bug needs checked_through (the newest release measured)")
 
-    @cached_property
+    @property
     def specifier(self) -> SpecifierSet:
-        """``affected`` as a ``packaging`` SpecifierSet (maintenance tools; the gate reads :attr:`range`)."""
-        from packaging.specifiers import SpecifierSet
-
-        return SpecifierSet(self.affected)
+        """``affected`` as a ``packaging`` SpecifierSet (the maintenance tools' name for :attr:`range`)."""
+        return self.range
 
     # -- declaration helpers used by patch modules ------------------------------------------
     def _register(self, target: Target) -> Callable[[Builder], Builder]:

@@ -161,12 +161,10 @@ class Stub:
 
         return SpecifierSet(self.affected)
 
-    @cached_property
-    def range(self) -> Any:
+    @property
+    def range(self) -> SpecifierSet:
         """What the gate reads (:attr:`kvpatch.record.Patch.range`)."""
-        from . import versions
-
-        return versions.affected_range(self.affected)
+        return self.specifier
 
     @property
     def import_name(self) -> str:

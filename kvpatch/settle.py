@@ -1,28 +1,10 @@
-"""Settle outcomes: do in this process what an import does, and remember it for this environment.
+"""Settle outcomes: do in this process what an import does (no reproduction), and remember it per environment.
 
-``pending`` is a prediction; operators need the outcome. :func:`settle` imports, in the calling process
-(``kvpatch status``), the target modules of every patch the gate would apply, so the post-import hooks
-fire, builders run and targets are looked up, exactly as in a user's process: patches end ``applied``,
-``failed`` (with the error), ``target missing``, ``drifted`` ... No reproduction runs here.
-
-Importing mlx-lm costs about a second on a quiet machine (transformers), ten under load. The outcome of
-that import is a function of the environment, so it is cached per environment and reused while the
-environment is unchanged. The key holds everything that decides the outcome:
-
-* kvpatch's version, the location of its package and the size and modification time of each of its
-  files (the patch units and the shipped fingerprints in ``kvpatch/data`` among them),
-* the interpreter (``sys.prefix``, version) and every ``KVPATCH*`` variable (:data:`kvpatch.config.VARIABLES`),
-* each watched distribution's version and install source (PEP 610),
-* the file of each patch unit (size and modification time),
-* size and modification time of every target module's source file, found without importing it,
-* the stored verdicts and cached fingerprints, and the files they came from
-  (:func:`kvpatch.verdicts.digest`): a verification since the last settle counts.
-
-The key is computed again after settling (settling may cache fingerprints), so the next ``status`` with
-nothing changed reuses the outcome. The cache is ``settled.json`` in the per-user place of
-:mod:`kvpatch.store` (``<cache root>/state/<hash of sys.prefix>``); a missing, unreadable, refused or
-mismatching file means "settle again", and a place that cannot be written means settling every time.
-``kvpatch status --fresh`` always settles again.
+``pending`` is a prediction; operators need the outcome. :func:`settle` imports the target modules of every patch
+the gate would apply, so hooks fire and builders run as in a user's process. That import costs seconds (mlx-lm
+pulls in transformers), and its outcome is a function of the environment, so it is cached in ``settled.json`` in
+the per-user place of :mod:`kvpatch.store` under a key of everything that decides it (:func:`environment_key`);
+a missing, refused or mismatching file means settling again (``status --fresh`` always does).
 """
 
 from __future__ import annotations
@@ -38,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import config, store, verdicts
-from .locate import module_file
+from .locate import module_file, stamp
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -58,14 +40,6 @@ class Settled:
     outcomes: dict[str, dict[str, Any]]
 
 
-def _stamp(path: str | None) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path) if path else None
-    except OSError:
-        return None
-    return (st.st_size, st.st_mtime_ns) if st else None
-
-
 def _own_files() -> list[tuple[str, tuple[int, int] | None]]:
     """Each file of kvpatch's package (code, patch units, data) with its size and modification time."""
     root = os.path.dirname(os.path.abspath(__file__))
@@ -74,12 +48,15 @@ def _own_files() -> list[tuple[str, tuple[int, int] | None]]:
         subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
         for name in sorted(files):
             path = os.path.join(directory, name)
-            found.append((os.path.relpath(path, root), _stamp(path)))
+            found.append((os.path.relpath(path, root), stamp(path)))
     return found
 
 
 def environment_key(engine: Engine) -> str:
-    """A hash of everything that decides what an import does with ``engine``'s patches here."""
+    """A hash of everything that decides what an import does with ``engine``'s patches here: kvpatch's version,
+    location and every file of its package, the interpreter, every ``KVPATCH*`` variable, each upstream's version
+    and install source, each target module's and unit's file, and the stored verdicts and cached fingerprints
+    (:func:`kvpatch.verdicts.digest`: a verification since the last settle counts)."""
     from . import __version__
 
     parts: list[Any] = [
@@ -96,12 +73,10 @@ def environment_key(engine: Engine) -> str:
     modules = sorted({m for p in patches for m in p.modules})
     for module in modules:
         path = module_file(module)
-        parts.append((module, path, _stamp(path)))
+        parts.append((module, path, stamp(path)))
     units = sorted({p.module for p in patches if p.module})
-    parts.append([(unit, module_file(unit), _stamp(module_file(unit))) for unit in units])
+    parts.append([(unit, module_file(unit), stamp(module_file(unit))) for unit in units])
     parts.append(sorted(p.id for p in patches))
-    # the verdicts decide too: a `kvpatch verify` (or a background verification) since the last settle changes
-    # what an import does, so the settled outcome must not outlive it (fingerprints stored beside them do not count)
     parts.append(verdicts.digest())
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 

@@ -47,7 +47,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import __version__, verdicts
+from . import __version__, measurer, verdicts
 from .detect import Upstream
 from .engine import Engine, Measurement, PatchStatus, State, import_target_modules
 from .gate import Action
@@ -172,7 +172,7 @@ def auto_activation() -> str | None:
 
 def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, fresh: bool = False) -> Report:
     """The audit. ``settle`` (default): outcomes, not predictions (see :mod:`kvpatch.settle`)."""
-    with verdicts.measuring_as("status --verify", remeasure=True) if verify else contextlib.nullcontext():
+    with measurer.measuring_as("status --verify", remeasure=True) if verify else contextlib.nullcontext():
         return _build_report(engine, verify=verify, settle=settle, fresh=fresh)
 
 

@@ -1,34 +1,17 @@
 """kvpatch's state on disk: where it lives, who must own it, and the only code that reads or writes it.
 
-kvpatch runs inside every Python process of an environment, so what it reads from disk crosses a trust
-boundary. Everything it keeps (stored verdicts, cached fingerprints, the settled ``status`` outcome, the
-background verifier's lock and log) lives in one of these directories:
+kvpatch runs in every Python process of an environment, so what it reads from disk crosses a trust boundary.
+Its state (verdicts, cached fingerprints, the settled ``status`` outcome, the background verifier's lock and log)
+lives in ``<sys.prefix>/var/cache/kvpatch`` (the environment's place, read by every user; only when kvpatch is
+installed under ``sys.prefix``: a ``--user``, ``--target`` or editable install never writes into an
+interpreter's prefix), in the per-user ``<cache root>/state/<hash of sys.prefix>``, or, for verdicts only, in
+``$KVPATCH_VERDICTS``.
 
-``<sys.prefix>/var/cache/kvpatch``
-    The environment's own place: written when it can be (``kvpatch verify`` at image build time, as the
-    environment's owner) and read by every user of the environment. Used only when kvpatch itself is
-    installed under ``sys.prefix`` of the running interpreter: a ``--user``, ``--target`` or editable
-    install never writes into the interpreter's prefix (for ``--user``, the base interpreter's); its state
-    goes to the per-user place.
-``<cache root>/state/<hash of sys.prefix>``
-    The per-user place: ``<cache root>`` is ``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else
-    ``~/.cache/kvpatch`` (none when there is no home directory).
-``$KVPATCH_VERDICTS``
-    When set, the only place verdicts are read from and written to.
-
-Trust: a directory is used only if it, and each of its parents up to the directory kvpatch chose (the
-prefix's ``var``, the cache root, the override), is a real directory (the chosen one may be a symlink),
-owned by the current user or root, and not writable by group or others unless sticky (as ssh and pip
-check theirs). A refused directory gets one warning and is not read; its contents stay untouched.
-
-Reading: ``O_NOFOLLOW | O_NONBLOCK``, regular files only, at most :data:`MAX_BYTES`; anything else (a
-symlink, a FIFO, a device, a huge file) reads as absent, so no import ever blocks on a file.
-Writing: a temporary file in the same directory (``O_EXCL``, mode 0644), ``fsync``, ``os.replace``; a
-failure raises :class:`OSError` to the caller, who decides what a lost write means (``kvpatch verify``
-exits non-zero; a user's process keeps the state in memory). Locks and the log: ``O_NOFOLLOW``, 0600.
-
-A directory that cannot be entered, created or written never breaks anything: callers get ``None`` /
-``False`` / ``OSError`` and degrade to memory, with one warning.
+Trust: a directory is used only if it and each parent up to the one kvpatch chose is a real directory, owned by
+the current user or root, and not writable by group or others unless sticky (as ssh and pip check theirs); a
+refused one gets one warning and is left untouched. Reads follow no symlink, never block (``O_NONBLOCK``) and
+take regular files of at most :data:`MAX_BYTES`; anything else reads as absent. Writes are atomic (a temporary
+file, ``fsync``, ``os.replace``) and raise :class:`OSError` to the caller, who degrades to memory with one warning.
 """
 
 from __future__ import annotations
@@ -56,16 +39,13 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
-    "MAX_BYTES",
     "Place",
     "acquire",
     "cache_root",
     "env_dir",
     "locked",
     "open_log",
-    "read_bytes",
     "read_json",
-    "refusal",
     "untrusted",
     "usable",
     "verdict_places",
@@ -97,10 +77,6 @@ class Place:
 # Where
 
 
-def _env_hash() -> str:
-    return hashlib.sha256(os.path.realpath(sys.prefix).encode("utf-8", "surrogatepass")).hexdigest()[:16]
-
-
 def cache_root() -> Path | None:
     """``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else ``~/.cache/kvpatch`` (``None``: no home)."""
     explicit = config.cache_override()
@@ -118,7 +94,10 @@ def cache_root() -> Path | None:
 def env_dir() -> Place | None:
     """This environment's per-user place (``None``: no home directory)."""
     root = cache_root()
-    return Place(root / "state" / _env_hash(), root) if root is not None else None
+    if root is None:
+        return None
+    digest = hashlib.sha256(os.path.realpath(sys.prefix).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return Place(root / "state" / digest, root)
 
 
 def _prefix_place() -> Place | None:
@@ -169,13 +148,6 @@ def _check(place: Place) -> tuple[str, bool] | None:
         path = path.parent
 
 
-def refusal(place: Place) -> str | None:
-    """Why ``place`` must not be used, naming the directory at fault (``None``: it may; missing parts are
-    created by kvpatch). Never raises."""
-    found = _check(place)
-    return found[0] if found else None
-
-
 def untrusted(place: Place) -> bool:
     """Whether ``place`` fails the trust check (owner, mode, a symlinked part): warned about once when used."""
     found = _check(place)
@@ -183,10 +155,8 @@ def untrusted(place: Place) -> bool:
 
 
 def _refused(place: Place, what: str) -> bool:
-    """Check ``place``; warn once if it fails the trust check. True: do not use it.
-
-    A directory that merely cannot be entered is not warned about here: the caller that loses a write
-    because of it says so, once."""
+    """Check ``place``; warn once if it fails the trust check. True: do not use it. (One that merely cannot be
+    entered is the concern of the caller that loses a write, which says so once.)"""
     found = _check(place)
     if found is None:
         return False
@@ -229,7 +199,7 @@ def _open(path: Path | str, flags: int, mode: int = 0o600) -> int:
     return fd
 
 
-def read_bytes(path: Path, limit: int = MAX_BYTES) -> bytes | None:
+def _read_bytes(path: Path, limit: int = MAX_BYTES) -> bytes | None:
     """The bytes of a regular file of at most ``limit`` bytes (``None``: absent, refused or unreadable)."""
     try:
         fd = _open(path, os.O_RDONLY)
@@ -263,7 +233,7 @@ def read_json(place: Place, name: str, what: str = "state") -> Any:
     try:
         if _refused(place, what):
             return None
-        data = read_bytes(place / name)
+        data = _read_bytes(place / name)
         return None if data is None else json.loads(data)
     except Exception as exc:
         log.debug("kvpatch: ignoring %s: %s", place / name, exc)
@@ -278,7 +248,8 @@ def _ensure(place: Place, what: str) -> None:
     """Create ``place`` if needed (0755), checked before and after; raise :class:`OSError` if it must not be used."""
     for check in (True, False):
         if _refused(place, what):
-            raise PermissionError(errno.EACCES, refusal(place) or "untrusted directory", str(place.path))
+            found = _check(place)
+            raise PermissionError(errno.EACCES, found[0] if found else "untrusted directory", str(place.path))
         if check:
             os.makedirs(place.path, mode=0o755, exist_ok=True)
 

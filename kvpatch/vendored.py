@@ -608,9 +608,9 @@ def _install_in_copy(patch: Patch, target: Target, module: str, *, recorded: boo
             # class attribute a patch serves through a property, has no code to compare.)
             return "replaced: the attribute is no longer the copy's own code (replaced after import)"
         if recorded:
-            from . import verdicts
+            from . import fingerprints
 
-            known = verdicts.validated(patch).get(target.path)
+            known = fingerprints.validated(patch).get(target.path)
             if known and fingerprint(original) not in known:
                 release = f"{patch.distribution} release the patch was validated on"
                 return f"drifted: {module}.{target.qualname} is not the code of any {release}"

@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Any
 
-from . import store, verdicts
+from . import config, fingerprints, measurer, store, verdicts
 
 __all__ = ["add_arguments", "run"]
 
@@ -51,7 +51,7 @@ def _background_start(args: argparse.Namespace) -> bool:
     with contextlib.suppress(OSError, AttributeError):
         os.nice(10)
     if args.lock_fd is None:  # started by hand: take the lock ourselves
-        place = next((p for p in verdicts.places() if store.usable(p, "verdicts")), None)
+        place = verdicts.write_place()
         if place is not None:
             try:
                 fd = store.acquire(place, "verify.lock", wait=False, what="verdicts")
@@ -60,7 +60,7 @@ def _background_start(args: argparse.Namespace) -> bool:
             if fd is None:
                 return False
             args.lock_fd = fd  # held until this process exits
-    verdicts.record_attempt([k for k in args.for_keys.split(",") if k])
+    measurer.record_attempt([k for k in args.for_keys.split(",") if k])
     return True
 
 
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if background and not _background_start(args):
         print("kvpatch verify: another verification holds this environment's lock; nothing to do")
         return 0
-    os.environ[verdicts.CHILD_VAR] = "1"  # nothing started from here starts a verification of its own
+    os.environ[config.VERIFYING] = "1"  # nothing started from here starts a verification of its own
     import kvpatch
 
     from .config import Config
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(reg.patches, broken=reg.broken, config=Config(enable_all=True))
     by = "background" if background else "verify"
     errors: dict[str, str] = {}
-    with verdicts.measuring_as(by, remeasure=not (background or args.missing)):
+    with measurer.measuring_as(by, remeasure=not (background or args.missing)):
         engine.activate()
         for patch in engine.materialise():
             st = engine.status[patch.id]
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
                 import_target_modules(patch)
             except Exception as exc:
                 errors[patch.id] = f"{type(exc).__name__}: {exc}"
-        verdicts.save_fingerprints(wait=True)
+        fingerprints.save(wait=True)
     rows: list[dict[str, Any]] = []
     for patch in engine.materialise():
         st = engine.status[patch.id]
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     lost = verdicts.unstored()
     if lost:
         code = EXIT_NOT_STORED
-    where = verdicts.write_dir()
+    where = verdicts.write_place()
     if args.json:
         data = {
             "schema": "kvpatch.verify/1",

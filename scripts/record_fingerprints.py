@@ -5,7 +5,7 @@ Writes ``kvpatch/data/fingerprints.json`` (schema ``kvpatch.fingerprints/1``)::
 
     {"schema": ..., "patches": {"<patch id>": {"<target path>": {"<fingerprint>": ["0.28.0", ..., "git:1a2b3c4d"]}}}}
 
-The engine reads it once (``kvpatch.verdicts.validated``) and compares each replaced target's
+The engine reads it once (``kvpatch.fingerprints.validated``) and compares each replaced target's
 fingerprint (``kvpatch.engine.fingerprint``: the target's source, blank lines, comments and indentation
 normalised) with the recorded ones: a target whose code is none of them has *drifted* (an editable
 install, a vendor's patched wheel, a file rewritten in place) and the patch goes to its verdict

@@ -479,5 +479,5 @@ def test_settled_outcome_does_not_outlive_a_verification(tmp_path, monkeypatch):
     before = settle.environment_key(engine)
     entry = {"patch": "p", "outcome": "fixed", "detail": "", "at": 0, "by": "verify"}
     (tmp_path / verdicts.FILE).write_text(json.dumps({"schema": verdicts.SCHEMA, "verdicts": {"k": entry}}))
-    verdicts._forget()
+    verdicts._loaded = None  # read the file afresh
     assert settle.environment_key(engine) != before

@@ -8,15 +8,14 @@ code (an editable install, a vendor's patched wheel) from the code the patch was
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from matrix import BUCKETS
 
-from kvpatch import registry, verdicts
+from kvpatch import fingerprints, registry
 from kvpatch.record import Kind
 
-DATA = Path(verdicts.__file__).resolve().parent / "data" / "fingerprints.json"
+DATA = fingerprints.SHIPPED
 PATCHES = registry.load().patches
 
 
@@ -41,7 +40,7 @@ def test_data_file_is_well_formed():
                 assert len(fp) == 12 and all(c in "0123456789abcdef" for c in fp), (pid, path, fp)
                 assert labels and all(isinstance(x, str) for x in labels), (pid, path, fp)
     # what the engine reads
-    table = verdicts.shipped()
+    table = fingerprints.shipped()
     assert set(table) == set(data["patches"])
 
 

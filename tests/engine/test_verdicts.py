@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from support import child_env, fake_mlx_core
 
-from kvpatch import verdicts
+from kvpatch import config, fingerprints, locate, measurer, store, verdicts
 from kvpatch.detect import Source, Upstream
 from kvpatch.record import Expiry, Finding, Patch
 
@@ -27,11 +27,10 @@ from kvpatch.record import Expiry, Finding, Patch
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """Point the cache at ``tmp_path`` and forget what this process read or requested."""
-    monkeypatch.setenv(verdicts.DIR_VAR, str(tmp_path / "cache"))
+    monkeypatch.setenv(config.VERDICTS, str(tmp_path / "cache"))
     monkeypatch.setattr(verdicts, "_loaded", None)
-    monkeypatch.setattr(verdicts, "_requested", None)
-    monkeypatch.setattr(verdicts, "_stats", {})
-    monkeypatch.setattr(verdicts, "_new_fingerprints", {})
+    monkeypatch.setattr(measurer, "_requested", None)
+    monkeypatch.setattr(fingerprints, "_new", {})
     return tmp_path / "cache"
 
 
@@ -57,14 +56,12 @@ UPSTREAM = {"mlx-lm": Upstream("mlx-lm", "0.3.0", Source()), "mlx": Upstream("ml
 
 
 def test_verdict_places_follow_the_override_then_prefix_then_user(monkeypatch, tmp_path):
-    from kvpatch import store
-
-    monkeypatch.setenv(verdicts.DIR_VAR, str(tmp_path / "x"))
-    assert [p.path for p in verdicts.places()] == [tmp_path / "x"]
-    monkeypatch.delenv(verdicts.DIR_VAR)
+    monkeypatch.setenv(config.VERDICTS, str(tmp_path / "x"))
+    assert [p.path for p in store.verdict_places()] == [tmp_path / "x"]
+    monkeypatch.delenv(config.VERDICTS)
     monkeypatch.delenv("KVPATCH_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    prefix, user = verdicts.places()  # kvpatch is installed under sys.prefix here (the test venv)
+    prefix, user = store.verdict_places()  # kvpatch is installed under sys.prefix here (the test venv)
     assert prefix.path == Path(sys.prefix) / "var" / "cache" / "kvpatch"
     assert user.path.parent == tmp_path / "xdg" / "kvpatch" / "state"
     assert user == store.env_dir()
@@ -92,7 +89,7 @@ def test_corrupt_or_foreign_file_reads_as_empty(fresh, content):
     # and a later store replaces it with a good file
     p = _patch()
     assert verdicts.store("k", p, verdicts.Verdict(verdicts.Outcome.ABSENT, "", time.time()), UPSTREAM)
-    verdicts._forget()
+    verdicts._loaded = None  # read the file afresh
     assert verdicts.lookup("k").outcome == verdicts.Outcome.ABSENT
 
 
@@ -101,7 +98,7 @@ def test_entries_are_pruned_oldest_first(fresh, monkeypatch):
     p = _patch()
     for i in range(5):
         verdicts.store(f"k{i}", p, verdicts.Verdict(verdicts.Outcome.ABSENT, "", float(i + 1)), UPSTREAM)
-    verdicts._forget()
+    verdicts._loaded = None  # read the file afresh
     assert [verdicts.lookup(f"k{i}") is not None for i in range(5)] == [False, False, True, True, True]
 
 
@@ -116,7 +113,7 @@ def test_key_depends_on_versions_sources_and_target_files(fresh, tmp_path, monke
     p = _patch()
     p.replace("mlx_lm.models.cache", "C.f")(lambda original: original)
     base = verdicts.key(p, UPSTREAM)
-    assert verdicts.module_file("mlx_lm.models.cache") == str(target)
+    assert locate.module_file("mlx_lm.models.cache") == str(target)
     assert verdicts.key(p, UPSTREAM) == base  # stable
     editable = {**UPSTREAM, "mlx-lm": Upstream("mlx-lm", "0.3.0", Source(kind="editable", url="file:///src"))}
     assert verdicts.key(p, editable) != base
@@ -125,7 +122,6 @@ def test_key_depends_on_versions_sources_and_target_files(fresh, tmp_path, monke
     other_mlx = {**UPSTREAM, "mlx": Upstream("mlx", "0.1.1", Source())}
     assert verdicts.key(p, other_mlx) != base
     target.write_text("class C:\n    def f(self):\n        return 2  # edited in place\n")
-    verdicts._stats.clear()
     assert verdicts.key(p, UPSTREAM) != base
 
 
@@ -146,21 +142,21 @@ def test_from_findings(before, after, outcome):
 
 
 def test_no_background_verification_when_switched_off_or_inside_one(fresh, monkeypatch):
-    monkeypatch.setenv(verdicts.VERIFY_VAR, "never")
-    text = verdicts.request_verification(["k"])
+    monkeypatch.setenv(config.VERIFY, "never")
+    text = measurer.request_verification(["k"])
     assert "KVPATCH_VERIFY=never" in text and "kvpatch verify" in text
-    monkeypatch.setattr(verdicts, "_requested", None)
-    monkeypatch.delenv(verdicts.VERIFY_VAR)
-    with verdicts.measuring_as("test"):
-        assert "verification process" in verdicts.request_verification(["k"])
-    assert verdicts.measuring() is None
+    monkeypatch.setattr(measurer, "_requested", None)
+    monkeypatch.delenv(config.VERIFY)
+    with measurer.measuring_as("test"):
+        assert "verification process" in measurer.request_verification(["k"])
+    assert measurer.measuring() is None
 
 
 def test_a_recent_attempt_is_not_repeated(fresh, monkeypatch):
-    monkeypatch.setenv(verdicts.VERIFY_VAR, "auto")
-    verdicts.record_attempt(["k"])
-    verdicts._forget()
-    text = verdicts.request_verification(["k"])
+    monkeypatch.setenv(config.VERIFY, "auto")
+    measurer.record_attempt(["k"])
+    verdicts._loaded = None  # read the file afresh
+    text = measurer.request_verification(["k"])
     assert "has not settled it" in text, text
 
 
@@ -209,7 +205,7 @@ def fake_site(tmp_path):
 CHILD = textwrap.dedent(
     """
     import json, sys
-    from kvpatch import verdicts
+    from kvpatch import fingerprints, measurer, verdicts
     from kvpatch.config import Config
     from kvpatch.engine import Engine, REPRODUCTIONS_RUN
     from kvpatch.record import Expiry, Finding, Patch
@@ -218,7 +214,7 @@ CHILD = textwrap.dedent(
               checked_through="0.2.0", reference="none", expiry=Expiry("never"))
     p.module = "kvpatch"
     if len(sys.argv) > 2 and sys.argv[2]:  # the fingerprints the patch was validated on (shipped data)
-        verdicts.shipped()["demo-bug"] = {"mlx_lm.models.cache.C.f": frozenset(sys.argv[2].split(","))}
+        fingerprints.shipped()["demo-bug"] = {"mlx_lm.models.cache.C.f": frozenset(sys.argv[2].split(","))}
 
     @p.replace("mlx_lm.models.cache", "C.f")
     def build(original):
@@ -238,7 +234,7 @@ CHILD = textwrap.dedent(
     if not mode.startswith(("none", "measure")):
         verdicts.store(key, p, verdicts.Verdict(verdicts.Outcome(mode), "stored by the test", 1.0, "test"), engine.upstream)
     import contextlib
-    with verdicts.measuring_as("test") if mode.startswith("measure") else contextlib.nullcontext():
+    with measurer.measuring_as("test") if mode.startswith("measure") else contextlib.nullcontext():
         engine.activate()
         import mlx_lm.models.cache as c
     st = engine.status["demo-bug"]
@@ -246,7 +242,7 @@ CHILD = textwrap.dedent(
     check = build_report(engine).data["check"]
     print("@@" + json.dumps({"state": st.state.value, "reason": st.reason, "f": c.C().f(), "drift": st.drift,
                              "reproductions": REPRODUCTIONS_RUN, "action": st.decision.action.value,
-                             "stored": (verdicts._forget(), verdicts.lookup(key))[1] is not None, "check": check}))
+                             "stored": (setattr(verdicts, '_loaded', None), verdicts.lookup(key))[1] is not None, "check": check}))
     """
 )
 
@@ -255,8 +251,8 @@ def _child(fake_site, tmp_path, *args: str, **env: str) -> dict:
     environ = child_env(
         {
             "PYTHONPATH": os.pathsep.join([str(fake_site), os.environ.get("PYTHONPATH", "")]),
-            verdicts.DIR_VAR: str(tmp_path / "cache"),
-            verdicts.VERIFY_VAR: "never",
+            config.VERDICTS: str(tmp_path / "cache"),
+            config.VERIFY: "never",
             "KVPATCH": "off",  # the .pth bootstrap stays out; the child builds its own engine
             **env,
         }

@@ -156,8 +156,8 @@ def _wait_for_lock(path: Path, limit: float = 300) -> None:
 REQUEST = textwrap.dedent(
     """
     import json
-    from kvpatch import verdicts
-    print("@@" + json.dumps({"said": verdicts.request_verification(["k"])}))
+    from kvpatch import measurer
+    print("@@" + json.dumps({"said": measurer.request_verification(["k"])}))
     """
 )
 

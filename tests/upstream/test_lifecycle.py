@@ -236,7 +236,7 @@ def test_drifted_target_is_judged_by_the_reproduction(run_py, tmp_path):
             _prelude()
             + """
 import contextlib, copy, dataclasses
-from kvpatch import registry, verdicts
+from kvpatch import fingerprints, measurer, registry
 from kvpatch.config import Config
 from kvpatch.detect import Source, Upstream, detect
 from kvpatch.engine import Engine, REPRODUCTIONS_RUN, fingerprint
@@ -266,10 +266,10 @@ for label, validated, measure in (("drifted", frozenset({"000000000000"}), False
             if obj is not None:
                 fps.add(fingerprint(obj))
         validated = frozenset(fps)
-    verdicts.shipped()[real.id] = {t.path: validated for t in real.targets}
+    fingerprints.shipped()[real.id] = {t.path: validated for t in real.targets}
     runs = len(REPRODUCTIONS_RUN)
     eng = Engine([probe], upstream=upstream, config=Config())
-    with verdicts.measuring_as("test", remeasure=True) if measure else contextlib.nullcontext():
+    with measurer.measuring_as("test", remeasure=True) if measure else contextlib.nullcontext():
         eng.activate()
         import_all(list(real.modules))
     st = eng.status[real.id]

@@ -1,0 +1,87 @@
+"""The fingerprints a patch was validated on, and a cache of live targets' fingerprints.
+
+Each replaced target's source fingerprint is compared with those recorded on every release of the patch's
+affected range (``kvpatch/data/fingerprints.json``, written by ``scripts/record_fingerprints.py``). Computing one
+reads the target's source, so it is cached in the verdict file (:mod:`kvpatch.verdicts`) by the defining file's
+path, size and mtime: a verified environment reads no source at import.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import verdicts
+from ._warn import emit
+from .locate import stamp
+
+if TYPE_CHECKING:
+    from .record import Patch
+
+__all__ = ["SHIPPED", "cached", "save", "shipped", "validated"]
+
+SHIPPED = Path(__file__).resolve().parent / "data" / "fingerprints.json"
+_shipped: dict[str, dict[str, frozenset[str]]] | None = None
+#: Computed in this process, not yet in the cache: file key -> {line:qualname -> fingerprint}.
+_new: dict[str, dict[str, str]] = {}
+
+
+def shipped() -> dict[str, dict[str, frozenset[str]]]:
+    """``kvpatch/data/fingerprints.json`` as patch id -> target path -> fingerprints (read once)."""
+    global _shipped
+    if _shipped is None:
+        _shipped = {}
+        try:
+            data = json.loads(SHIPPED.read_text(encoding="utf-8"))
+            for pid, targets in data.get("patches", {}).items():
+                _shipped[pid] = {t: frozenset(fps) for t, fps in targets.items()}
+        except Exception as exc:  # a broken data file must not break imports (a test guards it)
+            emit(f"kvpatch cannot read {SHIPPED}: {exc}")
+    return _shipped
+
+
+def validated(patch: Patch) -> dict[str, frozenset[str]]:
+    """Target path -> fingerprints the patch was validated on."""
+    return shipped().get(patch.id, {})
+
+
+def cached(obj: Any, compute: Callable[[Any], str | None]) -> str | None:
+    """``compute(obj)`` (a source fingerprint), cached by the defining file's path, size and mtime."""
+    func = inspect.unwrap(obj) if callable(obj) else obj
+    func = getattr(func, "__func__", func)
+    code = getattr(func, "__code__", None)
+    size_mtime = stamp(getattr(code, "co_filename", None))
+    if code is None or size_mtime is None:
+        return compute(obj)
+    file_key = f"{code.co_filename}|{size_mtime[0]}|{size_mtime[1]}"
+    sub = f"{code.co_firstlineno}:{getattr(func, '__qualname__', '?')}"
+    known = verdicts.tables()["fingerprints"].get(file_key)
+    if isinstance(known, dict) and isinstance(known.get(sub), str):
+        return str(known[sub])
+    if sub in _new.get(file_key, {}):
+        return _new[file_key][sub]
+    value = compute(obj)
+    if value is not None:
+        _new.setdefault(file_key, {})[sub] = value
+    return value
+
+
+def save(*, wait: bool = False) -> None:
+    """Write the fingerprints computed in this process to the cache (best effort; never waits by default)."""
+    if not _new:
+        return
+    new = {k: dict(v) for k, v in _new.items()}
+    now = time.time()
+
+    def change(data: dict[str, Any]) -> None:
+        for file_key, subs in new.items():
+            entry = data["fingerprints"].get(file_key)
+            entry = {**(entry if isinstance(entry, dict) else {}), **subs, "at": now}
+            data["fingerprints"][file_key] = entry
+
+    if verdicts.update(change, wait=wait) is None:
+        _new.clear()
