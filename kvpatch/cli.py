@@ -16,19 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = [
-    "EXIT_ATTENTION",
-    "EXIT_CLEAN",
-    "EXIT_CODES",
-    "EXIT_FAILED",
-    "EXIT_INTERNAL",
-    "EXIT_INTERRUPTED",
-    "EXIT_IOERR",
-    "EXIT_USAGE",
-    "build_parser",
-    "main",
-]
-
 EXIT_CLEAN = 0
 EXIT_ATTENTION = 1
 EXIT_FAILED = 2
@@ -363,7 +350,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             "`kvpatch status --help` lists the exit statuses."
         ),
     )
-    parser.add_argument("--version", action=_VersionAction, help="print kvpatch's version and exit")
+    parser.add_argument("--version", action="store_true", help="print kvpatch's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, prog="kvpatch")
 
     p = sub.add_parser(
@@ -378,25 +365,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         epilog=_STATUS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="every patch, with its targets and the full reason")
-    p.add_argument("--json", action="store_true", help="machine-readable output (schema kvpatch.status/1)")
-    p.add_argument("--check", action="store_true", help="exit 0 clean, 1 attention needed, 2 a patch failed")
-    p.add_argument(
-        "--verify", action="store_true", help="run each relevant reproduction with and without its patch (imports mlx)"
-    )
-    p.add_argument(
-        "--fresh",
-        action="store_true",
-        help="settle outcomes again (import upstream) even if the environment is unchanged",
-    )
-    p.add_argument(
-        "--no-settle", action="store_true", help="predictions only: read package metadata, import nothing of upstream"
-    )
-    p.add_argument(
-        "--scan",
-        action="store_true",
-        help="also list vendored copies of patched upstream code in installed servers (reads files only)",
-    )
+    for flags, text in (
+        (("-v", "--verbose"), "every patch, with its targets and the full reason"),
+        (("--json",), "machine-readable output (schema kvpatch.status/1)"),
+        (("--check",), "exit 0 clean, 1 attention needed, 2 a patch failed"),
+        (("--verify",), "run each relevant reproduction with and without its patch (imports mlx)"),
+        (("--fresh",), "settle outcomes again (import upstream) even if the environment is unchanged"),
+        (("--no-settle",), "predictions only: read package metadata, import nothing of upstream"),
+        (("--scan",), "also list vendored copies of patched upstream code in installed servers (reads files only)"),
+    ):
+        p.add_argument(*flags, action="store_true", help=text)
     p.set_defaults(func=cmd_status)
 
     from . import verify
@@ -484,17 +462,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-class _VersionAction(argparse.Action):
-    """``--version``: the version line as ``version`` prints it (argparse's own action rewraps it)."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
-
-    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> NoReturn:
-        _emit(_version())
-        parser.exit(EXIT_CLEAN)
-
-
 def _unknown_command(word: str) -> NoReturn:
     import difflib
 
@@ -526,7 +493,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
             args = _parse(argv)
-            if args.command is None:  # bare `kvpatch`: the help, as pip does
+            if args.version:
+                _emit(_version())
+                code = EXIT_CLEAN
+            elif args.command is None:  # bare `kvpatch`: the help, as pip does
                 _emit(build_parser("").format_help(), end="")
                 code = EXIT_CLEAN
             else:
