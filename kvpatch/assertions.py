@@ -97,14 +97,9 @@ def _import_pending(engine: Engine, statuses: Iterable[PatchStatus]) -> None:
 
 
 def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[list[PatchStatus], list[Problem]]:
-    """(applicable statuses, problems) for ``engine``'s patches.
-
-    A problem: an applicable patch that is failed, drifted, disabled, or pending although one of its target
-    modules is imported (``imported``, default ``sys.modules``); a patch the reproduction decides that failed,
-    drifted, was overridden or inconclusive, or is pending verification with a target module imported (the fix
-    may be needed and is not in); a registered copy's applicable patch that is not in; a patch unit that could
-    not be loaded.
-    """
+    """(applicable statuses, problems): an applicable patch (or a registered copy's) not in, unless pending with
+    none of its modules ``imported`` (default ``sys.modules``); a patch the reproduction decides that failed,
+    drifted, was overridden or is inconclusive, or pending verification with a module imported; a broken unit."""
     loaded = set(sys.modules if imported is None else imported)
     engine.refresh()  # "applied" means reachable now
     applicable: list[PatchStatus] = []

@@ -86,6 +86,44 @@ _RUN_EPILOG = (
 )
 
 
+#: Each command's ``--help`` paragraph (upstream-check's options load with the command, kvpatch.maint).
+_DESCRIPTIONS = {
+    "status": textwrap.fill(  # its formatter keeps line breaks (the exit-status table needs them)
+        "Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and why. "
+        "It reads package metadata and, once per environment, imports the upstream modules to settle "
+        "what an import would do; --verify runs every relevant reproduction with and without its patch.",
+        width=78,
+    ),
+    "verify": (
+        "Settle, in this process, every verdict this environment's imports will read: for each patch whose "
+        "outcome the installed release does not decide by itself (a release newer than the patch was checked "
+        "on, an editable, directory or git install, drifted target code), run its reproduction without and "
+        "with the patch and store the verdict, so later imports measure nothing. Run it after installing or "
+        "upgrading (a Dockerfile's last step, CI, a deployment hook). To audit every relevant patch, "
+        "whatever decides it, run `kvpatch status --verify`."
+    ),
+    "run": _RUN_DESCRIPTION,
+    "list": "List every patch kvpatch ships, one line each.",
+    "version": "Print kvpatch's version, where it is, and Python's.",
+    "help": "Show kvpatch's help (its commands and what they do), or one command's: kvpatch help status.",
+    "compat": "For maintainers: render COMPAT.md, the table of patches by upstream release, from the registry.",
+    "fingerprints": (
+        "For maintainers: import the installed mlx-lm / mlx-vlm and print, as JSON, the source fingerprint "
+        "of every target each patch replaces (what kvpatch/data/fingerprints.json records for drift checks)."
+    ),
+    "upstream-check": (
+        "For maintainers: install the newest mlx-lm / mlx-vlm releases (or the ones named) into throwaway "
+        "environments, run every patch's reproduction there with kvpatch off, and compare each outcome with what "
+        "the patch's record says (still affected, fixed upstream, first fixed release). Needs the package index."
+    ),
+}
+_EPILOGS = {
+    "status": _STATUS_EPILOG,
+    "verify": "exit status: 0 every patch settled, 1 a verdict is inconclusive, a patch drifted or failed.",
+    "run": _RUN_EPILOG,
+}
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors exit 64, not argparse's 2 (which ``status --check`` uses for a failed patch)."""
 
@@ -353,18 +391,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print kvpatch's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, prog="kvpatch")
 
-    p = sub.add_parser(
-        "status",
-        help=_HELP["status"],
-        description=textwrap.fill(  # the formatter keeps line breaks (the exit-status table needs them)
-            "Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and why. "
-            "It reads package metadata and, once per environment, imports the upstream modules to settle "
-            "what an import would do; --verify runs every relevant reproduction with and without its patch.",
-            width=78,
-        ),
-        epilog=_STATUS_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = {}
+    for name, text in _HELP.items():
+        if name == "upstream-check" and command in (None, "upstream-check"):
+            from .maint.upstream_check import add_parser
+
+            add_parser(sub)
+            sub.choices[name].description = _DESCRIPTIONS[name]
+            continue
+        raw = name in ("status", "run")  # their descriptions and epilogs keep their line breaks
+        p[name] = sub.add_parser(
+            name,
+            help=text,
+            usage=_RUN_USAGE if name == "run" else None,
+            description=_DESCRIPTIONS[name],
+            epilog=_EPILOGS.get(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter,
+        )
     for flags, text in (
         (("-v", "--verbose"), "every patch, with its targets and the full reason"),
         (("--json",), "machine-readable output (schema kvpatch.status/1)"),
@@ -374,91 +417,25 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         (("--no-settle",), "predictions only: read package metadata, import nothing of upstream"),
         (("--scan",), "also list vendored copies of patched upstream code in installed servers (reads files only)"),
     ):
-        p.add_argument(*flags, action="store_true", help=text)
-    p.set_defaults(func=cmd_status)
-
+        p["status"].add_argument(*flags, action="store_true", help=text)
     from . import verify
 
-    p = sub.add_parser(
-        "verify",
-        help=_HELP["verify"],
-        description=(
-            "Settle, in this process, every verdict this environment's imports will read: for each patch whose "
-            "outcome the installed release does not decide by itself (a release newer than the patch was checked "
-            "on, an editable, directory or git install, drifted target code), run its reproduction without and "
-            "with the patch and store the verdict, so later imports measure nothing. Run it after installing or "
-            "upgrading (a Dockerfile's last step, CI, a deployment hook). To audit every relevant patch, "
-            "whatever decides it, run `kvpatch status --verify`."
-        ),
-        epilog="exit status: 0 every patch settled, 1 a verdict is inconclusive, a patch drifted or failed.",
-    )
-    verify.add_arguments(p)
-    p.set_defaults(func=verify.run)
-
-    p = sub.add_parser(
-        "run",
-        help=_HELP["run"],
-        usage=_RUN_USAGE,
-        description=_RUN_DESCRIPTION,
-        epilog=_RUN_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    verify.add_arguments(p["verify"])
     # for the help only: cmd_run reads its own arguments, as everything after the program is the program's
-    p.add_argument("-c", metavar="CODE", help="program passed in as a string")
-    p.add_argument("-m", metavar="MODULE", help="run a library module as a script (like python -m)")
-    p.add_argument("SCRIPT", nargs="?", help="program read from a file (or a directory / zip with __main__.py)")
-    p.add_argument("ARGS", nargs="*", help="the program's arguments (its sys.argv[1:])")
-
-    p = sub.add_parser("list", help=_HELP["list"], description="List every patch kvpatch ships, one line each.")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_list)
-
-    p = sub.add_parser(
-        "version", help=_HELP["version"], description="Print kvpatch's version, where it is, and Python's."
-    )
-    p.set_defaults(func=cmd_version)
-
-    p = sub.add_parser(
-        "help",
-        help=_HELP["help"],
-        description="Show kvpatch's help (its commands and what they do), or one command's: kvpatch help status.",
-    )
-    p.add_argument("topic", nargs="?", metavar="COMMAND", help="the command to describe")
-    p.set_defaults(func=cmd_help)
-
-    p = sub.add_parser(
-        "compat",
-        help=_HELP["compat"],
-        description="For maintainers: render COMPAT.md, the table of patches by upstream release, from the registry.",
-    )
-    group = p.add_mutually_exclusive_group()
+    p["run"].add_argument("-c", metavar="CODE", help="program passed in as a string")
+    p["run"].add_argument("-m", metavar="MODULE", help="run a library module as a script (like python -m)")
+    p["run"].add_argument("SCRIPT", nargs="?", help="program read from a file (or a directory / zip with __main__.py)")
+    p["run"].add_argument("ARGS", nargs="*", help="the program's arguments (its sys.argv[1:])")
+    p["list"].add_argument("--json", action="store_true", help="machine-readable output")
+    p["help"].add_argument("topic", nargs="?", metavar="COMMAND", help="the command to describe")
+    group = p["compat"].add_mutually_exclusive_group()
     group.add_argument("--write", action="store_true", help="write the table to --path")
     group.add_argument("--check", action="store_true", help="exit 1 when --path is not what --write would write")
-    p.add_argument("--path", default="COMPAT.md", help="the file to write or check (default: COMPAT.md)")
-    p.set_defaults(func=cmd_compat)
-
-    p = sub.add_parser(
-        "fingerprints",
-        help=_HELP["fingerprints"],
-        description=(
-            "For maintainers: import the installed mlx-lm / mlx-vlm and print, as JSON, the source fingerprint "
-            "of every target each patch replaces (what kvpatch/data/fingerprints.json records for drift checks)."
-        ),
-    )
-    p.set_defaults(func=cmd_fingerprints)
-
-    about = (
-        "For maintainers: install the newest mlx-lm / mlx-vlm releases (or the ones named) into throwaway "
-        "environments, run every patch's reproduction there with kvpatch off, and compare each outcome with what "
-        "the patch's record says (still affected, fixed upstream, first fixed release). Needs the package index."
-    )
-    if command in (None, "upstream-check"):
-        from .maint.upstream_check import add_parser
-
-        add_parser(sub)
-        sub.choices["upstream-check"].description = about
-    else:  # listed in the help; its options load with the command itself
-        sub.add_parser("upstream-check", help=_HELP["upstream-check"], description=about)
+    p["compat"].add_argument("--path", default="COMPAT.md", help="the file to write or check (default: COMPAT.md)")
+    commands = {"status": cmd_status, "verify": verify.run, "list": cmd_list, "version": cmd_version}
+    commands.update({"help": cmd_help, "compat": cmd_compat, "fingerprints": cmd_fingerprints})
+    for name, func in commands.items():
+        p[name].set_defaults(func=func)
     return parser
 
 
