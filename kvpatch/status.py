@@ -46,17 +46,11 @@ class Report:
 def _finding(f: Finding | None) -> dict[str, Any] | None:
     if f is None:
         return None
-    # "verdict" is the schema's name for Finding.bug
-    return {
-        "present": f.present,
-        "verdict": f.bug.value,
-        "detail": f.detail,
-        "skipped": f.skipped,
-        "inconclusive": f.inconclusive,
-    }
+    found = {"present": f.present, "verdict": f.bug.value}  # "verdict": the schema's name for Finding.bug
+    return found | {k: getattr(f, k) for k in ("detail", "skipped", "inconclusive")}
 
 
-def verify_patch(engine: Engine, st: PatchStatus) -> tuple[Outcome, dict[str, Any]]:
+def _verify(engine: Engine, st: PatchStatus) -> tuple[Outcome, dict[str, Any]]:
     """The patch's measurement (the engine's own when it settled a verdict in this process, so each side runs
     once) and how the report says it."""
     try:
@@ -177,7 +171,7 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
     relevant = [pid for pid, st in engine.status.items() if st.state not in (State.OUT_OF_RANGE, State.NOT_INSTALLED)]
     if verify:  # the hooks install what applies (and settle the verdict of what the reproduction decides)
         for pid in relevant:
-            with contextlib.suppress(Exception):  # reported per patch by verify_patch
+            with contextlib.suppress(Exception):  # reported per patch by _verify
                 import_target_modules(engine.record_of(engine.status[pid]))
     patches: list[dict[str, Any]] = []
     failed: list[str] = []
@@ -193,7 +187,7 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
         if settled is not None and settled.how == "cache" and p.id in settled.outcomes:
             entry.update({k: settled.outcomes[p.id].get(k, entry[k]) for k in ("state", "reason", "error", "notes")})
         if verify and p.id in relevant:
-            outcomes[p.id], entry["verify"] = verify_patch(engine, st)
+            outcomes[p.id], entry["verify"] = _verify(engine, st)
             entry["state"], entry["reason"] = st.state.value, st.reason
             _verify_reasons(p.id, st, outcomes[p.id], entry["verify"]["outcome"], failed, attention)
         state = entry["state"]
@@ -235,7 +229,7 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
         "python": platform.python_version(),
         "platform": sys.platform,
         "enabled": engine.config.enabled,
-        "upstream": {name: upstream_entry(up) for name, up in engine.upstream.items()},
+        "upstream": {name: _upstream_entry(up) for name, up in engine.upstream.items()},
         "settled": None if settled is None else {"how": settled.how, "at": settled.at},
         "auto_activation": auto_activation(),
         "patches": patches,
@@ -248,7 +242,7 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
     return Report(data, outcomes)
 
 
-def upstream_entry(up: Upstream) -> dict[str, Any]:
+def _upstream_entry(up: Upstream) -> dict[str, Any]:
     """One distribution in the JSON report (``upstream.<name>``)."""
     source = {"kind": up.source.kind, "url": up.source.url, "commit": up.source.commit, "error": up.source.error}
     return {"version": up.version, "installed": up.installed, "version_unknown": up.version_unknown, "source": source}
@@ -257,7 +251,7 @@ def upstream_entry(up: Upstream) -> dict[str, Any]:
 # -- text ---------------------------------------------------------------------------------------------
 
 #: States shown in the compact view only as a count in the summary line.
-QUIET_STATES = frozenset({State.NOT_NEEDED.value, State.OUT_OF_RANGE.value, State.NOT_INSTALLED.value})
+_QUIET_STATES = frozenset({State.NOT_NEEDED.value, State.OUT_OF_RANGE.value, State.NOT_INSTALLED.value})
 
 #: How the compact view groups what it shows, attention first: (state as ``_state_text`` says it, title).
 #: A state missing here is shown too, under its own name, after the attention groups.
@@ -355,24 +349,18 @@ def _header(d: dict[str, Any], outcomes: dict[str, Outcome]) -> list[str]:
     shown, notes = [], []
     for name, up in d["upstream"].items():
         src = up["source"]
-        if up["version"] is not None:
-            shown.append(f"{name} {up['version']}")
-        elif up.get("version_unknown") or up.get("installed"):
+        if up["version"] is None and (up.get("version_unknown") or up.get("installed")):
             shown.append(f"{name} (version unknown)")
-            notes.append(
-                f"  {name}: installed, version unknown ({up.get('version_unknown')}): the reproduction decides"
-            )
-            continue
-        else:
+            why = up.get("version_unknown")
+            notes.append(f"  {name}: installed, version unknown ({why}): the reproduction decides")
+        elif up["version"] is None:
             shown.append(f"{name} not installed")
-            continue
-        if src["kind"] not in ("index", "none"):
-            where = f"{src['kind']} install" + (f" {src['url']}" if src["url"] else "")
-            if src["commit"]:
-                where += f"@{src['commit'][:12]}"
-            if src["error"]:
-                where += f" [{src['error']}]"
-            notes.append(f"  {name}: {where}")
+        else:
+            shown.append(f"{name} {up['version']}")
+            if src["kind"] not in ("index", "none"):
+                where = f"{src['kind']} install" + (f" {src['url']}" if src["url"] else "")
+                where += f"@{src['commit'][:12]}" if src["commit"] else ""
+                notes.append(f"  {name}: {where}" + (f" [{src['error']}]" if src["error"] else ""))
     lines.append("upstream: " + ", ".join(shown))
     lines.extend(notes)
     lines.append(f"{len(d['patches'])} patches: {_state_counts(d)}" if d["patches"] else "no patches loaded")
@@ -412,7 +400,7 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
     groups: dict[str, list[dict[str, Any]]] = {}
     for e in d["patches"]:
         state = _state_text(e)
-        if state in QUIET_STATES and not _notable_verify(e, outcomes):
+        if state in _QUIET_STATES and not _notable_verify(e, outcomes):
             continue
         groups.setdefault(state, []).append(e)
     if not groups:
@@ -430,7 +418,7 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
             lines.extend(wrapped(", ".join(e["id"] for e in entries), "  ", width))
             lines.append("")
             continue
-        explained = state in QUIET_STATES or _RANK.get(state, _ATTENTION_END) <= _ATTENTION_END
+        explained = state in _QUIET_STATES or _RANK.get(state, _ATTENTION_END) <= _ATTENTION_END
         shared = explained and len(entries) > 1 and len({e["reason"] for e in entries}) == 1
         if shared:  # one reason for the whole group (a distribution whose version is unknown): say it once
             lines.extend(wrapped(f"all {len(entries)}: {entries[0]['reason']}", "  ", width))
