@@ -30,7 +30,7 @@ _FOUND = "_kvpatch_require_applied_problems"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvpatch")
-    for name, help in (
+    for name, text in (
         (
             _REQUIRE,
             "fail the session when a kvpatch patch that applies to the installed mlx-lm / mlx-vlm is not applied",
@@ -38,7 +38,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         (_VERIFY, "settle kvpatch's verdicts for this environment (python -m kvpatch verify) before the session"),
     ):
         option = "--" + name.replace("_", "-")
-        group.addoption(option, action="store_true", default=None, dest=name, help=help)
+        group.addoption(option, action="store_true", default=None, dest=name, help=text)
         parser.addini(name, type="bool", default=False, help=f"same as {option}")
 
 

@@ -1,9 +1,10 @@
 """The audit behind ``kvpatch status``: every patch's state and why, and the check's exit status.
 
-Without ``verify`` nothing here imports mlx itself: states come from the gate and, once per environment, from
-what an import does (:mod:`kvpatch.settle`). With ``verify`` each relevant patch is measured by
-:meth:`kvpatch.engine.Engine.measure`, and this module only says what it found. The JSON form follows
-``kvpatch/data/status.schema.json`` (schema ``kvpatch.status/1``: keys are added, never removed or renamed).
+Without ``verify`` no reproduction runs: states come from the gate and, once per environment, from what
+importing upstream does (:mod:`kvpatch.settle`; without ``settle``, the gate alone). With ``verify`` each
+relevant patch is measured by :meth:`kvpatch.engine.Engine.measure`, and this module only says what it found.
+The JSON form follows ``kvpatch/data/status.schema.json`` (schema ``kvpatch.status/1``: keys are added, never
+removed or renamed).
 
 ``check.exit``: 2 a patch failed, a patch unit could not be loaded, or a patch did not fix its bug; 1 a fact
 about this environment needs attention (drift, an override, inconclusive, pending verification, a verification
