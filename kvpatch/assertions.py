@@ -1,18 +1,16 @@
-"""Asserting that kvpatch is active: for servers at start-up and for downstream test sessions.
+"""Asserting that kvpatch's fixes are in effect: for servers at start-up and for downstream test sessions.
 
-``kvpatch.require_applied()`` imports the target modules of every patch the gate says applies to the
-installed upstream (so that their hooks install them), then raises :class:`NotApplied` when any such
-patch is not installed: failed, drifted, disabled (``KVPATCH=off``, ``KVPATCH_DISABLE``), or still
-pending. It returns the status of every applicable patch (possibly empty: nothing to fix here)::
+``kvpatch.require_applied()`` imports the target modules of every patch the gate applies to the installed
+upstream (their hooks install it), then raises :class:`NotApplied` when any such patch is not installed:
+failed, drifted, disabled (``KVPATCH=off``, ``KVPATCH_DISABLE``), or still pending. It returns the status
+of every applicable patch (possibly empty: nothing to fix here)::
 
     import kvpatch
 
     kvpatch.require_applied()   # at server start-up, after importing mlx_lm / mlx_vlm
 
-The gate's decision is taken with the environment's off switches ignored (the *natural* decision), so
-a patch turned off by ``KVPATCH_DISABLE`` still counts as applicable and makes the assertion fail. An
-opt-in patch counts only where it was opted in (``KVPATCH_ENABLE``): then it is applicable like any
-other, and a server that replaced it without calling it fails the assertion.
+"Applicable" ignores the environment's off switches, so a patch turned off still makes the assertion fail;
+an opt-in patch counts only where ``KVPATCH_ENABLE`` opted it in.
 
 A server that relies on some fixes only names them: :func:`require` passes when each named fix is in
 effect (applied and reached now, or not needed because the installed upstream does not have the bug)
@@ -32,11 +30,13 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from . import _copy_records
 from .config import Config
 from .detect import Upstream
 from .engine import Engine, PatchStatus, State
 from .gate import Action, Decision, decide
 from .record import Patch
+from .registry import Stub
 
 __all__ = [
     "Guarantee",
@@ -70,54 +70,61 @@ class NotApplied(RuntimeError):
         super().__init__("kvpatch: applicable patches are not applied:\n" + "\n".join(f"  - {p}" for p in found))
 
 
-def _natural(engine: Engine, st: PatchStatus) -> Action:
-    upstream = engine.upstream.get(st.patch.distribution) or Upstream(st.patch.distribution, None)
-    opted = engine.config.enabled_ids
-    config = Config(enabled_ids=opted, enable_all=engine.config.enable_all)
+def _gate(engine: Engine, patch: Patch | Stub, config: Config, on_error: Action) -> Decision:
+    """The gate's decision for ``patch`` under ``config`` instead of the environment's (``on_error`` when the gate
+    raises on this record)."""
+    upstream = engine.upstream.get(patch.distribution) or Upstream(patch.distribution, None)
     try:
-        return decide(st.patch, upstream, config).action
+        return decide(patch, upstream, config)
     except Exception:
-        return Action.APPLY  # a gate that raises on this record: the engine failed it, report that
+        return Decision(on_error, "the gate raised")
+
+
+def _applicable(engine: Engine, st: PatchStatus) -> Action:
+    """The decision with the off switches ignored and the environment's opt-ins kept (a gate that raises: APPLY,
+    so the failure the engine recorded is reported)."""
+    config = Config(enabled_ids=engine.config.enabled_ids, enable_all=engine.config.enable_all)
+    return _gate(engine, st.patch, config, Action.APPLY).action
+
+
+def _import_pending(engine: Engine, statuses: Iterable[PatchStatus]) -> None:
+    """Import the target modules of pending patches: their hooks get the chance to install them."""
+    for st in statuses:
+        if st.state is State.PENDING:
+            for module in engine.record_of(st).modules:
+                with contextlib.suppress(ImportError):
+                    __import__(module)
 
 
 def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[list[PatchStatus], list[Problem]]:
-    """(applicable statuses, problems) for ``engine``'s patches.
-
-    Applicable: the natural decision is APPLY. A problem: an applicable patch that is failed, drifted,
-    disabled, or pending although one of its target modules is imported (``imported``, default
-    ``sys.modules``); or a VERIFY patch that failed, drifted, was overridden or inconclusive, or is still
-    pending verification with a target module imported; or a patch module that could not be loaded.
-    """
+    """(applicable statuses, problems): an applicable patch (or a registered copy's) not in, unless pending with
+    none of its modules ``imported`` (default ``sys.modules``); a patch the reproduction decides that failed,
+    drifted, was overridden or is inconclusive, or pending verification with a module imported; a broken unit."""
     loaded = set(sys.modules if imported is None else imported)
-    engine.refresh()  # "applied" means reachable now, not installed once
+    engine.refresh()  # "applied" means reachable now
     applicable: list[PatchStatus] = []
     found: list[Problem] = []
     for patch in engine.materialise():
         st = engine.status[patch.id]
-        action = _natural(engine, st)
+        action = _applicable(engine, st)
+        touched = any(m in loaded for m in patch.modules)
         if action is Action.APPLY:
             applicable.append(st)
-            if st.state in (State.APPLIED, State.NOT_NEEDED):
-                continue  # (not needed under an APPLY decision: its builders declined this backend)
-            if st.state is State.PENDING and not any(m in loaded for m in patch.modules):
-                continue  # its modules were never imported: nothing to patch yet
+            bad = st.state not in (State.APPLIED, State.NOT_NEEDED) and (st.state is not State.PENDING or touched)
+        else:
+            bad = action is Action.VERIFY and (
+                st.state in (State.FAILED, State.DRIFTED, State.TARGET_MISSING, State.OVERRIDDEN, State.INCONCLUSIVE)
+                or (st.state is State.UNVERIFIED and touched)
+            )
+        if bad:
             found.append(Problem(patch.id, st.state.value, st.error or st.reason))
-        elif action is Action.VERIFY and (
-            st.state in (State.FAILED, State.DRIFTED, State.TARGET_MISSING, State.OVERRIDDEN, State.INCONCLUSIVE)
-            or (st.state is State.UNVERIFIED and any(m in loaded for m in patch.modules))
-        ):
-            # pending verification with its modules imported: the fix may be needed and is not in
-            # (``kvpatch verify`` settles it); inconclusive: nobody knows whether it is needed
-            found.append(Problem(patch.id, st.state.value, st.error or st.reason))
-    vendored = sys.modules.get("kvpatch.vendored")  # copies a server registered (kvpatch.register_copy)
-    for st in vendored.copy_records() if vendored is not None else ():
+    for st in _copy_records():
         if st.decision.action is Action.APPLY:
             applicable.append(st)
             pending = st.state is State.PENDING and st.copy not in loaded
             if st.state not in (State.APPLIED, State.NOT_NEEDED) and not pending:
                 found.append(Problem(f"{st.record.id} in {st.copy}", st.state.value, st.error or st.reason))
-    for module, error in engine.broken.items():
-        found.append(Problem(module, "broken", error))
+    found.extend(Problem(module, "broken", error) for module, error in engine.broken.items())
     return applicable, found
 
 
@@ -132,22 +139,11 @@ def require_applied(*, import_targets: bool = True) -> list[PatchStatus]:
 
     engine = get_engine()
     if import_targets:
-        for st in engine.status.values():
-            if _natural(engine, st) is Action.APPLY and st.state is State.PENDING:
-                for module in st.record.modules:
-                    with contextlib.suppress(ImportError):
-                        __import__(module)
+        _import_pending(engine, [st for st in engine.status.values() if _applicable(engine, st) is Action.APPLY])
     applicable, found = problems(engine)
     if found:
         raise NotApplied(found)
     return applicable
-
-
-# -- per-fix guarantees ----------------------------------------------------------------------------
-#: States in which the bug cannot bite this process: the fix is reached now, or upstream has no such bug.
-_FIXED_STATES = frozenset({State.APPLIED, State.NOT_NEEDED, State.OUT_OF_RANGE, State.NOT_INSTALLED})
-#: Gate actions that say the installed upstream does not have the bug (or is not installed at all).
-_UPSTREAM_FINE = frozenset({Action.NOT_NEEDED, Action.OUT_OF_RANGE, Action.NOT_INSTALLED})
 
 
 @dataclass(frozen=True)
@@ -201,13 +197,8 @@ def _patch_status(engine: Engine, patch_id: str) -> PatchStatus | Guarantee:
     raise UnknownPatch(patch_id, engine.status)
 
 
-def _upstream_decision(engine: Engine, patch: Patch) -> Decision:
-    """The gate's decision for ``patch`` with every off switch ignored and the patch opted in."""
-    upstream = engine.upstream.get(patch.distribution) or Upstream(patch.distribution, None)
-    try:
-        return decide(patch, upstream, Config(enabled_ids=frozenset({patch.id})))
-    except Exception:
-        return Decision(Action.VERIFY, "the gate raised")  # settles nothing
+#: States in which the bug cannot bite this process: the fix is reached now, or upstream has no such bug.
+_FIXED_STATES = frozenset({State.APPLIED, State.NOT_NEEDED, State.OUT_OF_RANGE, State.NOT_INSTALLED})
 
 
 def _guarantee(engine: Engine, st: PatchStatus) -> Guarantee:
@@ -218,9 +209,9 @@ def _guarantee(engine: Engine, st: PatchStatus) -> Guarantee:
     if state in _FIXED_STATES:
         return Guarantee(patch.id, True, state.value, reason)
     if state in (State.DISABLED, State.OPT_IN):
-        upstream = _upstream_decision(engine, patch)
-        if upstream.action in _UPSTREAM_FINE:
-            # switched off, but the installed upstream has no such bug: nothing to fix
+        # off: fixed only where the installed upstream has no such bug (the gate with the patch opted in)
+        upstream = _gate(engine, patch, Config(enabled_ids=frozenset({patch.id})), Action.VERIFY)
+        if upstream.action in (Action.NOT_NEEDED, Action.OUT_OF_RANGE, Action.NOT_INSTALLED):
             return Guarantee(patch.id, True, state.value, f"{reason}; not needed: {upstream.reason}")
         if state is State.DISABLED:
             reason = f"{reason}; without it the bug is not ruled out: {upstream.reason}"
@@ -237,11 +228,7 @@ def guarantees(engine: Engine, patch_ids: Iterable[str]) -> list[Guarantee]:
     :class:`UnknownPatch` before anything is imported.
     """
     statuses = [_patch_status(engine, pid) for pid in patch_ids]
-    for st in statuses:
-        if isinstance(st, PatchStatus) and st.state is State.PENDING:  # give its hooks their chance
-            for module in engine.record_of(st).modules:
-                with contextlib.suppress(ImportError):
-                    __import__(module)
+    _import_pending(engine, [st for st in statuses if isinstance(st, PatchStatus)])
     engine.refresh()
     return [_guarantee(engine, st) if isinstance(st, PatchStatus) else st for st in statuses]
 

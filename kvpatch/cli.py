@@ -1,42 +1,20 @@
-"""Command line: the ``kvpatch`` console script (also ``python -m kvpatch``).
+"""The ``kvpatch`` console script (also ``python -m kvpatch``): argparse plumbing around the commands.
 
-Commands for everyone: ``status``, ``verify``, ``run``, ``list``, ``version``, ``help``; maintainer commands
-(``compat``, ``fingerprints``, ``upstream-check``) are listed apart in the help. ``kvpatch`` alone prints the
-help and exits 0, as ``pip`` does; an unknown command gets the closest known one as a suggestion.
-
-Exit status (one table, :data:`EXIT_CODES`, printed by ``kvpatch status --help``): 0 clean, 1 attention
-needed, 2 a patch failed or did not fix its bug, 64 usage error, 70 kvpatch's own internal error, 74 the
-output could not be written (a closed stdout, a full disk), 130 interrupted. ``run`` exits with the
-program's own status. A reader that goes away (``kvpatch status --json | head -1``) changes nothing: no
-traceback, the same exit status.
-
-The maintainer commands import :mod:`kvpatch.maint` only when they run; ``status`` never does.
+Exit statuses are one table, :data:`EXIT_CODES`. Usage errors exit 64, not argparse's 2 (``status --check``'s
+"a patch failed"); output that cannot be written exits 74, and a reader that goes away (``| head -1``) changes
+nothing. Maintainer commands import :mod:`kvpatch.maint` only when they run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
-
-if TYPE_CHECKING:
-    from .engine import Engine
-
-__all__ = [
-    "EXIT_ATTENTION",
-    "EXIT_CLEAN",
-    "EXIT_CODES",
-    "EXIT_FAILED",
-    "EXIT_INTERNAL",
-    "EXIT_INTERRUPTED",
-    "EXIT_IOERR",
-    "EXIT_USAGE",
-    "build_parser",
-    "main",
-]
+from typing import Any, NoReturn
 
 EXIT_CLEAN = 0
 EXIT_ATTENTION = 1
@@ -89,7 +67,6 @@ COMMANDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ),
 )
 _HELP = {name: text for _, commands in COMMANDS for name, text in commands}
-_MAINTAINER = frozenset(name for name, _ in COMMANDS[1][1])
 
 _RUN_USAGE = "kvpatch run [-h] (-c CODE | -m MODULE | SCRIPT) [ARGS ...]"
 _RUN_DESCRIPTION = (
@@ -109,11 +86,42 @@ _RUN_EPILOG = (
 )
 
 
-def _paragraph(text: str) -> str:
-    """``text`` wrapped for a help whose formatter keeps line breaks (the exit-status table needs them)."""
-    import textwrap
-
-    return textwrap.fill(text, width=78)
+#: Each command's ``--help`` paragraph (upstream-check's options load with the command, kvpatch.maint).
+_DESCRIPTIONS = {
+    "status": textwrap.fill(  # its formatter keeps line breaks (the exit-status table needs them)
+        "Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and why. "
+        "It reads package metadata and, once per environment, imports the upstream modules to settle "
+        "what an import would do; --verify runs every relevant reproduction with and without its patch.",
+        width=78,
+    ),
+    "verify": (
+        "Settle, in this process, every verdict this environment's imports will read: for each patch whose "
+        "outcome the installed release does not decide by itself (a release newer than the patch was checked "
+        "on, an editable, directory or git install, drifted target code), run its reproduction without and "
+        "with the patch and store the verdict, so later imports measure nothing. Run it after installing or "
+        "upgrading (a Dockerfile's last step, CI, a deployment hook). To audit every relevant patch, "
+        "whatever decides it, run `kvpatch status --verify`."
+    ),
+    "run": _RUN_DESCRIPTION,
+    "list": "List every patch kvpatch ships, one line each.",
+    "version": "Print kvpatch's version, where it is, and Python's.",
+    "help": "Show kvpatch's help (its commands and what they do), or one command's: kvpatch help status.",
+    "compat": "For maintainers: render COMPAT.md, the table of patches by upstream release, from the registry.",
+    "fingerprints": (
+        "For maintainers: import the installed mlx-lm / mlx-vlm and print, as JSON, the source fingerprint "
+        "of every target each patch replaces (what kvpatch/data/fingerprints.json records for drift checks)."
+    ),
+    "upstream-check": (
+        "For maintainers: install the newest mlx-lm / mlx-vlm releases (or the ones named) into throwaway "
+        "environments, run every patch's reproduction there with kvpatch off, and compare each outcome with what "
+        "the patch's record says (still affected, fixed upstream, first fixed release). Needs the package index."
+    ),
+}
+_EPILOGS = {
+    "status": _STATUS_EPILOG,
+    "verify": "exit status: 0 every patch settled, 1 a verdict is inconclusive, a patch drifted or failed.",
+    "run": _RUN_EPILOG,
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -152,25 +160,22 @@ class _TopParser(_Parser):
         return formatter.format_help()
 
 
-def _engine() -> Engine:
-    import kvpatch
-
-    return kvpatch.get_engine()
-
-
 class _OutputError(Exception):
     """Standard output cannot take what kvpatch writes (closed, full disk): exit :data:`EXIT_IOERR`."""
 
 
 def _emit(text: str, *, end: str = "\n") -> None:
-    """Write to stdout; a reader that went away (``| head -1``) ends the output quietly, any other failure to
-    write is an :class:`_OutputError`."""
-    stream = sys.stdout
-    if stream is None:
+    if sys.stdout is None:
         raise _OutputError("standard output is closed")
+    _write(text + end)
+
+
+def _write(text: str) -> None:
+    """Write ``text`` to stdout and flush it: a reader that went away ends the output quietly, any other failure
+    to write is an :class:`_OutputError`."""
     try:
-        stream.write(text + end)
-        stream.flush()
+        sys.stdout.write(text)
+        sys.stdout.flush()
     except BrokenPipeError:
         _silence_stdout()
     except (OSError, ValueError) as exc:  # ValueError: the stream object itself was closed
@@ -184,43 +189,17 @@ def _describe(exc: BaseException) -> str:
 
 
 def _silence_stdout() -> None:
-    # Python flushes stdout again at exit: point it at /dev/null so that flush cannot fail either.
-    try:
+    """Point stdout at /dev/null: Python flushes it again at exit, and that flush must not fail either."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no real file descriptor behind stdout
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    except (OSError, ValueError, AttributeError):  # no real file descriptor behind stdout
-        pass
-
-
-def _finish_output() -> None:
-    """Flush what ``print`` left buffered, so a failure is reported here rather than at interpreter exit."""
-    stream = sys.stdout
-    if stream is None:
-        return
-    try:
-        stream.flush()
-    except BrokenPipeError:
-        _silence_stdout()
-    except (OSError, ValueError) as exc:
-        raise _OutputError(_describe(exc)) from None
-
-
-def _stdout_unwritable() -> bool:
-    """Whether stdout is what failed (an OSError from a command's own ``print``)."""
-    try:
-        _finish_output()
-    except _OutputError:
-        return True
-    return False
 
 
 def _io_error(message: str) -> int:
     _silence_stdout()
-    try:
+    with contextlib.suppress(Exception):  # stderr gone too: the exit status says it
         print(f"kvpatch: cannot write the output: {message} (exit {EXIT_IOERR})", file=sys.stderr)
-    except Exception:  # stderr gone too: the exit status says it
-        pass
     return EXIT_IOERR
 
 
@@ -235,9 +214,10 @@ def _version() -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
+    from . import get_engine
     from .status import build_report, format_text
 
-    engine = _engine()
+    engine = get_engine()
     report = build_report(engine, verify=args.verify, settle=not args.no_settle, fresh=args.fresh)
     copies = None
     if args.scan:
@@ -250,27 +230,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         _emit(json.dumps(report.data, indent=2, sort_keys=False))
     else:
-        width = _wrap_width() if args.verbose else _terminal_width()
+        width = _width(tty_only=not args.verbose)
         _emit(format_text(report, verbose=args.verbose, width=width, check=asked))
         if copies is not None:
             _emit(format_copies(copies))
     return code
 
 
-def _terminal_width() -> int | None:
-    """The terminal's width when stdout is one; ``None`` (never cut a line) for pipes and files."""
+def _width(*, tty_only: bool) -> int | None:
+    """The terminal's width, ``$COLUMNS`` or 80; ``None`` (never cut a line) for a pipe or file when ``tty_only``."""
+    import shutil
+
     try:
-        if not sys.stdout.isatty():
+        if tty_only and not sys.stdout.isatty():
             return None
     except (AttributeError, ValueError):
         return None
-    return _wrap_width()
-
-
-def _wrap_width() -> int:
-    """The width to wrap to: the terminal's, ``$COLUMNS``, or 80 (pipes and files)."""
-    import shutil
-
     return shutil.get_terminal_size().columns
 
 
@@ -283,30 +258,19 @@ def cmd_list(args: argparse.Namespace) -> int:
     import json
 
     from .registry import load
+    from .status import cut
 
     reg = load()
     patches = sorted(reg.patches, key=lambda p: (p.distribution, p.id))
     if args.json:
-        rows = [
-            {
-                "id": p.id,
-                "distribution": p.distribution,
-                "affected": p.affected,
-                "opt_in": p.opt_in,
-                "summary": p.summary,
-            }
-            for p in patches
-        ]
+        rows = [{k: getattr(p, k) for k in ("id", "distribution", "affected", "opt_in", "summary")} for p in patches]
         _emit(json.dumps({"patches": rows, "broken": dict(reg.broken)}, indent=2))
     else:
-        width = _terminal_width()
+        width = _width(tty_only=True)
         pad = max((len(p.id) for p in patches), default=0)
         for p in patches:
             summary = ("opt-in: " if p.opt_in else "") + p.summary
-            line = f"{p.id:<{pad}}  {p.distribution:<7}  {p.affected:<18}  {summary}"
-            if width is not None and len(line) > width:
-                line = line[: max(width - 3, 10)] + "..."
-            _emit(line)
+            _emit(cut(f"{p.id:<{pad}}  {p.distribution:<7}  {p.affected:<18}  {summary}", width))
         _emit(f"{len(patches)} patches; `kvpatch status` says which apply here")
     for module, error in reg.broken.items():
         print(f"kvpatch: patch module {module} cannot be loaded: {error}", file=sys.stderr)
@@ -326,20 +290,9 @@ def cmd_help(args: argparse.Namespace) -> int:
     return EXIT_CLEAN
 
 
-def _add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """``run``'s arguments, for its help: :func:`cmd_run` reads them itself, because everything after the
-    program is the program's own (``kvpatch run -m mod --help`` is ``mod``'s ``--help``)."""
-    p.add_argument("-c", metavar="CODE", help="program passed in as a string")
-    p.add_argument("-m", metavar="MODULE", help="run a library module as a script (like python -m)")
-    p.add_argument("SCRIPT", nargs="?", help="program read from a file (or a directory / zip with __main__.py)")
-    p.add_argument("ARGS", nargs="*", help="the program's arguments (its sys.argv[1:])")
-
-
 def _run_usage_error(message: str) -> int:
-    try:
+    with contextlib.suppress(Exception):
         print(f"usage: {_RUN_USAGE}\nkvpatch run: error: {message}", file=sys.stderr)
-    except Exception:
-        pass
     return EXIT_USAGE
 
 
@@ -410,12 +363,6 @@ def cmd_compat(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import run
-
-    return run(args)
-
-
 def cmd_fingerprints(args: argparse.Namespace) -> int:
     import json
 
@@ -423,23 +370,6 @@ def cmd_fingerprints(args: argparse.Namespace) -> int:
 
     _emit(json.dumps(target_fingerprints(), indent=2))
     return 0
-
-
-_UPSTREAM_CHECK_DESCRIPTION = (
-    "For maintainers: install the newest mlx-lm / mlx-vlm releases (or the ones named) into throwaway "
-    "environments, run every patch's reproduction there with kvpatch off, and compare each outcome with what "
-    "the patch's record says (still affected, fixed upstream, first fixed release). Needs the package index."
-)
-
-
-def _add_upstream_check(sub: Any, *, full: bool) -> None:
-    if full:
-        from .maint.upstream_check import add_parser
-
-        add_parser(sub)
-        sub.choices["upstream-check"].description = _UPSTREAM_CHECK_DESCRIPTION
-    else:  # listed in the help; its options load with the command itself
-        sub.add_parser("upstream-check", help=_HELP["upstream-check"], description=_UPSTREAM_CHECK_DESCRIPTION)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -458,128 +388,55 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             "`kvpatch status --help` lists the exit statuses."
         ),
     )
-    parser.add_argument("--version", action=_VersionAction, help="print kvpatch's version and exit")
+    parser.add_argument("--version", action="store_true", help="print kvpatch's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, prog="kvpatch")
 
-    p = sub.add_parser(
-        "status",
-        help=_HELP["status"],
-        description=_paragraph(
-            "Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and why. "
-            "It reads package metadata and, once per environment, imports the upstream modules to settle "
-            "what an import would do; --verify runs every relevant reproduction with and without its patch."
-        ),
-        epilog=_STATUS_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help="every patch, with its targets and the full reason")
-    p.add_argument("--json", action="store_true", help="machine-readable output (schema kvpatch.status/1)")
-    p.add_argument("--check", action="store_true", help="exit 0 clean, 1 attention needed, 2 a patch failed")
-    p.add_argument(
-        "--verify", action="store_true", help="run each relevant reproduction with and without its patch (imports mlx)"
-    )
-    p.add_argument(
-        "--fresh",
-        action="store_true",
-        help="settle outcomes again (import upstream) even if the environment is unchanged",
-    )
-    p.add_argument(
-        "--no-settle", action="store_true", help="predictions only: read package metadata, import nothing of upstream"
-    )
-    p.add_argument(
-        "--scan",
-        action="store_true",
-        help="also list vendored copies of patched upstream code in installed servers (reads files only)",
-    )
-    p.set_defaults(func=cmd_status)
+    p = {}
+    for name, text in _HELP.items():
+        if name == "upstream-check" and command in (None, "upstream-check"):
+            from .maint.upstream_check import add_parser
 
-    from .verify import add_arguments as add_verify_arguments
+            add_parser(sub)
+            sub.choices[name].description = _DESCRIPTIONS[name]
+            continue
+        raw = name in ("status", "run")  # their descriptions and epilogs keep their line breaks
+        p[name] = sub.add_parser(
+            name,
+            help=text,
+            usage=_RUN_USAGE if name == "run" else None,
+            description=_DESCRIPTIONS[name],
+            epilog=_EPILOGS.get(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter,
+        )
+    for flags, text in (
+        (("-v", "--verbose"), "every patch, with its targets and the full reason"),
+        (("--json",), "machine-readable output (schema kvpatch.status/1)"),
+        (("--check",), "exit 0 clean, 1 attention needed, 2 a patch failed"),
+        (("--verify",), "run each relevant reproduction with and without its patch (imports mlx)"),
+        (("--fresh",), "settle outcomes again (import upstream) even if the environment is unchanged"),
+        (("--no-settle",), "predictions only: read package metadata, import nothing of upstream"),
+        (("--scan",), "also list vendored copies of patched upstream code in installed servers (reads files only)"),
+    ):
+        p["status"].add_argument(*flags, action="store_true", help=text)
+    from . import verify
 
-    p = sub.add_parser(
-        "verify",
-        help=_HELP["verify"],
-        description=(
-            "Settle, in this process, every verdict this environment's imports will read: for each patch whose "
-            "outcome the installed release does not decide by itself (a release newer than the patch was checked "
-            "on, an editable, directory or git install, drifted target code), run its reproduction without and "
-            "with the patch and store the verdict, so later imports measure nothing. Run it after installing or "
-            "upgrading (a Dockerfile's last step, CI, a deployment hook). To audit every relevant patch, "
-            "whatever decides it, run `kvpatch status --verify`."
-        ),
-        epilog="exit status: 0 every patch settled, 1 a verdict is inconclusive, a patch drifted or failed.",
-    )
-    add_verify_arguments(p)
-    p.set_defaults(func=cmd_verify)
-
-    p = sub.add_parser(
-        "run",
-        help=_HELP["run"],
-        usage=_RUN_USAGE,
-        description=_RUN_DESCRIPTION,
-        epilog=_RUN_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_run_arguments(p)
-
-    p = sub.add_parser("list", help=_HELP["list"], description="List every patch kvpatch ships, one line each.")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_list)
-
-    p = sub.add_parser(
-        "version", help=_HELP["version"], description="Print kvpatch's version, where it is, and Python's."
-    )
-    p.set_defaults(func=cmd_version)
-
-    p = sub.add_parser(
-        "help",
-        help=_HELP["help"],
-        description="Show kvpatch's help (its commands and what they do), or one command's: kvpatch help status.",
-    )
-    p.add_argument("topic", nargs="?", metavar="COMMAND", help="the command to describe")
-    p.set_defaults(func=cmd_help)
-
-    p = sub.add_parser(
-        "compat",
-        help=_HELP["compat"],
-        description="For maintainers: render COMPAT.md, the table of patches by upstream release, from the registry.",
-    )
-    group = p.add_mutually_exclusive_group()
+    verify.add_arguments(p["verify"])
+    # for the help only: cmd_run reads its own arguments, as everything after the program is the program's
+    p["run"].add_argument("-c", metavar="CODE", help="program passed in as a string")
+    p["run"].add_argument("-m", metavar="MODULE", help="run a library module as a script (like python -m)")
+    p["run"].add_argument("SCRIPT", nargs="?", help="program read from a file (or a directory / zip with __main__.py)")
+    p["run"].add_argument("ARGS", nargs="*", help="the program's arguments (its sys.argv[1:])")
+    p["list"].add_argument("--json", action="store_true", help="machine-readable output")
+    p["help"].add_argument("topic", nargs="?", metavar="COMMAND", help="the command to describe")
+    group = p["compat"].add_mutually_exclusive_group()
     group.add_argument("--write", action="store_true", help="write the table to --path")
     group.add_argument("--check", action="store_true", help="exit 1 when --path is not what --write would write")
-    p.add_argument("--path", default="COMPAT.md", help="the file to write or check (default: COMPAT.md)")
-    p.set_defaults(func=cmd_compat)
-
-    p = sub.add_parser(
-        "fingerprints",
-        help=_HELP["fingerprints"],
-        description=(
-            "For maintainers: import the installed mlx-lm / mlx-vlm and print, as JSON, the source fingerprint "
-            "of every target each patch replaces (what kvpatch/data/fingerprints.json records for drift checks)."
-        ),
-    )
-    p.set_defaults(func=cmd_fingerprints)
-
-    _add_upstream_check(sub, full=command in (None, "upstream-check"))
+    p["compat"].add_argument("--path", default="COMPAT.md", help="the file to write or check (default: COMPAT.md)")
+    commands = {"status": cmd_status, "verify": verify.run, "list": cmd_list, "version": cmd_version}
+    commands.update({"help": cmd_help, "compat": cmd_compat, "fingerprints": cmd_fingerprints})
+    for name, func in commands.items():
+        p[name].set_defaults(func=func)
     return parser
-
-
-class _VersionAction(argparse.Action):
-    """``--version``: the version line as ``version`` prints it (argparse's own action rewraps it)."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
-
-    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> NoReturn:
-        _emit(_version())
-        parser.exit(EXIT_CLEAN)
-
-
-def _command(argv: Sequence[str]) -> str:
-    """The subcommand named in ``argv`` (its first word that is not an option); ``""`` if none."""
-    for word in argv:
-        if not word.startswith("-"):
-            return word
-    return ""
 
 
 def _unknown_command(word: str) -> NoReturn:
@@ -593,7 +450,7 @@ def _unknown_command(word: str) -> NoReturn:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     """Parse ``argv``; an unknown option is reported with the usage of the command it was given to."""
-    command = _command(argv)
+    command = next((word for word in argv if not word.startswith("-")), "")  # the first word not an option
     if command and command not in _HELP:
         _unknown_command(command)
     parser = build_parser(command)
@@ -613,7 +470,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
             args = _parse(argv)
-            if args.command is None:  # bare `kvpatch`: the help, as pip does
+            if args.version:
+                _emit(_version())
+                code = EXIT_CLEAN
+            elif args.command is None:  # bare `kvpatch`: the help, as pip does
                 _emit(build_parser("").format_help(), end="")
                 code = EXIT_CLEAN
             else:
@@ -623,7 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(exc.code, file=sys.stderr)
                 return EXIT_USAGE
             code = EXIT_CLEAN if exc.code is None else exc.code
-        _finish_output()
+        if sys.stdout is not None:
+            _write("")  # what print left buffered: a failure is reported here, not at interpreter exit
         return code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
@@ -633,21 +494,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _OutputError as exc:
         return _io_error(str(exc))
     except Exception as exc:
-        if isinstance(exc, OSError) and _stdout_unwritable():
-            return _io_error(_describe(exc))
-        _internal_error()
+        if isinstance(exc, OSError) and sys.stdout is not None:  # a command's own print: is stdout what failed?
+            try:
+                _write("")
+            except _OutputError:
+                return _io_error(_describe(exc))
+        with contextlib.suppress(Exception):
+            import traceback
+
+            traceback.print_exc()
+            print(
+                f"kvpatch: internal error (exit {EXIT_INTERNAL}): a bug in kvpatch, not a finding about your "
+                "environment; please report it with the traceback above",
+                file=sys.stderr,
+            )
         return EXIT_INTERNAL
-
-
-def _internal_error() -> None:
-    try:
-        import traceback
-
-        traceback.print_exc()
-        print(
-            f"kvpatch: internal error (exit {EXIT_INTERNAL}): a bug in kvpatch, not a finding about your environment; "
-            "please report it with the traceback above",
-            file=sys.stderr,
-        )
-    except Exception:  # pragma: no cover - stderr gone too
-        pass

@@ -6,16 +6,13 @@ applied at the end of the session: failed, drifted, disabled (``KVPATCH=off`` / 
 or pending although the session imported its target modules (see :mod:`kvpatch.assertions`).
 
 ``--kvpatch-verify`` (or ``kvpatch_verify = true``) runs ``python -m kvpatch verify --missing`` in a
-child process before the session, so that every patch the reproduction decides (a release newer than
-kvpatch has checked, an editable or git install of upstream) has this environment's verdict before the
-tests import upstream; a verification that needs attention (inconclusive, drifted, could not run) fails
-the session. Nothing of it runs in the test process itself.
+child process before the session, so that every patch the reproduction decides has this environment's
+verdict before the tests import upstream; a verification that needs attention fails the session.
 
 The fixture ``kvpatch_status`` returns the status records (``kvpatch.records()``).
 
-This module imports nothing of kvpatch's engine at top level: kvpatch is imported inside the hooks
-only when the option is on (it is then imported at configure time, before test modules import
-upstream) and inside the fixture when a test asks for it.
+kvpatch is imported only when an option is on (at configure time, before test modules import upstream)
+or a test asks for the fixture.
 """
 
 from __future__ import annotations
@@ -24,52 +21,39 @@ from typing import Any
 
 import pytest
 
-_OPTION = "--kvpatch-require-applied"
-_INI = "kvpatch_require_applied"
-_KEY = "_kvpatch_require_applied_problems"
-_VERIFY_OPTION = "--kvpatch-verify"
-_VERIFY_INI = "kvpatch_verify"
-_VERIFY_KEY = "_kvpatch_verify_result"
+_REQUIRE = "kvpatch_require_applied"
+_VERIFY = "kvpatch_verify"
+#: What the session found, kept on the config (attributes, not ``config.stash``: any pytest a user has loads this)
+_VERIFIED = "_kvpatch_verify_result"
+_FOUND = "_kvpatch_require_applied_problems"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvpatch")
-    group.addoption(
-        _OPTION,
-        action="store_true",
-        default=None,
-        help="fail the session when a kvpatch patch that applies to the installed mlx-lm / mlx-vlm is not applied",
-    )
-    parser.addini(_INI, type="bool", default=False, help="same as --kvpatch-require-applied")
-    group.addoption(
-        _VERIFY_OPTION,
-        action="store_true",
-        default=None,
-        help="settle kvpatch's verdicts for this environment (python -m kvpatch verify) before the session",
-    )
-    parser.addini(_VERIFY_INI, type="bool", default=False, help="same as --kvpatch-verify")
+    for name, text in (
+        (
+            _REQUIRE,
+            "fail the session when a kvpatch patch that applies to the installed mlx-lm / mlx-vlm is not applied",
+        ),
+        (_VERIFY, "settle kvpatch's verdicts for this environment (python -m kvpatch verify) before the session"),
+    ):
+        option = "--" + name.replace("_", "-")
+        group.addoption(option, action="store_true", default=None, dest=name, help=text)
+        parser.addini(name, type="bool", default=False, help=f"same as {option}")
 
 
-def _enabled(config: pytest.Config) -> bool:
-    option = config.getoption(_OPTION, default=None)
-    if option is not None:
-        return bool(option)
-    return bool(config.getini(_INI))
-
-
-def _verify_enabled(config: pytest.Config) -> bool:
-    option = config.getoption(_VERIFY_OPTION, default=None)
-    if option is not None:
-        return bool(option)
-    return bool(config.getini(_VERIFY_INI))
+def _on(config: pytest.Config, name: str) -> bool:
+    """The command-line option, else the ini setting."""
+    option = config.getoption(name, default=None)
+    return bool(config.getini(name) if option is None else option)
 
 
 def _run_verify() -> tuple[int, str]:
     """``python -m kvpatch verify --missing`` in a child process: (exit status, its last lines).
 
-    As every child kvpatch starts (``kvpatch.measurer``' background verifier too), it runs no code from a directory
-    kvpatch did not choose: ``-P`` keeps the test session's working directory off its ``sys.path``, and it runs in
-    ``/``. (This module must not import kvpatch, which would activate it, so it cannot share that code.)
+    Like every child kvpatch starts (``kvpatch.measurer``'s background verifier too), it runs no code from a
+    directory kvpatch did not choose (``-P``, in ``/``); this module must not import kvpatch (that would activate
+    it), so it cannot share kvpatch's code for that.
     """
     import subprocess
     import sys
@@ -86,36 +70,33 @@ def _run_verify() -> tuple[int, str]:
         )
     except (OSError, subprocess.SubprocessError) as exc:
         return 1, f"kvpatch verify could not run: {exc}"
-    text = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
-    return proc.returncode, text
+    return proc.returncode, "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if _verify_enabled(config):
-        setattr(config, _VERIFY_KEY, _run_verify())  # before anything imports upstream (or kvpatch) here
-    if _enabled(config):
+    if _on(config, _VERIFY):
+        setattr(config, _VERIFIED, _run_verify())  # before anything imports upstream (or kvpatch) here
+    if _on(config, _REQUIRE):
         import kvpatch  # noqa: F401  (importing activates it before the tests import upstream)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
-    verified = getattr(config, _VERIFY_KEY, None)
-    if verified is not None and verified[0] != 0 and session.exitstatus == pytest.ExitCode.OK:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if not _enabled(config):
-        return
-    import kvpatch
-    from kvpatch.assertions import problems
+    failed = getattr(config, _VERIFIED, (0, ""))[0] != 0
+    if _on(config, _REQUIRE):
+        import kvpatch
+        from kvpatch.assertions import problems
 
-    applicable, found = problems(kvpatch.get_engine())
-    setattr(config, _KEY, (applicable, found))
-    if found and session.exitstatus == pytest.ExitCode.OK:
+        found = problems(kvpatch.get_engine())
+        setattr(config, _FOUND, found)
+        failed = failed or bool(found[1])
+    if failed and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    verified = getattr(config, _VERIFY_KEY, None)
+    verified = getattr(config, _VERIFIED, None)
     if verified is not None:
         code, text = verified
         if code != 0:
@@ -124,7 +105,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
                 terminalreporter.line(f"  {line}", red=True)
         else:
             terminalreporter.line(text.splitlines()[-1] if text else "kvpatch verify: nothing to settle")
-    result = getattr(config, _KEY, None)
+    result = getattr(config, _FOUND, None)
     if result is None:
         return
     applicable, found = result
@@ -132,7 +113,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.section("kvpatch: applicable patches not applied", sep="=", red=True, bold=True)
         for problem in found:
             terminalreporter.line(f"  - {problem}", red=True)
-        terminalreporter.line(f"{_OPTION}: failing the session ({len(found)} problem(s))", red=True)
+        terminalreporter.line(f"--kvpatch-require-applied: failing the session ({len(found)} problem(s))", red=True)
     else:
         applied = ", ".join(st.patch.id for st in applicable if st.state.value == "applied") or "none"
         terminalreporter.line(f"kvpatch: {len(applicable)} applicable patch(es), every one applied ({applied})")

@@ -1,9 +1,9 @@
-"""The start-up bootstrap, and access to its import machinery from inside kvpatch.
+"""The start-up bootstrap, reachable from inside kvpatch.
 
 The wheel installs ``kvpatch.pth``, ``kvpatch.start``, ``_kvpatch_boot.py`` and ``_kvpatch_hooks.py`` at the top
 of site-packages (where ``site`` runs them), beside this package; a source tree on ``PYTHONPATH`` has them here.
-This package finds them in either place for processes that did not start through them (``python -S``,
-``KVPATCH=off`` at start-up, a ``--target`` install).
+A process that did not start through them (``python -S``, ``KVPATCH=off`` at start-up, a ``--target`` install)
+loads them from either place.
 """
 
 from __future__ import annotations
@@ -21,41 +21,27 @@ def hooks() -> ModuleType | None:
     ``hooks().register_post_import_hook(hook, name)`` has the contract of wrapt's function of the same
     name, without wrapt's finder (see ``_kvpatch_hooks``).
     """
-    boot = sys.modules.get("_kvpatch_boot")
-    if boot is None:
-        boot = _load_boot()
-        if boot is None:
-            return None
     try:
-        return boot.hooks()
+        return boot().hooks()
     except Exception:
         return None
 
 
 def boot() -> ModuleType:
-    """The bootstrap module (``_kvpatch_boot``): the one kvpatch.pth / kvpatch.start run, loaded here for a
-    process that did not start through them. Its ``is_off`` is the one reading of ``KVPATCH=off``
-    (:mod:`kvpatch.config` uses it). Raises ImportError when the install lacks it."""
-    module = sys.modules.get("_kvpatch_boot") or _load_boot()
-    if module is None:
-        raise ImportError("kvpatch's bootstrap (_kvpatch_boot.py) cannot be loaded: reinstall kvpatch")
-    return module
-
-
-def _load_boot() -> ModuleType | None:
+    """The bootstrap module (``_kvpatch_boot``), loaded for a process that did not start through it. Its ``is_off``
+    is the one reading of ``KVPATCH=off``. Raises ImportError when the install lacks it."""
+    module = sys.modules.get("_kvpatch_boot")
+    if module is not None:
+        return module
     import importlib.util
 
     here = os.path.dirname(os.path.abspath(__file__))
-    site_dir = os.path.dirname(os.path.dirname(here))
-    for folder in (site_dir, here):  # the installed top-level copy first, so there is one registry
+    for folder in (os.path.dirname(os.path.dirname(here)), here):  # the installed top-level copy first: one registry
         path = os.path.join(folder, "_kvpatch_boot.py")
-        if not os.path.isfile(path):
-            continue
-        spec = importlib.util.spec_from_file_location("_kvpatch_boot", path)
+        spec = importlib.util.spec_from_file_location("_kvpatch_boot", path) if os.path.isfile(path) else None
         if spec is None or spec.loader is None:
             continue
-        module = importlib.util.module_from_spec(spec)
-        module = sys.modules.setdefault("_kvpatch_boot", module)
+        module = sys.modules.setdefault("_kvpatch_boot", importlib.util.module_from_spec(spec))
         if getattr(module, "hooks", None) is None:
             try:
                 spec.loader.exec_module(module)
@@ -63,4 +49,4 @@ def _load_boot() -> ModuleType | None:
                 sys.modules.pop("_kvpatch_boot", None)
                 continue
         return module
-    return None
+    raise ImportError("kvpatch's bootstrap (_kvpatch_boot.py) cannot be loaded: reinstall kvpatch")

@@ -53,10 +53,10 @@ def hooks():
     return _impl
 
 
-def install(force=False):
-    """Put the finder first on sys.meta_path (idempotent); nothing with KVPATCH=off unless forced."""
+def install():
+    """Put the finder first on sys.meta_path (idempotent); nothing with KVPATCH=off."""
     global _startup_path
-    if not force and is_off():
+    if is_off():
         return
     if _startup_path is None:
         _startup_path = tuple(sys.path)  # before the interpreter adds the script's or working directory
@@ -64,7 +64,7 @@ def install(force=False):
         sys.meta_path.insert(0, KvpatchBootstrapFinder)
 
 
-def from_shim(name, path=None, target=None, startup_path=None):
+def from_shim(name, path=None, target=None):
     """Take over from kvpatch.pth's stand-in (any duplicate goes, in one slice assignment); with
     KVPATCH=off every stand-in goes. ``name`` "": kvpatch.pth at start-up with KVPATCH set."""
     global _startup_path
@@ -74,7 +74,7 @@ def from_shim(name, path=None, target=None, startup_path=None):
         sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
         return None
     if _startup_path is None:
-        _startup_path = tuple(startup_path) if startup_path is not None else _explicit_path()
+        _startup_path = _explicit_path()
     meta_path = sys.meta_path
     kept, seen = [], False
     for finder in meta_path:

@@ -1,8 +1,6 @@
-"""The ``kvpatch`` console script's entry point (installed as a top-level module beside ``kvpatch``).
-
-It exists so that even a kvpatch that cannot be imported (a broken install, a missing dependency)
-exits with kvpatch's internal-error status 70, never with Python's 1, which ``kvpatch status --check``
-uses for "attention needed". Everything else is :func:`kvpatch.cli.main`.
+"""The ``kvpatch`` console script's entry point, a top-level module beside ``kvpatch``: a kvpatch that cannot be
+imported (a broken install) exits 70, kvpatch's internal error, never Python's 1 (``status --check``'s "attention
+needed"). Everything else is :func:`kvpatch.cli.main`.
 """
 
 import sys

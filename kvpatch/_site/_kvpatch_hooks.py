@@ -1,32 +1,22 @@
 """kvpatch's import machinery: activation on first use, and post-import hooks that cannot deadlock.
 
-Loaded by ``_kvpatch_boot`` (the start-up hook) the first time something imports ``mlx_lm`` or
-``mlx_vlm``; never in a process that does not. It imports nothing that is not loaded already
-(``sys``, ``os``, ``_thread``), because its finder runs inside the import system.
+Loaded by ``_kvpatch_boot`` the first time something imports ``mlx_lm`` or ``mlx_vlm``. Its finder runs inside
+the import system, so it imports nothing that is not loaded already (``sys``, ``os``, ``_thread``), and:
 
-Rules, each the answer to a deadlock or a lost patch seen with a finder that imports:
-
-- ``find_spec`` runs under the interpreter's global import lock. It never imports and never waits: it
-  asks the other finders for the spec directly, with the ``path`` the import system computed
-  (``importlib.util.find_spec`` would import the parent package, which may be executing in another
-  thread that is itself waiting for the global lock: wrapt's finder hangs exactly so), and wraps the
+- ``find_spec`` runs under the global import lock: it never imports and never waits. It asks the other finders
+  directly with the ``path`` the import system computed (``importlib.util.find_spec`` would import the parent
+  package, which another thread waiting for that lock may be executing: wrapt's finder hangs so), and wraps the
   loader.
-- Activation (``import kvpatch``) runs in the wrapped loader's ``create_module`` of the first
-  ``mlx_lm`` / ``mlx_vlm`` package imported, where the thread holds only that package's module lock,
-  and before the package enters ``sys.modules``: every hook kvpatch registers is in place before any
-  upstream module exists. Threads that import the other package meanwhile wait on kvpatch's own
-  module lock (the import system's, with its deadlock detection), never on a lock of ours.
-- Hooks run after the module's code, outside every lock, in the importing thread. A hook registered
-  for a module that is still executing under our loader is kept for the end of that execution (not
-  called on the half-made module and then forgotten).
-- While a thread activates kvpatch, top-level modules it imports are looked up in kvpatch's own
-  site directory and the start-up ``sys.path``, never in the working or script directory: a
-  ``kvpatch.py`` or ``wrapt.py`` there is not executed by ``import mlx_lm``.
-- Hooks registered with wrapt (``wrapt.register_post_import_hook``) for mlx modules fire too, through
-  wrapt's public ``notify_module_loaded``; this finder stays in front of wrapt's, which is skipped
-  for these modules (its lookup is the deadlock described above).
-- Nothing here raises into an import: errors become one warning each, through kvpatch's one warning
-  path (``kvpatch._warn``) when it is loaded (``_warn``).
+- Activation (``import kvpatch``) runs right after the first ``mlx_lm`` / ``mlx_vlm`` package's own code, where
+  the thread holds only that package's module lock (hooks for modules imported meanwhile run at once). Other
+  threads wait on the import system's own module locks, never on one of ours.
+- Hooks run after the module's code, outside every lock, in the importing thread; one registered for a module
+  that is still executing under our loader waits for the end of that execution.
+- While a thread activates kvpatch, top-level modules it imports come from kvpatch's site directory and the
+  start-up ``sys.path``, never the working or script directory (a ``kvpatch.py`` or ``wrapt.py`` there).
+- Hooks registered with ``wrapt.register_post_import_hook`` for these modules fire through wrapt's public
+  ``notify_module_loaded``; wrapt's finder is skipped for them (its lookup is the deadlock above).
+- Nothing here raises into an import: an error is one warning, through kvpatch's one warning path.
 """
 
 import _thread
@@ -120,7 +110,7 @@ def _others():
 
 
 def _chained_spec(name, path, target, top):
-    for _finder_obj, find in _others():
+    for _, find in _others():
         spec = find(name, path, target)
         if spec is None:
             continue
@@ -180,7 +170,7 @@ def _ensure_first():
 
 
 class _Loader:
-    """Wraps an upstream module's loader: activation before it exists, hooks after its code ran."""
+    """Wraps an upstream module's loader: activation and hooks after the module's code ran."""
 
     def __init__(self, loader, top):
         self._kvpatch_loader = loader
@@ -243,25 +233,14 @@ def _activate():
 
 # -- warnings --------------------------------------------------------------------------------------
 def _warn(message):
-    """Warn once per message, never raise: through kvpatch's one warning path (``kvpatch._warn.emit``:
-    category ``kvpatch.KvpatchWarning``, stderr under ``-W error``) whenever it is loaded. Only a kvpatch
-    that could not import even that falls back to a plain ``UserWarning``; then no ``KvpatchWarning``
-    exists for a filter to name."""
+    """Warn once per message, never raise, through ``kvpatch._warn`` (``KvpatchWarning``; stderr under ``-W
+    error``). A kvpatch that could not load even that has no warning category to filter: stderr, once."""
     try:
         one_path = sys.modules.get("kvpatch._warn")
         if one_path is not None:
             one_path.emit(message)
-            return
-        if message in _warned:
-            return
-        _warned.add(message)
-        if len(message) > 500:
-            message = message[:497] + "..."
-        import warnings
-
-        warnings.warn(message, UserWarning, stacklevel=3)
+        elif message not in _warned:
+            _warned.add(message)
+            sys.stderr.write(f"kvpatch: warning: {message[:500]}\n")
     except Exception:
-        try:
-            sys.stderr.write(f"kvpatch: warning: {message}\n")
-        except Exception:
-            pass
+        pass

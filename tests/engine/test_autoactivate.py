@@ -498,3 +498,23 @@ def test_activation_failure_warns_as_kvpatch_warning(tmp_path):
     proc = _run(["-c", code], cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["kvpatch._warn.KvpatchWarning"]
+
+
+def test_a_kvpatch_that_cannot_import_warns_on_stderr_not_as_user_warning(tmp_path):
+    """kvpatch's warning path itself cannot load (the package fails before it): one line on stderr, no warning of
+    another category that ``-W ignore::kvpatch.KvpatchWarning`` would miss (``-W error`` leaves the import alone)."""
+    env = {"PYTHONPATH": _trigger_dir(tmp_path, "0.32.2")}
+    code = textwrap.dedent(
+        """
+        import sys, warnings, json
+        sys.modules["kvpatch"] = None  # `import kvpatch` raises before kvpatch._warn exists
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import mlx_lm
+        print(json.dumps([w.category.__name__ for w in caught]))
+        """
+    )
+    proc = _run(["-W", "error", "-c", code], cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+    assert proc.stderr.count("kvpatch: warning: kvpatch could not activate: ") == 1, proc.stderr

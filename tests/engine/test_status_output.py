@@ -18,6 +18,7 @@ from kvpatch.config import Config, read_config
 from kvpatch.detect import NOT_INSTALLED, Source, Upstream
 from kvpatch.engine import Engine
 from kvpatch.status import build_report, format_text
+from kvpatch.verdicts import Outcome
 
 PATCHES = registry.load().patches
 NEWEST = {
@@ -109,6 +110,7 @@ def test_skipped_reproductions_are_named():
     entries = report.data["patches"]
     entries[0]["verify"] = {"outcome": "skipped: Metal only"}
     entries[1]["verify"] = {"outcome": "bug present, fixed by patch"}
+    report.outcomes.update({entries[0]["id"]: Outcome.SKIPPED, entries[1]["id"]: Outcome.FIXED})
     line = next(line for line in format_text(report).splitlines() if line.startswith("verified: "))
     assert f"1 skipped ({entries[0]['id']}: `kvpatch status -v` says why)" in line, line
     assert entries[1]["id"] not in line
