@@ -1,8 +1,5 @@
-"""The gate: a pure function from (patch, detected upstream, config) to a decision with a reason.
-
-It imports nothing of upstream and has no side effects, so it is tested table-driven
-(``tests/engine/test_gate.py``) over release, pre-release, dev, local and git-pinned versions.
-"""
+"""The gate: a pure function from (patch, detected upstream, config) to a decision with a reason. It imports
+nothing of upstream, so it is tested table-driven."""
 
 from __future__ import annotations
 
@@ -24,15 +21,12 @@ __all__ = ["Action", "Decision", "decide"]
 
 class Action(enum.Enum):
     APPLY = "apply"
-    #: The facts do not settle it (unknown commit, pre-release of the fixing release, a release
-    #: newer than the last one checked, an editable install): the reproduction decides.
-    VERIFY = "verify"
+    VERIFY = "verify"  # the facts do not settle it: the reproduction decides
     NOT_NEEDED = "not needed"
     OUT_OF_RANGE = "out of range"
     NOT_INSTALLED = "not installed"
     DISABLED = "disabled"
-    #: The patch changes documented upstream behaviour and was not asked for (``KVPATCH_ENABLE``).
-    OPT_IN = "opt-in"
+    OPT_IN = "opt-in"  # changes documented upstream behaviour and was not asked for (``KVPATCH_ENABLE``)
 
 
 @dataclass(frozen=True)
@@ -91,7 +85,6 @@ def _version_unknown(dist: str, upstream: Upstream) -> Decision:
 
 
 def _decide_installed(patch: Patch | Stub, upstream: Upstream, placer: Placer | None) -> Decision:
-
     dist = patch.distribution
     source = upstream.source
     if upstream.version is None and not (source.kind == "vcs" and source.commit):
