@@ -122,10 +122,6 @@ class PatchStatus:
             raise TypeError(f"{patch!r} is not resolved")
         return patch
 
-    @property
-    def needs_verify(self) -> bool:
-        return self.decision.action is Action.VERIFY or bool(self.drift)
-
 
 def fingerprint(obj: Any) -> str | None:
     """A short hash of an object's source (:func:`fingerprint_source`), looking through kvpatch's replacements;
@@ -178,10 +174,10 @@ class Engine:
         self._lock = threading.RLock()
         self._active = False
         for problem in self.config.problems:
-            self.warn(problem, key=f"config:{problem}")
+            emit(problem, key=f"config:{problem}")
         self._decide_all()
         for module, error in self.broken.items():
-            self.warn(f"patch module {module} could not be loaded: {error}", key=f"broken:{module}")
+            emit(f"patch module {module} could not be loaded: {error}", key=f"broken:{module}")
 
     def _decide_all(self) -> None:
         """Decide every patch; the unit of a stub that may be installed is imported now."""
@@ -284,13 +280,13 @@ class Engine:
                 for st in self.status.values():
                     if st.state is State.PENDING:
                         set_state(st, State.FAILED, error, error=error)
-            self.warn(error, key="activate")
+            emit(error, key="activate")
             return
         for name in fresh:
             try:
                 register(self._hook, name)
             except Exception as exc:  # pragma: no cover - the registry itself failing
-                self.warn(f"could not hook {name}: {exc}", key=f"hook:{name}")
+                emit(f"could not hook {name}: {exc}", key=f"hook:{name}")
 
     def deactivate(self) -> None:
         """Restore every original still held by kvpatch (what foreign wrappers hold stays, noted on the status);
@@ -309,9 +305,7 @@ class Engine:
             surgery.restore(change)
 
     def _hooking(self) -> set[str]:
-        hooking: set[str] | None = getattr(self._local, "hooking", None)
-        if hooking is None:
-            hooking = self._local.hooking = set()
+        hooking: set[str] = self._local.__dict__.setdefault("hooking", set())
         return hooking
 
     def _hook(self, module: types.ModuleType) -> None:
@@ -327,7 +321,7 @@ class Engine:
             finally:
                 hooking.discard(name)
         except Exception as exc:  # pragma: no cover - _advance catches its own errors
-            self.warn(f"kvpatch hook for {getattr(module, '__name__', module)} failed: {exc}", key="hook-crash")
+            emit(f"kvpatch hook for {getattr(module, '__name__', module)} failed: {exc}", key="hook-crash")
 
     def _dispatch(self, name: str) -> None:
         top = name in DISTRIBUTIONS.values()
@@ -347,7 +341,7 @@ class Engine:
         try:
             if not st.verified:
                 self._check_drift(st)
-                if st.needs_verify:
+                if st.decision.action is Action.VERIFY or st.drift:
                     if not self._package_ready(st.patch.import_name):
                         return  # reproductions import freely: wait until the package is fully imported
                     if st.installed:
@@ -434,7 +428,7 @@ class Engine:
                 f"{why}: kvpatch's fix was validated on {patch.distribution}'s code and a verdict measures that "
                 "code, not this replacement: not applied",
             )
-            self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
+            emit(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
             return
         verdict_key = verdicts.key(patch, self.upstream)
         found = None if verdicts.remeasure() else verdicts.lookup(verdict_key)
@@ -458,7 +452,7 @@ class Engine:
             set_state(st, State.PENDING, verdict)  # installed now where imported, by hooks later
             self._install_available(st)
             if st.drift:
-                self.warn(
+                emit(
                     f"kvpatch: {patch.id} applied to drifted code after its reproduction confirmed it: {why}",
                     key=f"drift:{patch.id}",
                 )
@@ -467,13 +461,13 @@ class Engine:
         elif found.outcome is Outcome.INCONCLUSIVE:
             why_not = f"{why}; the reproduction was inconclusive here ({found.detail}): not applied"
             set_state(st, State.INCONCLUSIVE, why_not, error=found.detail)
-            self.warn(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"verdict:{patch.id}")
+            emit(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"verdict:{patch.id}")
         elif found.outcome is Outcome.SKIPPED and not st.drift:
             why_not = f"{why}; the reproduction cannot run on this backend ({found.detail}): not applied"
             set_state(st, State.NOT_NEEDED, why_not)
         else:  # NOT_FIXED, or SKIPPED on drifted code
             set_state(st, State.DRIFTED, f"{why}; verdict: {st.verified}: not applied")
-            self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
+            emit(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
 
     def measure(self, patch: Patch, *, install: bool = True) -> Measurement:
         """Run ``patch``'s reproduction without the patch and with it: kvpatch's one "with and without".
@@ -615,7 +609,7 @@ class Engine:
                 # Late activation (the module was imported before kvpatch): any module may hold the original by
                 # name. At a fresh import only the upstream packages can.
                 everywhere = target.module not in self._hooking()
-                change.aliases = surgery.rebind_aliases(original, function, skip=owner, everywhere=everywhere)
+                surgery.rebind_aliases(original, function, skip=owner, everywhere=everywhere)
             return change
         raise RuntimeError(f"{target.path} kept changing while kvpatch installed {patch.id}")
 
@@ -626,7 +620,7 @@ class Engine:
             self._spliced.pop((id(old.owner), old.name), None)
             if proxy is not old.spliced_into or not surgery.splice_under(proxy, old.original, function):
                 return None  # the proxy changed or went: install afresh next time the module is seen
-            change = dataclasses.replace(old, function=function, aliases=[], spliced_into=None)
+            change = dataclasses.replace(old, function=function, spliced_into=None)
             self._changes.append(change)
             st.installed.append(old.target)
         return change
@@ -682,7 +676,7 @@ class Engine:
                     self._spliced[(id(change.owner), change.name)] = change
             if note:
                 self.status[change.patch_id].notes.append(note)
-                self.warn(f"kvpatch: {note}", key=f"restore:{change.target.path}:{note}")
+                emit(f"kvpatch: {note}", key=f"restore:{change.target.path}:{note}")
         for patch_id in dict.fromkeys(c.patch_id for c in undo):
             self._after_restore(self.status[patch_id])
         for change in above:  # reinstall what was stacked above, on top of the restored original
@@ -700,7 +694,7 @@ class Engine:
                 with self._lock:
                     if note not in st.notes:
                         st.notes.append(note)
-                self.warn(f"kvpatch: {st.patch.id}: {note}", key=f"restore-hook:{st.patch.id}")
+                emit(f"kvpatch: {st.patch.id}: {note}", key=f"restore-hook:{st.patch.id}")
 
     def _fail(self, st: PatchStatus, exc: BaseException, state: State = State.FAILED) -> None:
         try:
@@ -709,7 +703,7 @@ class Engine:
             log.error("kvpatch: restoring %s failed: %s", st.patch.id, inner)
         error = _describe(exc)
         set_state(st, state, f"{state.value}: {error}", error=error)
-        self.warn(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
+        emit(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
 
     # -- live truth --------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -749,9 +743,6 @@ class Engine:
                 self._advance(st)
 
     # -- public helpers ----------------------------------------------------------------------------
-    def warn(self, message: str, *, key: str) -> None:
-        emit(message, key=key)
-
     def suspend(self, patch_id: str) -> None:
         """Take one patch out (restoring the originals) without forgetting its decision."""
         st = self.status[patch_id]

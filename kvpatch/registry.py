@@ -15,12 +15,9 @@ from collections.abc import Iterable
 from functools import cached_property, lru_cache
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .record import DISTRIBUTIONS, Patch
-
-if TYPE_CHECKING:
-    from packaging.specifiers import SpecifierSet
 
 __all__ = ["Registry", "Stub", "index", "load"]
 
@@ -130,12 +127,6 @@ class Stub:
         for name in INDEXED:
             setattr(self, name, fields[name])
         self._record: Patch | None = None
-
-    @cached_property
-    def specifier(self) -> SpecifierSet:
-        from packaging.specifiers import SpecifierSet
-
-        return SpecifierSet(self.affected)
 
     @cached_property
     def range(self) -> Any:

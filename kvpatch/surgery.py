@@ -9,6 +9,7 @@ stays (and is reported). Modules that imported a replaced module-level function 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
@@ -16,7 +17,7 @@ import sys
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .record import DISTRIBUTIONS, Patch, Target, borrowed
@@ -62,9 +63,7 @@ class Change:
     had_own: bool  # the owner's own ``__dict__`` held the attribute (else inherited or absent)
     raw_original: Any  # what the owner's ``__dict__`` held (``MISSING``: nothing)
     original: Any  # the plain original function (``None`` for an added attribute)
-    stored: Any  # what was set on the owner (the replacement, re-wrapped in classmethod/staticmethod if needed)
     function: Any  # the plain replacement (carries the mark)
-    aliases: list[tuple[types.ModuleType, str]] = field(default_factory=list)
     spliced_into: Any = None  # the foreign wrapt proxy :func:`restore` put the original in under
 
 
@@ -209,9 +208,8 @@ def commit(
 ) -> Change:
     """Set a replacement from :func:`prepare` on ``owner`` (in ``wrapper``: the original's classmethod or
     staticmethod) and return how to put it back: the one install step, for upstream and vendored copies alike."""
-    stored = wrapper(function) if wrapper is not None else function
-    setattr(owner, name, stored)
-    return Change(patch_id, target, owner, name, had_own, raw, original, stored, function)
+    setattr(owner, name, wrapper(function) if wrapper is not None else function)
+    return Change(patch_id, target, owner, name, had_own, raw, original, function)
 
 
 def _walk(obj: Any) -> Iterator[tuple[Any, Any]]:
@@ -331,12 +329,9 @@ def splice_under(proxy: Any, old: Any, new: Any) -> bool:
         return False
 
 
-def rebind_aliases(
-    old: Any, new: Any, *, skip: types.ModuleType, everywhere: bool = False
-) -> list[tuple[types.ModuleType, str]]:
+def rebind_aliases(old: Any, new: Any, *, skip: types.ModuleType, everywhere: bool = False) -> None:
     """Rebind module attributes that are ``old`` (by identity) to ``new`` inside the upstream packages, or in every
-    module (``everywhere``); return where."""
-    found: list[tuple[types.ModuleType, str]] = []
+    module (``everywhere``)."""
     prefixes = tuple(f"{pkg}." for pkg in DISTRIBUTIONS.values())
     packages = frozenset(DISTRIBUTIONS.values())
     for mod_name, module in list(sys.modules.items()):
@@ -355,9 +350,5 @@ def rebind_aliases(
             pass
         for name, value in list(namespace.items()):
             if value is old:
-                try:
+                with contextlib.suppress(Exception):  # a read-only module stand-in
                     setattr(module, name, new)
-                except Exception:  # pragma: no cover - a read-only module stand-in
-                    continue
-                found.append((module, name))
-    return found
