@@ -32,7 +32,6 @@ class Source:
     url: str | None = None
     vcs: str | None = None
     commit: str | None = None
-    requested_revision: str | None = None
     error: str | None = None  # why, when ``kind == "unknown"``
 
     def describe(self) -> str:
@@ -98,7 +97,6 @@ def read_source(text: str | None) -> Source:
             url=url,
             vcs=str(vcs_info.get("vcs") or "git"),
             commit=commit.lower() if commit else None,
-            requested_revision=vcs_info.get("requested_revision"),
         )
     dir_info = data.get("dir_info")
     if isinstance(dir_info, dict):

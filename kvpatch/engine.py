@@ -189,6 +189,7 @@ class Engine:
                 except Exception as exc:
                     self.broken[patch.module] = _describe(exc)
                     self.patches.remove(patch)
+                    self.status.pop(patch.id, None)
                     continue
                 self.patches[self.patches.index(patch)] = record
                 st = self._decide(record)
@@ -207,10 +208,8 @@ class Engine:
         """Restore everything and decide every patch again under ``config``: ``kvpatch verify`` measures what the
         user's ``KVPATCH_DISABLE`` / ``KVPATCH_ENABLE`` leave out too, with this process's one engine."""
         self.deactivate()
-        with self._lock:
-            self.config = config
-            self.status = {}
-            self._decide_all()
+        self.config = config
+        self._decide_all()
 
     def materialise(self) -> list[Patch]:
         """Every patch as its record, in install order, importing the units still stubs; a unit that fails to import

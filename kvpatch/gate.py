@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from . import versions
 from .config import Config
@@ -14,6 +14,7 @@ from .detect import Upstream
 from .record import Patch
 
 if TYPE_CHECKING:
+    from .commits import Placement
     from .registry import Stub
 
 __all__ = ["Action", "Decision", "decide"]
@@ -35,22 +36,11 @@ class Decision:
     reason: str
 
 
-class PlacementLike(Protocol):
-    @property
-    def known(self) -> bool: ...
-    @property
-    def fixed(self) -> bool | None: ...
-    @property
-    def introduced(self) -> bool | None: ...
-    @property
-    def reason(self) -> str: ...
+Placer = Callable[[str, str, "str | None", "str | None"], "Placement"]
 
 
-Placer = Callable[[str, str, "str | None", "str | None"], PlacementLike]
-
-
-def _default_placer(distribution: str, pinned: str, fixed: str | None, introduced: str | None) -> PlacementLike:
-    from .commits import place
+def _default_placer(distribution: str, pinned: str, fixed: str | None, introduced: str | None) -> Placement:
+    from .commits import place  # the commit index loads only for a git pin
 
     return place(distribution, pinned, fixed_commit=fixed, introduced_commit=introduced)
 

@@ -133,3 +133,47 @@ def test_a_declining_builder_is_asked_once(tmp_path):
         KVPATCH="off",
     )
     assert out == {"calls": 1, "state": "not needed"}, out
+
+
+def test_a_builder_is_asked_once_per_install(tmp_path):
+    """A patch its verdict settles: deciding whether it declines builds the replacement that is then installed."""
+    out = _run(
+        """
+        import json
+        from kvpatch import verdicts
+        from kvpatch.config import Config
+        from kvpatch.engine import Engine
+        from kvpatch.record import Expiry, Finding, Patch
+        p = Patch(id="demo", summary="demo", distribution="mlx-lm", affected=">=0.1.0,<=0.1.0",
+                  checked_through="0.1.0", reference="none", expiry=Expiry("never"))
+        p.module = "kvpatch"
+        calls = []
+
+        @p.replace("mlx_lm.models.cache", "C.f")
+        def build(original):
+            calls.append(1)
+            def f(self):
+                return 2
+            return f
+
+        @p.reproduce
+        def reproduce():
+            import mlx_lm.models.cache as c
+            return Finding(c.C().f() == 1, "f() said %d" % c.C().f())
+
+        with verdicts.measuring_as("verify"):  # measures and stores the verdict
+            first = Engine([p], config=Config())
+            first.activate()
+            import mlx_lm.models.cache
+        first.deactivate()
+        calls.clear()
+        engine = Engine([p], config=Config())  # reads the stored verdict
+        engine.activate()
+        print("@@" + json.dumps({"calls": len(calls), "state": engine.status["demo"].state.value}))
+        """,
+        tmp_path,
+        PYTHONPATH=_site(tmp_path, "0.2.0"),
+        KVPATCH="off",
+        KVPATCH_VERDICTS=str(tmp_path / "verdicts"),
+    )
+    assert out == {"calls": 1, "state": "applied"}, out
