@@ -365,7 +365,7 @@ class Engine:
         """Compare each replaced target's source fingerprint with those recorded for the affected releases (shipped
         data); a mismatch sends the patch to its verdict. A VERIFY decision goes there anyway: its verdict's key
         covers the target files."""
-        patch = self.record_of(st)
+        patch = st.record
         known = verdicts.validated(patch) if st.decision.action is not Action.VERIFY else None
         if not known:
             return
@@ -416,7 +416,7 @@ class Engine:
         A user's process only reads the verdict cache: with no verdict the patch is not applied and one background
         verification is requested. Only a verification process (:func:`kvpatch.verdicts.measuring`) measures.
         """
-        patch = self.record_of(st)
+        patch = st.record
         why = "; ".join(st.drift) or st.decision.reason
         if self._declined(st):
             return  # nothing would change here (e.g. a CUDA-only fix on the CPU): no verdict needed

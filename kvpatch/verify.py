@@ -119,31 +119,24 @@ def run(args: argparse.Namespace) -> int:
             "exit": code,
         }
         print(json.dumps(data, indent=2))
-        if lost:
-            print(_not_stored_line(lost), file=sys.stderr)
-        return code
-    measured = [r for r in rows if r["verdict"] or r["state"] not in _SETTLED]
-    for r in measured:
-        print(f"{r['id']:<26} {r['state']:<20} {r['verdict'] or r['error'] or r['reason']}")
-    for module, error in engine.broken.items():
-        print(f"BROKEN {module}: {error}")
-    verified = sum(1 for r in rows if r["verdict"])
-    decided = sum(1 for r in rows if r["action"] in ("apply", "not needed"))
-    stored = f"stored in {where / verdicts.FILE}" if where else "not stored: no writable cache"
-    print(
-        f"kvpatch verify: verified {verified} patch(es) whose outcome depends on a reproduction here ({stored}); "
-        f"{decided} decided by the installed release need none (`kvpatch status --verify` measures those too); "
-        f"{len(unsettled)} need attention (exit {code})",
-        file=sys.stdout,
-    )
+    else:
+        for r in rows:
+            if r["verdict"] or r["state"] not in _SETTLED:
+                print(f"{r['id']:<26} {r['state']:<20} {r['verdict'] or r['error'] or r['reason']}")
+        for module, error in engine.broken.items():
+            print(f"BROKEN {module}: {error}")
+        verified = sum(1 for r in rows if r["verdict"])
+        decided = sum(1 for r in rows if r["action"] in ("apply", "not needed"))
+        stored = f"stored in {where / verdicts.FILE}" if where else "not stored: no writable cache"
+        print(
+            f"kvpatch verify: verified {verified} patch(es) whose outcome depends on a reproduction here ({stored}); "
+            f"{decided} decided by the installed release need none (`kvpatch status --verify` measures those too); "
+            f"{len(unsettled)} need attention (exit {code})"
+        )
     if lost:
-        print(_not_stored_line(lost), file=sys.stderr)
+        print(
+            f"kvpatch verify: {len(lost)} verdict(s) were measured but NOT stored ({next(iter(lost.values()))}); "
+            f"later processes will show them as pending verification (exit {EXIT_NOT_STORED})",
+            file=sys.stderr,
+        )
     return code
-
-
-def _not_stored_line(lost: dict[str, str]) -> str:
-    reason = next(iter(lost.values()))
-    return (
-        f"kvpatch verify: {len(lost)} verdict(s) were measured but NOT stored ({reason}); later processes will "
-        f"show them as pending verification (exit {EXIT_NOT_STORED})"
-    )
