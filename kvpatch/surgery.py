@@ -242,15 +242,6 @@ def _walk(obj: Any) -> Iterator[tuple[Any, Any]]:
                     todo.append((_plain(value), above))
 
 
-def _reaches(obj: Any, target: Any) -> Any:
-    """The outermost non-kvpatch object above ``target`` as reached from ``obj`` (``None``: only kvpatch's own;
-    ``MISSING``: not reached)."""
-    for node, above in _walk(obj):
-        if node is target:
-            return above
-    return MISSING
-
-
 def liveness(change: Change) -> tuple[str, str]:
     """Where ``change``'s replacement stands now: ``("in place" | "wrapped" | "overridden" | "removed", detail)``;
     ``wrapped``: a foreign wrapper holds the attribute and reaches it (the fix runs when it calls through)."""
@@ -264,7 +255,8 @@ def liveness(change: Change) -> tuple[str, str]:
         return "removed", f"{change.target.path} no longer exists"
     if _plain(current) is change.function:
         return "in place", ""
-    foreign = _reaches(current, change.function)
+    # the outermost non-kvpatch object above the replacement (None: only kvpatch's own; MISSING: not reached)
+    foreign = next((above for node, above in _walk(current) if node is change.function), MISSING)
     if foreign is MISSING:
         return "overridden", f"overridden by {describe(current)}"
     return ("in place", "") if foreign is None else ("wrapped", f"under {describe(foreign)}")
@@ -278,10 +270,8 @@ def restore(change: Change) -> str | None:
         if change.had_own:
             setattr(change.owner, change.name, change.raw_original)
         else:
-            try:
+            with contextlib.suppress(AttributeError):  # someone else removed it
                 delattr(change.owner, change.name)
-            except AttributeError:  # pragma: no cover - someone else removed it
-                pass
     elif state == "wrapped":
         current = vars(change.owner).get(change.name, MISSING)
         if current is MISSING:
