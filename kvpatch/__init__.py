@@ -63,9 +63,8 @@ def _build() -> Engine:
 def get_engine() -> Engine:
     """The process's engine (built on first use; not necessarily active)."""
     global _engine
-    engine = _engine
-    if engine is not None:
-        return engine
+    if _engine is not None:
+        return _engine
     built = _build()  # outside the lock: building imports the patch units
     with _lock:
         if _engine is None:
@@ -104,12 +103,8 @@ def records() -> list[PatchStatus]:
     engine = get_engine()
     patches = engine.materialise()
     engine.refresh()
-    return [engine.status[p.id] for p in patches] + _copy_records()
-
-
-def _copy_records() -> list[PatchStatus]:
     vendored = sys.modules.get(f"{__name__}.vendored")  # no copy registered: not even loaded
-    return vendored.copy_records() if vendored is not None else []
+    return [engine.status[p.id] for p in patches] + (vendored.copy_records() if vendored is not None else [])
 
 
 def register_copy(module: str, *, of: str, version: str, patches: Iterable[str] | None = None) -> list[PatchStatus]:
