@@ -1,12 +1,9 @@
 """kvpatch: version-gated, audited fixes for known KV-cache bugs in mlx-lm and mlx-vlm.
 
-Importing kvpatch activates it: every patch whose upstream release (or pinned git commit) has the
-bug is installed as soon as its target module is imported, before or after kvpatch. Installed in an
-environment, kvpatch also activates itself in any process that imports mlx-lm or mlx-vlm (through a
-tiny ``.pth`` bootstrap that costs nothing to processes that never import them).
-
-``KVPATCH=off`` turns it all off; ``KVPATCH_DISABLE=id,id`` (or ``*``) leaves out single patches.
-``python -m kvpatch status`` shows what is applied and why.
+Importing kvpatch activates it (so does any import of mlx-lm or mlx-vlm, through a ``.pth`` bootstrap): every patch
+whose upstream release or pinned commit has the bug is installed when its target module is imported.
+``KVPATCH=off`` turns it off, ``KVPATCH_DISABLE=id,id`` (or ``*``) leaves out patches; ``python -m kvpatch status``
+shows what is applied and why.
 """
 
 from __future__ import annotations
@@ -48,8 +45,7 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-# ``importlib.reload(kvpatch)`` re-runs this file in the same namespace: keep the engine that is already
-# active (a second engine would find the first one's marks and install nothing, but one is enough).
+# ``importlib.reload(kvpatch)`` re-runs this file in the same namespace: the process keeps its one engine.
 _engine: Engine | None = globals().get("_engine")
 _lock = globals().get("_lock") or threading.Lock()
 
@@ -57,7 +53,7 @@ _lock = globals().get("_lock") or threading.Lock()
 def _build() -> Engine:
     from . import registry
 
-    stubs = registry.index()  # the units' gate facts from the shipped index: only units that apply get imported
+    stubs = registry.index()  # only the units whose gate may apply get imported
     if stubs is not None:
         return Engine(stubs)
     reg = registry.load()
@@ -67,9 +63,8 @@ def _build() -> Engine:
 def get_engine() -> Engine:
     """The process's engine (built on first use; not necessarily active)."""
     global _engine
-    engine = _engine
-    if engine is not None:
-        return engine
+    if _engine is not None:
+        return _engine
     built = _build()  # outside the lock: building imports the patch units
     with _lock:
         if _engine is None:
@@ -105,14 +100,13 @@ def deactivate() -> None:
 def records() -> list[PatchStatus]:
     """The status of every patch in this process as it is now, for servers that assert kvpatch is active.
 
-    Copies a server registered (:func:`register_copy`) come last, one status per (patch, copy).
     Each installed replacement is looked up again: one that something else has since replaced shows as
-    ``overridden`` (call this, or :func:`require_applied`, after your own patches are in), and a target
-    module re-executed since (``importlib.reload``) gets its patches again. Every patch unit is imported here,
-    so each status's ``patch`` is a :class:`Patch`.
+    ``overridden`` (call this after your own patches are in), and a target module re-executed since
+    (``importlib.reload``) gets its patches again. Copies a server registered (:func:`register_copy`) come last,
+    one status per (patch, copy).
     """
     engine = get_engine()
-    patches = engine.materialise()  # every status's patch is its kvpatch.Patch (units imported now)
+    patches = engine.materialise()
     engine.refresh()
     return [engine.status[p.id] for p in patches] + _copy_records()
 
@@ -123,20 +117,16 @@ def _copy_records() -> list[PatchStatus]:
 
 
 def register_copy(module: str, *, of: str, version: str, patches: Iterable[str] | None = None) -> list[PatchStatus]:
-    """Declare ``module`` a vendored copy of upstream's ``of`` as released in ``version``, for a server that ships
-    one, e.g. ``register_copy("rapid_mlx.vendor.mlx_vlm_cache", of="mlx_vlm.models.cache", version="0.7.2")``.
-
-    kvpatch patches the copy (when it is imported, or now) with the patches the gate applies to that release
-    (or only those named in ``patches``), and :func:`records`, ``require_applied`` and ``status`` report each
-    of them for the copy apart from upstream's module (``PatchStatus.copy``): applied only while the fix is in
-    the copy. Returns the copy's statuses.
-    """
+    """Declare ``module`` a vendored copy of upstream's ``of`` as released in ``version`` (e.g.
+    ``register_copy("rapid_mlx.vendor.mlx_vlm_cache", of="mlx_vlm.models.cache", version="0.7.2")``): kvpatch
+    patches it with the patches the gate applies to that release (or those named in ``patches``) and reports them
+    for the copy (``PatchStatus.copy``). Returns the copy's statuses."""
     from . import vendored
 
     return vendored.register_copy(get_engine(), module, of=of, version=version, patches=patches)
 
 
-#: Public names of the server API, loaded on first use (nothing of it runs at import): name -> module.
+#: The server API, loaded on first use: name -> module.
 _LAZY = {
     "NotApplied": "assertions",
     "require_applied": "assertions",

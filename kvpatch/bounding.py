@@ -1,21 +1,8 @@
-"""A bounded prompt cache built per call, the way mlx-lm's own batch generator bounds it.
-
-``mlx_lm.models.cache.make_prompt_cache(model, max_kv_size)`` returns ``model.make_cache()`` unchanged
-when the model defines one, so the full-attention layers of such models stay unbounded (kvpatch's opt-in
-``max-kv-size-ignored`` changes that for the whole process). mlx-lm's ``BatchGenerator._make_new_cache``
-(0.31.2, 0.31.3) bounds them itself: every ``KVCache`` of the model's layout becomes a
-``RotatingKVCache(max_size=max_kv_size)`` (``keep=0``) and everything else stays as the model made it.
-Servers build their caches per request and want exactly that, without flipping upstream's documented
-behaviour for every caller in the process::
-
-    cache = kvpatch.bounded_prompt_cache(model, 4096)
-
-Differences from ``_make_new_cache``, both where it leaves a full-attention layer unbounded: a
-``CacheList``'s ``KVCache`` children are bounded too (the architectures that nest are the ones that run
-out of memory), and a model without ``make_cache`` gets ``keep=0`` rather than
-``make_prompt_cache``'s ``keep=4`` (the batch caches have no ``keep``). Sliding-window
-``RotatingKVCache``s, ``ArraysCache``/Mamba state, ``ChunkedKVCache``, quantized caches and any
-``KVCache`` subclass are left as they are. Cold path: once per request.
+"""A bounded prompt cache per call, as mlx-lm's ``BatchGenerator._make_new_cache`` bounds it (0.31.2, 0.31.3): every
+full-attention ``KVCache`` of the model's layout becomes a ``RotatingKVCache(max_size=max_kv_size)``, without flipping
+``make_prompt_cache``'s documented behaviour for the whole process (the opt-in ``max-kv-size-ignored`` does that).
+Unlike it, a ``CacheList``'s ``KVCache`` children are bounded too, and ``keep`` is 0 for a model without
+``make_cache``. Any other cache (rotating, arrays, chunked, quantized, ``KVCache`` subclasses) stays as it is.
 """
 
 from __future__ import annotations
@@ -31,12 +18,8 @@ _ORIGINS = ("mlx_lm.models.cache", "mlx_vlm.models.cache")
 
 
 def bounded_prompt_cache(model: Any, max_kv_size: int | None, keep: int = 0) -> list[Any]:
-    """The model's prompt cache with every full-attention ``KVCache`` replaced by a ``RotatingKVCache``.
-
-    ``max_kv_size=None`` returns the model's own cache unchanged (``make_prompt_cache(model)``).
-    ``keep`` is the number of leading positions a rotating cache never evicts (0 as in mlx-lm's batch
-    path; ``make_prompt_cache`` uses 4 for models without ``make_cache``).
-    """
+    """The model's prompt cache with every full-attention ``KVCache`` a ``RotatingKVCache`` that never evicts its
+    first ``keep`` positions; ``max_kv_size=None``: the model's own cache unchanged."""
     _check(max_kv_size, keep)
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -45,9 +28,8 @@ def bounded_prompt_cache(model: Any, max_kv_size: int | None, keep: int = 0) -> 
 
 
 def bound_layout(caches: list[Any], max_kv_size: int, keep: int = 0) -> list[Any]:
-    """:func:`bounded_prompt_cache` for a layout the caller has just built (empty caches, nobody else holds
-    them): a server whose code builds the model's cache itself bounds it with this. CacheList layers are
-    bounded in place; a populated cache is never re-laid-out (its contents would have to become a ring)."""
+    """:func:`bounded_prompt_cache` for a layout of empty caches the caller has just built (CacheList layers are
+    bounded in place); a populated cache is refused."""
     _check(max_kv_size, keep)
     rotating = {}  # KVCache class -> the RotatingKVCache of the same origin
     for name in _ORIGINS:

@@ -1,15 +1,9 @@
-"""Find out which upstream releases are installed, and from where, without importing them.
+"""Which upstream releases are installed, and from where, without importing them.
 
-Versions come from ``importlib.metadata``; the install source from the PEP 610
-``direct_url.json`` that pip writes into a distribution's ``.dist-info`` for VCS, local-directory
-(editable or not) and archive installs. A plain install from an index has no such file.
-
-When the metadata gives no version (``METADATA`` missing, empty, not UTF-8, without a ``Version``,
-or no ``.dist-info`` at all) the package may still be importable, and then it runs unpatched unless
-kvpatch looks: such a distribution is *installed, version unknown* (:attr:`Upstream.version_unknown`
-says why) and the gate leaves the decision to the reproduction. Whether the package is importable is
-found with :class:`importlib.machinery.PathFinder` directly: nothing is imported, and no finder on
-``sys.meta_path`` (kvpatch's own bootstrap, wrapt's post-import finder) is consulted.
+Versions come from ``importlib.metadata``, the install source from PEP 610's ``direct_url.json`` (absent for an
+index install). A package that is importable while its metadata gives no version is *installed, version unknown*
+and left to the reproduction; importability is asked of :class:`~importlib.machinery.PathFinder` directly, so
+nothing is imported and no finder on ``sys.meta_path`` is consulted.
 """
 
 from __future__ import annotations
@@ -21,10 +15,10 @@ from importlib.machinery import PathFinder
 
 __all__ = ["NOT_INSTALLED", "Source", "Upstream", "detect", "detect_one", "read_source"]
 
-#: What status reports on: the array library and the two patched distributions.
+#: The array library and the two patched distributions.
 WATCHED = ("mlx", "mlx-lm", "mlx-vlm")
 
-#: The module whose presence shows a distribution is importable (``mlx`` is a namespace package).
+#: The module that shows a distribution is importable (``mlx`` is a namespace package).
 PROBES: dict[str, str] = {"mlx": "mlx.core", "mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
 
 
@@ -32,16 +26,13 @@ PROBES: dict[str, str] = {"mlx": "mlx.core", "mlx-lm": "mlx_lm", "mlx-vlm": "mlx
 class Source:
     """Where a distribution was installed from (PEP 610)."""
 
-    #: ``index`` (no direct_url.json), ``vcs``, ``editable``, ``directory``, ``archive``,
-    #: ``unknown`` (direct_url.json present but unreadable or of an unknown form, or no metadata at all),
-    #: or ``none`` (the distribution is not installed).
+    #: ``index`` (no direct_url.json), ``vcs``, ``editable``, ``directory``, ``archive``, ``unknown`` (direct_url.json
+    #: unusable, or no metadata at all) or ``none`` (not installed).
     kind: str = "index"
     url: str | None = None
     vcs: str | None = None
     commit: str | None = None
-    requested_revision: str | None = None
-    #: Why the direct_url.json could not be used, when ``kind == "unknown"``.
-    error: str | None = None
+    error: str | None = None  # why, when ``kind == "unknown"``
 
     def describe(self) -> str:
         if self.kind == "none":
@@ -56,7 +47,6 @@ class Source:
         return f"{self.kind} {self.url}"
 
 
-#: The source of a distribution that is not installed.
 NOT_INSTALLED = Source(kind="none")
 
 
@@ -68,9 +58,7 @@ class Upstream:
     version: str | None
     source: Source = Source()
     location: str | None = None
-    #: Why the version is unknown although the package is importable (``METADATA`` missing, empty,
-    #: unreadable, or no ``.dist-info`` at all); ``None`` otherwise.
-    version_unknown: str | None = None
+    version_unknown: str | None = None  # why no version although the package is importable
 
     @property
     def installed(self) -> bool:
@@ -109,7 +97,6 @@ def read_source(text: str | None) -> Source:
             url=url,
             vcs=str(vcs_info.get("vcs") or "git"),
             commit=commit.lower() if commit else None,
-            requested_revision=vcs_info.get("requested_revision"),
         )
     dir_info = data.get("dir_info")
     if isinstance(dir_info, dict):
@@ -127,7 +114,7 @@ def detect_one(name: str) -> Upstream:
     """Detect one distribution; never raises."""
     try:
         return _detect_one(name)
-    except Exception as exc:  # pragma: no cover - defensive: each step below catches its own errors
+    except Exception as exc:  # pragma: no cover - each step catches its own errors; a user's import must not break
         problem = f"detection failed: {_err(exc)}"
         where = _importable(name)
         if where is None:
@@ -174,11 +161,8 @@ def _detect_one(name: str) -> Upstream:
 
 
 def _header_version(dist: metadata.Distribution) -> str | None:
-    """The ``Version:`` header of ``METADATA``, read up to the end of the headers only.
-
-    ``dist.version`` parses the whole file with the email parser, long description included (most of the
-    time kvpatch spends detecting); ``None`` leaves it to ``dist.version`` (no METADATA, no such header).
-    """
+    """The ``Version:`` header of ``METADATA``, reading the headers only (``dist.version`` parses the long
+    description too, most of detection's time); ``None`` leaves it to ``dist.version``."""
     text = dist.read_text("METADATA")
     for line in (text or "").splitlines():
         if not line.strip():
@@ -197,11 +181,8 @@ def _source(dist: metadata.Distribution) -> Source:
 
 
 def _no_version(dist: metadata.Distribution) -> str:
-    """Why a distribution's metadata gave no version."""
-    try:
-        text = dist.read_text("METADATA")
-    except Exception as exc:  # pragma: no cover - dist.version would have raised first
-        return f"METADATA unreadable: {_err(exc)}"
+    """Why a distribution's metadata gave no version (reading it succeeded already)."""
+    text = dist.read_text("METADATA")
     if text is None:
         return "METADATA missing"
     if not text.strip():
@@ -210,11 +191,7 @@ def _no_version(dist: metadata.Distribution) -> str:
 
 
 def _importable(name: str) -> str | None:
-    """Where the distribution's package would be imported from, or ``None``; imports nothing.
-
-    Uses :class:`PathFinder` over ``sys.path`` directly, so no finder on ``sys.meta_path`` (kvpatch's
-    bootstrap among them) is asked. A bare namespace directory does not count.
-    """
+    """Where the distribution's package would be imported from (a bare namespace directory does not count)."""
     parts = PROBES.get(name, name.replace("-", "_")).split(".")
     try:
         spec = PathFinder.find_spec(parts[0])
@@ -235,5 +212,5 @@ def _err(exc: BaseException) -> str:
 
 
 def detect(names: tuple[str, ...] = WATCHED) -> dict[str, Upstream]:
-    """Detect every watched distribution (reads metadata only; imports nothing of upstream)."""
+    """Detect every watched distribution (reads metadata only)."""
     return {name: detect_one(name) for name in names}

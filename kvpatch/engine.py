@@ -1,22 +1,15 @@
-"""Apply and restore patches through post-import hooks: the lifecycle of kvpatch in one process.
+"""The lifecycle of kvpatch in one process: decide once (the gate), hook each target module, install the patches
+that apply when it arrives, and put the originals back on request.
 
-The engine decides once per process (the gate), registers a post-import hook per target module (kvpatch's
-own registry, :func:`hook_registry`),
-and when a module arrives installs the patches that apply to it. Replacements are plain functions set on
-the owner (module or class): nothing wraps them per call. The surgery itself (marks, metadata, foreign
-wrappers, restore, aliases) lives in :mod:`kvpatch.surgery`; this module keeps the lifecycle.
-
-Threads and imports: the engine's lock guards only its own bookkeeping and is never held while importing,
-while calling a patch's builder (builders may import), while registering hooks, or while warning.
-Replacements are built outside the lock and committed under it; a target that meanwhile got kvpatch's
-replacement from another thread (or another engine: the mark tells) is not patched twice.
-
-Nothing in a hook may raise into the user's import: every error is recorded on the patch's status (state
-``failed`` or ``target missing``) and warned about once through :mod:`kvpatch._warn`.
+The engine's lock guards its bookkeeping only: it is never held while importing, building a replacement (builders
+may import), registering hooks or warning. Nothing in a hook raises into the user's import: errors become the
+patch's state (``failed``, ``target missing``) and one warning. The mechanics on someone else's objects live in
+:mod:`kvpatch.surgery`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import importlib
@@ -69,10 +62,8 @@ class State(enum.Enum):
     FAILED = "failed"
     TARGET_MISSING = "target missing"  # a target is not where the patch expects it (moved or removed upstream)
     OVERRIDDEN = "overridden"  # installed, but something else replaced kvpatch's replacement since
-    #: The reproduction decides and this environment has no verdict yet (see kvpatch.verdicts): not applied.
-    UNVERIFIED = "pending verification"
-    #: The environment's verdict is inconclusive (the reproduction hit an error that is not the bug): not applied.
-    INCONCLUSIVE = "inconclusive"
+    UNVERIFIED = "pending verification"  # the reproduction decides and no verdict exists yet: not applied
+    INCONCLUSIVE = "inconclusive"  # the verdict's reproduction hit an error that is not the bug: not applied
 
 
 _FROM_ACTION = {
@@ -91,13 +82,11 @@ class Measurement:
     """A reproduction run without its patch (``before``) and with it (``after``): see :meth:`Engine.measure`."""
 
     before: Finding
-    #: ``None`` when the patch was not tried (the bug was not present without it, or it is not installed).
-    after: Finding | None = None
-    #: Targets holding another library's code during the run without the patch.
-    foreign: tuple[str, ...] = ()
+    after: Finding | None = None  # None: not tried (the bug was absent without it, or it is not installed)
+    foreign: tuple[str, ...] = ()  # targets holding another library's code during the run without the patch
 
     def outcome(self, applied: bool = True) -> tuple[Outcome, str]:
-        """The outcome and its detail (:func:`kvpatch.verdicts.judge`); ``applied`` false ignores the run with."""
+        """:func:`kvpatch.verdicts.judge` of the runs; ``applied`` false ignores the run with the patch."""
         return verdicts.judge(self.before, self.after if applied else None, self.foreign)
 
 
@@ -110,52 +99,35 @@ class PatchStatus:
     state: State
     reason: str
     error: str | None = None
-    #: Notes about target code that differs from what the patch was validated on.
-    drift: list[str] = field(default_factory=list)
-    #: Outcome of a reproduction run by the engine itself (drift or VERIFY decisions).
-    verified: str | None = None
+    drift: list[str] = field(default_factory=list)  # how the target code differs from what the patch was validated on
+    verified: str | None = None  # the verdict this process read or measured
     installed: list[Target] = field(default_factory=list)
     suspended: bool = False
-    #: Targets whose source fingerprint has been checked already.
-    fingerprinted: set[Target] = field(default_factory=set)
-    #: What restore had to leave in place (foreign wrappers over kvpatch's replacement), newest last.
-    notes: list[str] = field(default_factory=list)
-    #: Targets where kvpatch's replacement is reached only through someone else's wrapper.
-    wrapped: list[str] = field(default_factory=list)
-    #: Targets that hold another library's replacement (not upstream's code, no link to it).
-    foreign: list[str] = field(default_factory=list)
-    #: ``None``: the patch on upstream's own module; else the module of a vendored copy a server registered
-    #: (:func:`kvpatch.register_copy`), whose status this is.
+    fingerprinted: set[Target] = field(default_factory=set)  # targets whose fingerprint was checked already
+    notes: list[str] = field(default_factory=list)  # what restore had to leave in place, newest last
+    wrapped: list[str] = field(default_factory=list)  # targets reached only through someone else's wrapper
+    foreign: list[str] = field(default_factory=list)  # targets holding another library's replacement
+    #: The module of the vendored copy this status is about (:func:`kvpatch.register_copy`); None: upstream's.
     copy: str | None = None
-    #: The reproduction's run without and with the patch, when this process measured it (:meth:`Engine.measure`).
-    measurement: Measurement | None = None
-    #: Targets whose builder returned the original it was given (that original): not asked again for it.
-    declined: dict[Target, Any] = field(default_factory=dict, repr=False)
+    measurement: Measurement | None = None  # the runs without and with the patch, when this process measured
+    #: Per target, the original the builder was last given and what it returned (the original: declined). A build
+    #: is kept until installed, so deciding whether the patch declines does not build it a second time.
+    built: dict[Target, tuple[Any, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def record(self) -> Patch:
-        """``patch`` as its record: a patch the engine installs, verifies or restores is never an index stub
-        (those are resolved when decided, :class:`Engine`)."""
+        """``patch`` as its record: the engine resolves a stub before it installs, verifies or restores it."""
         patch = self.patch
         if not isinstance(patch, Patch):
             raise TypeError(f"{patch!r} is not resolved")
         return patch
 
-    @property
-    def needs_verify(self) -> bool:
-        return self.decision.action is Action.VERIFY or bool(self.drift)
-
 
 def fingerprint(obj: Any) -> str | None:
-    """A short hash of an object's source text (blank lines and indentation normalised).
-
-    Source, not bytecode, so the same upstream code has the same fingerprint on every Python.
-    ``None`` when the source cannot be read. kvpatch's own replacements are looked through
-    (``__wrapped__``), so a patched target has its upstream fingerprint.
-    """
+    """A short hash of an object's source (:func:`fingerprint_source`), looking through kvpatch's replacements;
+    ``None`` when the source cannot be read. Source, not bytecode: the same on every Python. A property counts by
+    its setter, else its getter (as ``scripts/record_fingerprints.py`` finds it)."""
     if isinstance(obj, property):
-        # A property is fingerprinted by its setter (else its getter), as scripts/record_fingerprints.py's ast
-        # method finds it (the last ``def`` of that name). Known limit: a change to the getter alone is not drift.
         obj = obj.fset or obj.fget
     func = inspect.unwrap(obj) if callable(obj) else obj
     func = getattr(func, "__func__", func)
@@ -167,16 +139,15 @@ def fingerprint(obj: Any) -> str | None:
 
 
 def fingerprint_source(text: str) -> str:
-    """The fingerprint of a definition's source text: its non-blank lines stripped, comment lines dropped,
-    hashed. One normalisation for live objects (:func:`fingerprint`), source files read without importing
-    them (:mod:`kvpatch.vendored`) and the recorded data (``scripts/record_fingerprints.py``)."""
+    """The one normalisation of a definition's source (live objects, vendored files, the recorded data): non-blank
+    lines stripped, comment lines dropped, hashed."""
     lines = [line.strip() for line in text.splitlines()]
     body = "\n".join(line for line in lines if line and not line.startswith("#"))
     return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
 class Engine:
-    """Installs a set of patches into this process. Create it with :func:`kvpatch.activate`."""
+    """Installs a set of patches into this process: the one per process is :func:`kvpatch.get_engine`."""
 
     def __init__(
         self,
@@ -186,59 +157,63 @@ class Engine:
         config: Config | None = None,
         broken: dict[str, str] | None = None,
     ) -> None:
-        #: Every patch, in install order; a :class:`kvpatch.registry.Stub` stands for a unit not imported (its gate
-        #: settled it without its code) until :meth:`materialise`.
+        #: Install order; a :class:`~kvpatch.registry.Stub` is a unit its gate settled without importing it.
         self.patches: list[Patch | Stub] = sorted(patches, key=lambda p: (p.order, p.id))
         self.upstream = upstream if upstream is not None else detect()
-        known = frozenset(p.id for p in self.patches)
-        self.config = config if config is not None else read_config(known_ids=known)
+        self.config = config if config is not None else read_config(known_ids=frozenset(p.id for p in self.patches))
         self.broken = dict(broken or {})
         self.status: dict[str, PatchStatus] = {}
         self._changes: list[Change] = []  # in install order
-        #: Changes on objects a re-executed module no longer holds (see :meth:`_reinstall_reloaded`).
-        self._orphans: list[Change] = []
-        #: (id(owner), name) -> the change whose original restore spliced in under a foreign wrapt proxy:
-        #: resuming that patch puts its replacement back under the same proxy, not on top of it.
+        self._orphans: list[Change] = []  # changes on objects a reloaded module no longer holds
+        #: (id(owner), name) -> the change whose restore spliced the original in under a foreign wrapt proxy: resuming
+        #: the patch puts its replacement back under that proxy, not on top of it.
         self._spliced: dict[tuple[int, str], Change] = {}
         self._hooked: set[str] = set()
         self._ready: set[str] = set()  # top-level upstream packages fully imported
         self._local = threading.local()  # per thread: modules whose post-import hook runs now
-        self._lock = threading.RLock()  # bookkeeping only: never held while importing or building
+        self._lock = threading.RLock()
         self._active = False
         for problem in self.config.problems:
-            self.warn(problem, key=f"config:{problem}")
+            emit(problem, key=f"config:{problem}")
+        self._decide_all()
+        for module, error in self.broken.items():
+            emit(f"patch module {module} could not be loaded: {error}", key=f"broken:{module}")
+
+    def _decide_all(self) -> None:
+        """Decide every patch; the unit of a stub that may be installed is imported now."""
         for patch in list(self.patches):
             st = self._decide(patch)
             if isinstance(patch, Stub) and st.state is State.PENDING:
-                # Known from the unit index so far: this one may be installed, so its unit is imported now
-                # (units whose gate settles them stay unimported: see kvpatch.registry.index).
                 try:
                     record = patch.resolve()
                 except Exception as exc:
-                    self.broken[patch.module] = f"{type(exc).__name__}: {exc}"
+                    self.broken[patch.module] = _describe(exc)
                     self.patches.remove(patch)
+                    self.status.pop(patch.id, None)
                     continue
                 self.patches[self.patches.index(patch)] = record
                 st = self._decide(record)
             self.status[patch.id] = st
-        for module, error in self.broken.items():
-            self.warn(f"patch module {module} could not be loaded: {error}", key=f"broken:{module}")
 
-    # -- decisions ---------------------------------------------------------------------------------
     def _decide(self, patch: Patch | Stub) -> PatchStatus:
         try:
             upstream = self.upstream.get(patch.distribution) or Upstream(patch.distribution, None)
             decision = decide(patch, upstream, self.config)
-        except Exception as exc:  # the gate is pure, but a broken record must not break imports
+        except Exception as exc:  # a broken record must not break imports
             decision = Decision(Action.DISABLED, "gate raised")
             return PatchStatus(patch, decision, State.FAILED, "the gate raised", error=_describe(exc))
         return PatchStatus(patch, decision, _FROM_ACTION[decision.action], decision.reason)
 
-    # -- records -----------------------------------------------------------------------------------
+    def reconsider(self, config: Config) -> None:
+        """Restore everything and decide every patch again under ``config``: ``kvpatch verify`` measures what the
+        user's ``KVPATCH_DISABLE`` / ``KVPATCH_ENABLE`` leave out too, with this process's one engine."""
+        self.deactivate()
+        self.config = config
+        self._decide_all()
+
     def materialise(self) -> list[Patch]:
-        """Every patch as its record, in install order: the units the gate settled without their code (index
-        stubs, :func:`kvpatch.registry.index`) are imported now. A unit that fails to import is left out and
-        reported in :attr:`broken`. For readers of every record (``records()``, ``status``, vendored copies)."""
+        """Every patch as its record, in install order, importing the units still stubs; a unit that fails to import
+        is left out and reported in :attr:`broken`."""
         with self._lock:
             stubs = [p for p in self.patches if isinstance(p, Stub)]
         resolved: dict[str, Patch] = {}
@@ -250,10 +225,11 @@ class Engine:
                 failed[stub.module] = _describe(exc)
         with self._lock:
             for stub in stubs:
-                if stub.id in resolved and stub in self.patches:
-                    self.patches[self.patches.index(stub)] = resolved[stub.id]
-                    self.status[stub.id].patch = resolved[stub.id]
-                elif stub.module in failed and stub in self.patches:
+                if stub not in self.patches:
+                    continue
+                if stub.id in resolved:
+                    self.patches[self.patches.index(stub)] = self.status[stub.id].patch = resolved[stub.id]
+                else:
                     self.patches.remove(stub)
                     self.status.pop(stub.id, None)
                     self.broken[stub.module] = failed[stub.module]
@@ -261,14 +237,11 @@ class Engine:
 
     @staticmethod
     def record_of(st: PatchStatus) -> Patch:
-        """The status's patch as its record (a patch being installed or verified is never a stub)."""
         patch = st.patch
         return patch if isinstance(patch, Patch) else patch.resolve()
 
-    # -- state -------------------------------------------------------------------------------------
     def import_failed(self, patch_id: str, module: str, exc: BaseException) -> None:
-        """A target module of a patch failed to import outside the engine's hooks (``status`` settling it):
-        its targets went with it, so the patch failed."""
+        """A target module failed to import outside the hooks (``status`` settling it): the patch failed."""
         error = f"importing {module} failed: {_describe(exc)}"
         with self._lock:
             set_state(self.status[patch_id], State.FAILED, f"failed: {error}", error=error)
@@ -279,7 +252,7 @@ class Engine:
         return self._active
 
     def activate(self) -> None:
-        """Register the post-import hooks (patches modules already imported right away)."""
+        """Register the post-import hooks; modules imported already are patched now."""
         with self._lock:
             if self._active:
                 return
@@ -287,52 +260,36 @@ class Engine:
             names: dict[str, None] = {}
             for st in self.status.values():
                 if st.state in (State.PENDING, State.APPLIED):
-                    names[st.patch.import_name] = None
-            for st in self.status.values():
-                if st.state in (State.PENDING, State.APPLIED):
-                    for module in st.record.modules:
-                        names[module] = None
+                    names.update(dict.fromkeys((st.patch.import_name, *st.record.modules)))
             fresh = [n for n in names if n not in self._hooked]
-            again = [n for n in names if n in self._hooked]
             self._hooked.update(fresh)
-        if not names:
-            return
-        # Outside the lock: the registry may call the hook at once (module already imported), and our hook
-        # takes the lock itself; holding it here could deadlock against an import in another thread.
-        for name in again:  # re-activation: the registry will not call us again for these
+        # Outside the lock: the registry may call the hook at once, and the hook takes the lock itself.
+        for name in names:
             loaded = sys.modules.get(name)
-            if loaded is not None:
+            if name not in fresh and loaded is not None:  # hooked before: the registry will not call again
                 self._hook(loaded)
         if not fresh:
             return
         register = hook_registry()
-        if isinstance(register, BaseException):  # no registry: no hook will ever fire, nothing pending will apply
-            self._cannot_activate(register)
+        if isinstance(register, BaseException):  # no hook will ever fire: nothing pending can apply
+            error = f"kvpatch could not activate: {_describe(register)}"
+            with self._lock:
+                self._active = False
+                self._hooked.clear()
+                for st in self.status.values():
+                    if st.state is State.PENDING:
+                        set_state(st, State.FAILED, error, error=error)
+            emit(error, key="activate")
             return
-
         for name in fresh:
             try:
                 register(self._hook, name)
             except Exception as exc:  # pragma: no cover - the registry itself failing
-                self.warn(f"could not hook {name}: {exc}", key=f"hook:{name}")
-
-    def _cannot_activate(self, exc: BaseException) -> None:
-        """Record that no patch can be installed in this process (the outcome, not a prediction)."""
-        error = f"kvpatch could not activate: {_describe(exc)}"
-        with self._lock:
-            self._active = False
-            self._hooked.clear()
-            for st in self.status.values():
-                if st.state is State.PENDING:
-                    set_state(st, State.FAILED, error, error=error)
-        self.warn(error, key="activate")
+                emit(f"could not hook {name}: {exc}", key=f"hook:{name}")
 
     def deactivate(self) -> None:
-        """Restore every original still held by kvpatch; hooks stay registered but do nothing until re-activated.
-
-        Foreign wrappers installed over kvpatch's replacements stay (see :func:`kvpatch.surgery.restore`);
-        what had to be left is in each status's ``notes``.
-        """
+        """Restore every original still held by kvpatch (what foreign wrappers hold stays, noted on the status);
+        the hooks stay registered and do nothing until re-activated."""
         with self._lock:
             self._active = False
             statuses = [st for st in self.status.values() if st.installed]
@@ -347,14 +304,11 @@ class Engine:
             surgery.restore(change)
 
     def _hooking(self) -> set[str]:
-        hooking: set[str] | None = getattr(self._local, "hooking", None)
-        if hooking is None:
-            hooking = self._local.hooking = set()
+        hooking: set[str] = self._local.__dict__.setdefault("hooking", set())
         return hooking
 
     def _hook(self, module: types.ModuleType) -> None:
-        # Runs inside the user's import statement: it must never raise, and never holds the lock while
-        # anything imports.
+        """Runs inside the user's import statement: never raises."""
         try:
             if not self._active:
                 return
@@ -365,22 +319,18 @@ class Engine:
                 self._dispatch(name)
             finally:
                 hooking.discard(name)
-        except Exception as exc:  # pragma: no cover - defensive: _advance catches its own errors
-            self.warn(f"kvpatch hook for {getattr(module, '__name__', module)} failed: {exc}", key="hook-crash")
+        except Exception as exc:  # pragma: no cover - _advance catches its own errors
+            emit(f"kvpatch hook for {getattr(module, '__name__', module)} failed: {exc}", key="hook-crash")
 
     def _dispatch(self, name: str) -> None:
-        if name in DISTRIBUTIONS.values():
+        top = name in DISTRIBUTIONS.values()
+        if top:
             self._ready.add(name)
-            for st in self._in_order():
-                if st.state is State.PENDING and st.patch.import_name == name:
-                    self._advance(st)
-            return
-        for st in self._in_order():
-            if st.state in (State.PENDING, State.APPLIED) and name in st.record.modules:
+        for st in [self.status[p.id] for p in self.patches]:
+            if top and st.state is State.PENDING and st.patch.import_name == name:
                 self._advance(st)
-
-    def _in_order(self) -> Iterator[PatchStatus]:
-        return iter([self.status[p.id] for p in self.patches])
+            elif not top and st.state in (State.PENDING, State.APPLIED) and name in st.record.modules:
+                self._advance(st)
 
     # -- the life of one patch ---------------------------------------------------------------------
     def _advance(self, st: PatchStatus) -> None:
@@ -390,9 +340,9 @@ class Engine:
         try:
             if not st.verified:
                 self._check_drift(st)
-                if st.needs_verify:
+                if st.decision.action is Action.VERIFY or st.drift:
                     if not self._package_ready(st.patch.import_name):
-                        return  # wait until the package is fully imported: reproductions import freely
+                        return  # reproductions import freely: wait until the package is fully imported
                     if st.installed:
                         self._uninstall(st)  # a newly arrived target drifted: judge the whole patch
                     self._verify_and_apply(st)
@@ -404,80 +354,69 @@ class Engine:
             self._fail(st, exc)
 
     def _package_ready(self, name: str) -> bool:
-        """True once the upstream package has finished importing (reproductions may import freely)."""
-        if name in self._ready:
-            return True
-        module = sys.modules.get(name)
-        if module is not None and not _executing(module):
+        if name not in self._ready:
+            module = sys.modules.get(name)
+            if module is None or _executing(module):
+                return False
             self._ready.add(name)
-            return True
-        return False
+        return True
 
     def _check_drift(self, st: PatchStatus) -> None:
-        """Compare each replaced target's source fingerprint with those recorded for the affected releases.
-
-        The recorded ones are shipped data (``kvpatch/data/fingerprints.json``, read once); a target's own
-        fingerprint is cached by its file's stat (:func:`kvpatch.fingerprints.cached`), so a
-        verified environment reads no source here. A mismatch sends the patch to its verdict.
-        """
-        patch = self.record_of(st)
-        if st.decision.action is Action.VERIFY:
-            return  # the verdict decides whatever the code is (its key covers the target files)
-        known = fingerprints.validated(patch)
+        """Compare each replaced target's source fingerprint with those recorded for the affected releases (shipped
+        data); a mismatch sends the patch to its verdict. A VERIFY decision goes there anyway: its verdict's key
+        covers the target files."""
+        patch = st.record
+        known = fingerprints.validated(patch) if st.decision.action is not Action.VERIFY else None
         if not known:
             return
         for target in patch.targets:
             recorded = known.get(target.path)
-            if target.kind is not Kind.REPLACE or target in st.fingerprinted or not recorded:
-                continue
             module = sys.modules.get(target.module)
-            if module is None:
+            if target.kind is not Kind.REPLACE or target in st.fingerprinted or not recorded or module is None:
                 continue
             original = self.upstream_original(target, module)
             if original is _MISSING:
                 continue
-            st.fingerprinted.add(target)  # once per target per process
+            st.fingerprinted.add(target)
             fp = fingerprints.cached(original, fingerprint)
-            if fp not in recorded:
-                top = target.module.split(".", 1)[0]
-                # a proxy forwards upstream's name and is looked through by the fingerprint: only a plain
-                # function of another library is someone else's code here
-                where = surgery.foreign(original, top) if type(original) is types.FunctionType else None
-                if where is not None:
-                    inner = next(
-                        (
-                            node
-                            for node in surgery.reachable(original)
-                            if surgery.mark_of(node) is None
-                            and str(getattr(node, "__module__", "")).split(".", 1)[0] == top
-                        ),
-                        None,
-                    )
-                    if inner is not None and fingerprints.cached(inner, fingerprint) in recorded:
-                        continue  # another library's wrapper around upstream code kvpatch validated
-                    # Another library replaced upstream's code before kvpatch came (and does not reach it):
-                    # a verdict measures upstream's code in a clean process, so none can vouch for this.
-                    st.foreign.append(target.path)
-                    st.drift.append(
-                        f"{target.path} is {where}, another library's replacement of {patch.distribution}'s "
-                        "code (installed before kvpatch and not calling upstream's)"
-                    )
-                    continue
+            if fp in recorded:
+                continue
+            top = target.module.split(".", 1)[0]
+            # a proxy forwards upstream's name and is looked through by the fingerprint: only a plain function of
+            # another library is someone else's code here
+            where = surgery.foreign(original, top) if type(original) is types.FunctionType else None
+            if where is None:
                 st.drift.append(
                     f"{target.path} has source fingerprint {fp}, none of the {len(recorded)} recorded for "
                     f"{patch.distribution} releases in {patch.affected}"
                 )
+                continue
+            inner = next(
+                (
+                    node
+                    for node in surgery.reachable(original)
+                    if surgery.mark_of(node) is None and str(getattr(node, "__module__", "")).split(".", 1)[0] == top
+                ),
+                None,
+            )
+            if inner is not None and fingerprints.cached(inner, fingerprint) in recorded:
+                continue  # another library's wrapper around upstream code kvpatch validated
+            # Another library's replacement that does not reach upstream's code: no verdict (measured on upstream's
+            # code in a clean process) can vouch for it.
+            st.foreign.append(target.path)
+            st.drift.append(
+                f"{target.path} is {where}, another library's replacement of {patch.distribution}'s "
+                "code (installed before kvpatch and not calling upstream's)"
+            )
         fingerprints.save(wait=measurer.measuring() is not None)
 
     def _verify_and_apply(self, st: PatchStatus) -> None:
-        """Settle a patch that the facts leave to its reproduction, from this environment's verdict.
+        """Settle a patch the facts leave to its reproduction, from this environment's verdict.
 
-        In the user's process this only reads the verdict cache (:mod:`kvpatch.verdicts`): no reproduction
-        runs and no global state changes. With no verdict the patch is not applied (``pending
-        verification``) and one background verification is requested. Only a verification process
-        (``kvpatch verify``, ``status --verify``, the background child) measures here and stores the verdict.
+        A user's process only reads the verdict cache: with no verdict the patch is not applied and one background
+        verification is requested. Only a verification process (:func:`kvpatch.measurer.measuring`) measures.
         """
-        patch = self.record_of(st)
+        patch = st.record
         why = "; ".join(st.drift) or st.decision.reason
         if self._declined(st):
             return  # nothing would change here (e.g. a CUDA-only fix on the CPU): no verdict needed
@@ -488,7 +427,7 @@ class Engine:
                 f"{why}: kvpatch's fix was validated on {patch.distribution}'s code and a verdict measures that "
                 "code, not this replacement: not applied",
             )
-            self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
+            emit(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
             return
         verdict_key = verdicts.key(patch, self.upstream)
         found = None if measurer.remeasure() else verdicts.lookup(verdict_key)
@@ -509,10 +448,10 @@ class Engine:
         st.verified = found.describe()
         verdict = f"{why}; verdict: {st.verified}"
         if found.outcome is Outcome.FIXED:
-            set_state(st, State.PENDING, verdict)  # installed now for the modules already imported, by hooks later
+            set_state(st, State.PENDING, verdict)  # installed now where imported, by hooks later
             self._install_available(st)
             if st.drift:
-                self.warn(
+                emit(
                     f"kvpatch: {patch.id} applied to drifted code after its reproduction confirmed it: {why}",
                     key=f"drift:{patch.id}",
                 )
@@ -521,25 +460,22 @@ class Engine:
         elif found.outcome is Outcome.INCONCLUSIVE:
             why_not = f"{why}; the reproduction was inconclusive here ({found.detail}): not applied"
             set_state(st, State.INCONCLUSIVE, why_not, error=found.detail)
-            self.warn(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"verdict:{patch.id}")
+            emit(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"verdict:{patch.id}")
         elif found.outcome is Outcome.SKIPPED and not st.drift:
             why_not = f"{why}; the reproduction cannot run on this backend ({found.detail}): not applied"
             set_state(st, State.NOT_NEEDED, why_not)
         else:  # NOT_FIXED, or SKIPPED on drifted code
             set_state(st, State.DRIFTED, f"{why}; verdict: {st.verified}: not applied")
-            self.warn(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
+            emit(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
 
     def measure(self, patch: Patch, *, install: bool = True) -> Measurement:
         """Run ``patch``'s reproduction without the patch and with it: kvpatch's one "with and without".
 
-        *Without* means the patch's own changes and those of every other installed patch on one of its
-        targets taken out, enablers kept (:attr:`kvpatch.record.Patch.enabler`). Siblings go because a
-        patch on the same attribute can hide the same symptom, and the run without must see upstream's own
-        code; enablers stay because without them the reproduction cannot run on this backend at all.
-        Targets that meanwhile hold another library's code are named in ``foreign`` (an absent bug is then
-        that library's fix). *With*: the patch as this process has it; when it is not installed and ``install``
-        is on, it is installed for that run and taken out again, if the bug was present without it.
-        The target modules are imported first (their hooks run).
+        *Without*: the patch's own changes and those of every other installed patch on one of its targets taken
+        out (one on the same attribute can hide the same symptom), enablers kept (:attr:`Patch.enabler`: without
+        them the reproduction cannot run on this backend). ``foreign`` names targets that then hold another
+        library's code. *With*: the patch as this process has it; when it is not installed and ``install`` is on,
+        installed for that run if the bug was present without it. The target modules are imported first.
         """
         import_target_modules(patch)
         st = self.status[patch.id]
@@ -560,18 +496,17 @@ class Engine:
     def _sharing(self, patch: Patch) -> list[str]:
         """Ids of installed patches that change one of ``patch``'s targets (itself included), less the enablers."""
         mine = {(t.module, t.qualname) for t in patch.targets}
-        installed = [self.status[p.id] for p in self.patches if self.status[p.id].installed]
         return [
             st.record.id
-            for st in installed
-            if (st.record is patch or not st.record.enabler)
+            for st in (self.status[p.id] for p in self.patches)
+            if st.installed
+            and (st.record is patch or not st.record.enabler)
             and mine & {(t.module, t.qualname) for t in st.record.targets}
         ]
 
     def _install_available(self, st: PatchStatus) -> None:
-        patch = st.record
-        for target in patch.targets:
-            if any(t == target for t in st.installed):
+        for target in st.record.targets:
+            if target in st.installed:
                 continue
             module = sys.modules.get(target.module)
             if module is None or (target.module not in self._hooking() and _executing(module)):
@@ -589,25 +524,19 @@ class Engine:
 
     def _declined(self, st: PatchStatus) -> bool:
         """True (and the patch settled as not needed) when every builder whose target is imported returns the
-        original: the patch has decided, from this process's backend or versions, that nothing needs changing
-        (e.g. a CUDA-only fix on the CPU). A patch with a target not imported yet stays pending."""
-        patch = st.record
+        original: the patch decided, from this process's backend or versions, that nothing needs changing here.
+        A patch with a required target not imported yet stays pending."""
         seen = 0
-        for target in patch.targets:
+        for target in st.record.targets:
             module = sys.modules.get(target.module)
             if target.kind is not Kind.REPLACE:
                 return False
-            if module is None:
+            original = self.upstream_original(target, module) if module is not None else _MISSING
+            if original is _MISSING or module is None:
                 if target.optional:
                     continue  # may never exist in this release; imported later, its own hook decides again
                 return False
-            owner = _owner(target, module)
-            original = self.upstream_original(target, module)
-            if original is _MISSING:
-                if target.optional:
-                    continue
-                return False
-            if not self._builder_declines(st, target, owner, original):
+            if self._build(st, target, _owner(target, module), original) is not original:
                 return False
             seen += 1
         if not seen:
@@ -617,120 +546,96 @@ class Engine:
         return True
 
     @staticmethod
-    def _builder_declines(st: PatchStatus, target: Target, owner: Any, original: Any) -> bool:
-        """Whether the patch declines ``target`` (:func:`kvpatch.surgery.build`; asked once per original)."""
-        if st.declined.get(target, _MISSING) is original:
-            return True
-        if surgery.build(st.record, owner, original, st.record.builders[target]) is not original:
-            return False
-        st.declined[target] = original
-        return True
-
-    @staticmethod
-    def _locate(target: Target, module: types.ModuleType) -> Any:
-        owner = _owner(target, module)
-        if owner is _MISSING and not target.optional:
-            raise TargetMissing(f"{target.path}: {'.'.join(target.owner_path)} not found in {target.module}")
-        return owner
+    def _build(st: PatchStatus, target: Target, owner: Any, original: Any) -> Any:
+        """The builder's result for ``original`` (:func:`kvpatch.surgery.build`), built once per original."""
+        built = st.built.get(target)
+        if built is not None and built[0] is original:
+            return built[1]
+        function = surgery.build(st.record, owner, original, st.record.builders[target])
+        st.built[target] = (original, function)
+        return function
 
     def _install_target(self, st: PatchStatus, target: Target, module: types.ModuleType) -> Change | None:
         """Build the replacement (outside the lock: builders may import), then commit it under the lock."""
         patch = st.record
-        owner = self._locate(target, module)
+        owner = _owner(target, module)
         if owner is _MISSING:
-            return None
+            if target.optional:
+                return None
+            raise TargetMissing(f"{target.path}: {'.'.join(target.owner_path)} not found in {target.module}")
         name = target.attribute
         for _attempt in range(3):
-            own = vars(owner)
-            had_own = name in own
-            raw = own[name] if had_own else _MISSING
+            raw = vars(owner).get(name, _MISSING)
             wrapper_type: type | None = None
+            present = inspect.getattr_static(owner, name, _MISSING)
+            if present is not _MISSING and surgery.carries(present, patch.id):
+                self._adopt(st, target)
+                return None
             if target.kind is Kind.REPLACE:
-                try:
-                    static = inspect.getattr_static(owner, name)
-                except AttributeError:
+                if present is _MISSING:
                     if target.optional:
                         return None
-                    raise TargetMissing(f"{target.path} not found (moved or removed upstream?)") from None
-                if surgery.carries(static, patch.id):
-                    self._adopt(st, target)
-                    return None
+                    raise TargetMissing(f"{target.path} not found (moved or removed upstream?)")
                 spliced = self._spliced.get((id(owner), name))
                 if spliced is not None and spliced.patch_id == patch.id:
-                    return self._splice_back(st, spliced, static)
-                wrapper_type = type(static) if isinstance(static, (classmethod, staticmethod)) else None
-                original = static.__func__ if wrapper_type else getattr(owner, name)
+                    return self._splice_back(st, spliced, present)
+                wrapper_type = type(present) if isinstance(present, (classmethod, staticmethod)) else None
+                original = present.__func__ if wrapper_type else getattr(owner, name)
+            elif present is not _MISSING:
+                raise TargetMissing(
+                    f"{target.path} already exists upstream: either upstream fixed it (retire this patch) "
+                    "or it moved (retarget it)"
+                )
             else:
-                present = inspect.getattr_static(owner, name, _MISSING)
-                if present is not _MISSING and surgery.carries(present, patch.id):
-                    self._adopt(st, target)
-                    return None
-                if present is not _MISSING:
-                    raise TargetMissing(
-                        f"{target.path} already exists upstream: either upstream fixed it (retire this patch) "
-                        "or it moved (retarget it)"
-                    )
                 original = None
-            if st.declined.get(target, _MISSING) is original:
-                return None  # the builder declined this very original already
-            function = surgery.prepare(patch, target, owner, original, patch.builders[target])
-            if function is original:
-                st.declined[target] = original  # the builder declined: this target needs no change here
-                return None
+            built = self._build(st, target, owner, original)
+            if built is original:
+                return None  # the builder declined: this target needs no change here
+            st.built.pop(target, None)  # a build is installed once: another install builds afresh
+            function = surgery.mark(patch, target, owner, original, built)
             with self._lock:
                 if vars(owner).get(name, _MISSING) is not raw:
                     continue  # someone changed the attribute while we built: look again
                 if target in st.installed:
-                    return None  # another thread of this engine got there first
+                    return None  # another thread got there first
                 change = surgery.commit(
-                    patch.id, target, owner, name, had_own=had_own, raw=raw, original=original, function=function,
-                    wrapper=wrapper_type,
+                    patch.id, target, owner, name, had_own=raw is not _MISSING, raw=raw, original=original,
+                    function=function, wrapper=wrapper_type,
                 )  # fmt: skip
                 self._changes.append(change)
                 st.installed.append(target)
             if isinstance(owner, types.ModuleType) and original is not None:
-                # Late activation (the module was imported before kvpatch): any module may hold the
-                # original by name. At a fresh import only the upstream packages can.
+                # Late activation (the module was imported before kvpatch): any module may hold the original by
+                # name. At a fresh import only the upstream packages can.
                 everywhere = target.module not in self._hooking()
-                change.aliases = surgery.rebind_aliases(original, function, skip=owner, everywhere=everywhere)
+                surgery.rebind_aliases(original, function, skip=owner, everywhere=everywhere)
             return change
         raise RuntimeError(f"{target.path} kept changing while kvpatch installed {patch.id}")
 
     def _splice_back(self, st: PatchStatus, old: Change, proxy: Any) -> Change | None:
-        """Resume a patch whose original restore spliced in under a foreign proxy: splice the fix back there."""
-        key = (id(old.owner), old.name)
+        """Resume a patch whose restore spliced the original in under a foreign proxy: splice the fix back there."""
         function = surgery.prepare(st.record, old.target, old.owner, old.original, st.record.builders[old.target])
         with self._lock:
-            self._spliced.pop(key, None)
+            self._spliced.pop((id(old.owner), old.name), None)
             if proxy is not old.spliced_into or not surgery.splice_under(proxy, old.original, function):
                 return None  # the proxy changed or went: install afresh next time the module is seen
-            change = Change(
-                st.patch.id,
-                old.target,
-                old.owner,
-                old.name,
-                old.had_own,
-                old.raw_original,
-                old.original,
-                old.stored,
-                function,
-            )
+            change = dataclasses.replace(old, function=function, spliced_into=None)
             self._changes.append(change)
             st.installed.append(old.target)
         return change
 
     def _adopt(self, st: PatchStatus, target: Target) -> None:
-        """The target already carries this patch's replacement (another engine, a reloaded kvpatch)."""
+        """The target already reaches this patch's replacement: it is the object of another of its targets (a class
+        re-exported by another module), or a foreign wrapper restore had to leave holds it."""
         with self._lock:
-            note = f"{target.path}: already carries kvpatch's {st.patch.id} (installed by another kvpatch engine)"
+            note = f"{target.path}: already carries kvpatch's {st.patch.id}"
             if note not in st.notes:
                 st.notes.append(note)
             if st.state is State.PENDING:
-                why = f"{st.decision.reason}; installed by another kvpatch engine in this process"
-                set_state(st, State.APPLIED, why)
+                set_state(st, State.APPLIED, f"{st.decision.reason}; its replacement is in place already")
 
     def upstream_original(self, target: Target, module: types.ModuleType) -> Any:
-        """The upstream object at ``target``, looking through kvpatch's own changes."""
+        """The upstream object at ``target``, looking through kvpatch's own replacements (``_MISSING``: none)."""
         owner = _owner(target, module)
         if owner is _MISSING:
             return _MISSING
@@ -740,25 +645,18 @@ class Engine:
                 if raw is _MISSING:
                     break
                 return getattr(raw, "__func__", raw)
-        try:
-            static = inspect.getattr_static(owner, target.attribute)
-        except AttributeError:
-            return _MISSING
+        static = inspect.getattr_static(owner, target.attribute, _MISSING)
         static = getattr(static, "__func__", static)
-        for obj in surgery.chain(static):  # look through kvpatch replacements installed by another engine
-            if surgery.mark_of(obj) is None:
-                return obj
-        return _MISSING  # only kvpatch's own objects (an attribute a patch added): no upstream code to compare
+        # only kvpatch's own objects (an attribute a patch added): no upstream code to compare
+        return next((obj for obj in surgery.chain(static) if surgery.mark_of(obj) is None), _MISSING)
 
     def _uninstall(self, st: PatchStatus) -> None:
-        """Remove one patch's changes, keeping patches stacked above it on the same attributes.
-
-        Only what is still kvpatch's is put back; what a foreign wrapper holds stays (noted on the status).
-        """
+        """Remove one patch's changes, keeping patches stacked above it on the same attributes; only what is still
+        kvpatch's is put back (what a foreign wrapper holds stays, noted on the status)."""
         with self._lock:
             mine = [c for c in self._changes if c.patch_id == st.patch.id]
+            st.installed.clear()
             if not mine:
-                st.installed.clear()
                 return
             keys = {(id(c.owner), c.name) for c in mine}
             first = min(self._changes.index(c) for c in mine)
@@ -766,7 +664,6 @@ class Engine:
             undo = [c for c in reversed(self._changes[first:]) if c in mine or c in above]
             for change in undo:
                 self._changes.remove(change)
-            st.installed.clear()
             for change in above:
                 other = self.status[change.patch_id]
                 if change.target in other.installed:
@@ -777,20 +674,17 @@ class Engine:
                 with self._lock:
                     self._spliced[(id(change.owner), change.name)] = change
             if note:
-                owner_st = self.status[change.patch_id]
-                owner_st.notes.append(note)
-                self.warn(f"kvpatch: {note}", key=f"restore:{change.target.path}:{note}")
+                self.status[change.patch_id].notes.append(note)
+                emit(f"kvpatch: {note}", key=f"restore:{change.target.path}:{note}")
         for patch_id in dict.fromkeys(c.patch_id for c in undo):
             self._after_restore(self.status[patch_id])
         for change in above:  # reinstall what was stacked above, on top of the restored original
-            other = self.status[change.patch_id]
             module = sys.modules.get(change.target.module)
             if module is not None:
-                self._install_target(other, change.target, module)
+                self._install_target(self.status[change.patch_id], change.target, module)
 
     def _after_restore(self, st: PatchStatus) -> None:
-        """Run the patch's restore hooks (state its replacements kept on upstream's objects, put back in upstream's
-        form); a hook that raises is noted on the status and warned about once, never raised."""
+        """Run the patch's restore hooks; one that raises is noted and warned about once, never raised."""
         for hook in st.record.restore_hooks:
             try:
                 hook()
@@ -799,7 +693,7 @@ class Engine:
                 with self._lock:
                     if note not in st.notes:
                         st.notes.append(note)
-                self.warn(f"kvpatch: {st.patch.id}: {note}", key=f"restore-hook:{st.patch.id}")
+                emit(f"kvpatch: {st.patch.id}: {note}", key=f"restore-hook:{st.patch.id}")
 
     def _fail(self, st: PatchStatus, exc: BaseException, state: State = State.FAILED) -> None:
         try:
@@ -808,16 +702,13 @@ class Engine:
             log.error("kvpatch: restoring %s failed: %s", st.patch.id, inner)
         error = _describe(exc)
         set_state(st, state, f"{state.value}: {error}", error=error)
-        self.warn(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
+        emit(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
 
     # -- live truth --------------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Re-read every installed replacement: "applied" means it is still reachable now.
-
-        A replacement that something else replaced (without calling it) makes the patch ``overridden``;
-        one reached only through a foreign wrapper stays ``applied`` with the wrapper named in ``wrapped``.
-        A target module executed again since (``importlib.reload``) gets the patch installed again first.
-        """
+        """Re-read every installed replacement: "applied" means reachable now (``overridden`` when something else
+        replaced it without calling it; a foreign wrapper that reaches it is named in ``wrapped``). A target module
+        executed again (``importlib.reload``) gets its patches again first."""
         self._reinstall_reloaded()
         with self._lock:
             changes = list(self._changes)
@@ -835,13 +726,8 @@ class Engine:
                     set_state(st, State.APPLIED, st.decision.reason)
 
     def _reinstall_reloaded(self) -> None:
-        """Install again what a re-executed target module (``importlib.reload``) lost.
-
-        A reload runs the module's code again in the same module object: its classes and functions are new
-        objects without kvpatch's replacements, and no import hook fires (the module is imported already).
-        The changes on the objects the module no longer holds stay where they are (instances made before the
-        reload still use them; :meth:`deactivate` restores them) and the patch is installed on the new ones.
-        """
+        """Install again on the new objects of a re-executed target module (no import hook fires for a reload). The
+        changes on the objects it no longer holds stay (instances made before still use them) until deactivate."""
         with self._lock:
             stale = [c for c in self._changes if _reexecuted(c)]
             for change in stale:
@@ -856,10 +742,6 @@ class Engine:
                 self._advance(st)
 
     # -- public helpers ----------------------------------------------------------------------------
-    def warn(self, message: str, *, key: str) -> None:
-        """Warn once per key, through the one guarded path (never raises, never under the lock)."""
-        emit(message, key=key)
-
     def suspend(self, patch_id: str) -> None:
         """Take one patch out (restoring the originals) without forgetting its decision."""
         st = self.status[patch_id]
@@ -874,10 +756,8 @@ class Engine:
 
     @contextmanager
     def without(self, *patch_ids: str) -> Iterator[None]:
-        """Run a block with the named patches removed (for reproductions and tests).
-
-        Patches stacked on one attribute come out outermost first and go back innermost first, so the stack is
-        as it was after the block, whatever order the ids were named in."""
+        """Run a block with the named patches removed: outermost first, back innermost first, so a stack on one
+        attribute is as it was after the block whatever order the ids were named in."""
         ids = [pid for pid in patch_ids if self.status[pid].installed or self.status[pid].state is State.APPLIED]
         with self._lock:
             installed_at: dict[str, int] = {}
@@ -898,8 +778,8 @@ class Engine:
 
 
 def hook_registry() -> Any:
-    """``register_post_import_hook(hook, name)``: the bootstrap's registry (``kvpatch._site``: runs hooks after
-    each module's code, never inside the import system's lock), else wrapt's; or the error when neither loads."""
+    """``register_post_import_hook(hook, name)`` of kvpatch's bootstrap (runs hooks after each module's code,
+    never inside the import system's lock), else wrapt's; or the error when neither loads."""
     try:
         from ._site import hooks
 
@@ -920,11 +800,8 @@ class TargetMissing(LookupError):
 
 
 def import_target_modules(patch: Patch) -> None:
-    """Import every module the patch targets, so that the engine's hooks have run for them.
-
-    A module that holds only optional targets may fail to import in any way (some upstream modules
-    raise RuntimeError at import without Metal): its targets count as absent. Any other failure raises.
-    """
+    """Import every module the patch targets (the hooks run). A module holding only optional targets may fail in
+    any way (some raise at import without Metal): its targets count as absent."""
     for module in patch.modules:
         try:
             importlib.import_module(module)
@@ -933,17 +810,13 @@ def import_target_modules(patch: Patch) -> None:
                 raise
 
 
-#: Ids of the reproductions run in this process, in order: the proof, read by tests, that a user's import
-#: ran none (verdicts are measured by ``kvpatch verify`` or a background child; see kvpatch.verdicts).
+#: Ids of the reproductions run in this process, in order: tests read it to prove a user's import ran none.
 REPRODUCTIONS_RUN: list[str] = []
 
 
 def run_reproduction(patch: Patch) -> Finding:
-    """Run ``patch``'s reproduction: present, absent, or inconclusive (an error that is not the bug's symptom).
-
-    mlx's global random state, default device and default stream are saved and put back, so a
-    reproduction leaves no trace in the process that ran it.
-    """
+    """Run ``patch``'s reproduction (an error that is not the bug's symptom is inconclusive), keeping mlx's
+    default device and stream, and its random state where mlx allows it."""
     if patch.reproduction is None:
         raise LookupError(f"{patch.id} has no reproduction")
     REPRODUCTIONS_RUN.append(patch.id)
@@ -959,12 +832,8 @@ def run_reproduction(patch: Patch) -> Finding:
 
 @contextmanager
 def _mlx_state_kept() -> Iterator[None]:
-    """Put mlx's default device and stream back after a block, and its random state where mlx allows it.
-
-    mlx up to 0.31 keeps the global key in a plain list, which is restored. Newer mlx keeps it in an
-    opaque ``_RandomState`` that cannot be set back, which is one reason reproductions never run in a
-    user's process (verdicts are settled by ``kvpatch verify`` or in a child process).
-    """
+    """mlx up to 0.31 keeps its random key in a plain list, which is put back; newer mlx's ``_RandomState`` cannot
+    be set back, one reason reproductions never run in a user's process."""
     mx: Any = sys.modules.get("mlx.core") or importlib.import_module("mlx.core")
     state = getattr(mx.random, "state", None)
     saved = list(state) if isinstance(state, list) else None
@@ -990,8 +859,8 @@ def _owner(target: Target, module: types.ModuleType) -> Any:
 
 
 def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _KEEP) -> None:
-    """The one place a patch's state changes (``reason`` / ``error``: ``None`` / unset keep the current one).
-    Callers hold the engine's lock where another thread may change the same status."""
+    """The one place a patch's state changes (``reason`` None / ``error`` unset keep the current one). Callers hold
+    the engine's lock where another thread may change the same status."""
     st.state = state
     if reason is not None:
         st.reason = reason
@@ -1000,18 +869,14 @@ def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error
 
 
 def _reexecuted(change: Change) -> bool:
-    """True when ``change``'s module was executed again since the change (``importlib.reload``): the module
-    reaches a different owner now, or (a module-level target) holds a new function of its own code there."""
+    """True when ``change``'s module was executed again since (``importlib.reload``): it reaches a different owner
+    now, or (a module-level target) holds a new function of its own code there."""
     module = sys.modules.get(change.target.module)
     if module is None or _executing(module):
         return False
-    owner: Any = module
-    for part in change.target.owner_path:
-        owner = getattr(owner, part, _MISSING)
-        if owner is _MISSING:
-            return False
-    if owner is not change.owner:
-        return True
+    owner = _owner(change.target, module)
+    if owner is _MISSING or owner is not change.owner:
+        return owner is not _MISSING
     if change.target.owner_path:
         return False
     current = vars(owner).get(change.name, _MISSING)

@@ -1,15 +1,12 @@
-"""The gate: a pure function from (patch, detected upstream, config) to a decision with a reason.
-
-It imports nothing of upstream and has no side effects, so it is tested table-driven
-(``tests/engine/test_gate.py``) over release, pre-release, dev, local and git-pinned versions.
-"""
+"""The gate: a pure function from (patch, detected upstream, config) to a decision with a reason. It imports
+nothing of upstream, so it is tested table-driven."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
@@ -18,6 +15,7 @@ from .detect import Upstream
 from .record import Patch
 
 if TYPE_CHECKING:
+    from .commits import Placement
     from .registry import Stub
 
 __all__ = ["Action", "Decision", "decide"]
@@ -25,15 +23,12 @@ __all__ = ["Action", "Decision", "decide"]
 
 class Action(enum.Enum):
     APPLY = "apply"
-    #: The facts do not settle it (unknown commit, pre-release of the fixing release, a release
-    #: newer than the last one checked, an editable install): the reproduction decides.
-    VERIFY = "verify"
+    VERIFY = "verify"  # the facts do not settle it: the reproduction decides
     NOT_NEEDED = "not needed"
     OUT_OF_RANGE = "out of range"
     NOT_INSTALLED = "not installed"
     DISABLED = "disabled"
-    #: The patch changes documented upstream behaviour and was not asked for (``KVPATCH_ENABLE``).
-    OPT_IN = "opt-in"
+    OPT_IN = "opt-in"  # changes documented upstream behaviour and was not asked for (``KVPATCH_ENABLE``)
 
 
 @dataclass(frozen=True)
@@ -42,22 +37,11 @@ class Decision:
     reason: str
 
 
-class PlacementLike(Protocol):
-    @property
-    def known(self) -> bool: ...
-    @property
-    def fixed(self) -> bool | None: ...
-    @property
-    def introduced(self) -> bool | None: ...
-    @property
-    def reason(self) -> str: ...
+Placer = Callable[[str, str, "str | None", "str | None"], "Placement"]
 
 
-Placer = Callable[[str, str, "str | None", "str | None"], PlacementLike]
-
-
-def _default_placer(distribution: str, pinned: str, fixed: str | None, introduced: str | None) -> PlacementLike:
-    from .commits import place
+def _default_placer(distribution: str, pinned: str, fixed: str | None, introduced: str | None) -> Placement:
+    from .commits import place  # the commit index loads only for a git pin
 
     return place(distribution, pinned, fixed_commit=fixed, introduced_commit=introduced)
 
@@ -92,7 +76,6 @@ def _version_unknown(dist: str, upstream: Upstream) -> Decision:
 
 
 def _decide_installed(patch: Patch | Stub, upstream: Upstream, placer: Placer | None) -> Decision:
-
     dist = patch.distribution
     source = upstream.source
     if upstream.version is None and not (source.kind == "vcs" and source.commit):

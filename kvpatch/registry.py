@@ -1,15 +1,8 @@
-"""Discover the patch units.
-
-The units live in the ``kvpatch.patches`` package, one folder per distribution whose release gates them
-(``kvpatch.patches.mlx_lm``, ``kvpatch.patches.mlx_vlm``); the underscore modules beside those folders are
-shared fix helpers, not units.
-
-:func:`load` imports every unit (``status``, ``verify``, tests). Auto-activation, which runs inside the
-user's ``import mlx_lm``, uses :func:`index` instead: the gate's facts of every unit come from the shipped
-index ``kvpatch/data/units.json`` (written by ``python -m kvpatch.maint.units --write`` and checked against
-the units by ``tests/engine/test_unit_index.py``), and the engine imports only the units whose gate says
-apply or verify (:class:`Stub`). An index that does not list exactly the units on disk (a checkout where a
-unit was added, renamed or removed) is not used: every unit is imported, as :func:`load` does.
+"""Discover the patch units: :func:`load` imports every one (``status``, ``verify``, tests); :func:`index` gives a
+:class:`Stub` per unit from the shipped ``kvpatch/data/units.json``, so that activation inside the user's
+``import mlx_lm`` imports only the units whose gate may apply. An index that does not list exactly the units on
+disk is not used. Units live in one folder per distribution whose release gates them
+(``kvpatch.patches.mlx_lm``, ``kvpatch.patches.mlx_vlm``); underscore modules beside them are shared helpers.
 """
 
 from __future__ import annotations
@@ -19,7 +12,7 @@ import importlib.util
 import json
 import pkgutil
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from functools import cached_property, lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -34,7 +27,7 @@ __all__ = ["Registry", "Stub", "index", "load"]
 
 PACKAGE = "kvpatch.patches"
 INDEX = "units.json"
-#: The record fields the gate and the engine's ordering read, as the unit index stores them.
+#: The record fields the gate and the engine's ordering read: what the unit index stores.
 INDEXED = (
     "id",
     "distribution",
@@ -53,12 +46,6 @@ class Registry:
         self.patches = patches
         self.broken = broken
         self.by_id = {p.id: p for p in patches}
-
-    def __iter__(self) -> Iterator[Patch]:
-        return iter(self.patches)
-
-    def __len__(self) -> int:
-        return len(self.patches)
 
     def get(self, patch_id: str) -> Patch:
         try:
@@ -131,13 +118,8 @@ def load() -> Registry:
 
 
 class Stub:
-    """A patch known from the unit index, its unit not imported yet.
-
-    It carries the :data:`INDEXED` fields (and ``specifier``, ``range``, ``import_name``), which is all the gate
-    and the engine's ordering read; nothing else (reading it does not import the unit). The engine swaps a stub
-    for its record before it installs or verifies anything, and whenever every record is read
-    (:meth:`kvpatch.engine.Engine.materialise`, through :meth:`resolve`).
-    """
+    """A patch known from the unit index, its unit not imported: the :data:`INDEXED` fields and what the gate
+    derives from them. The engine swaps it for its record (:meth:`resolve`) before using anything else."""
 
     id: str
     distribution: str
@@ -156,22 +138,18 @@ class Stub:
         self._record: Patch | None = None
 
     @cached_property
-    def specifier(self) -> SpecifierSet:
+    def range(self) -> SpecifierSet:
+        """What the gate reads (:attr:`kvpatch.record.Patch.range`)."""
         from packaging.specifiers import SpecifierSet
 
         return SpecifierSet(self.affected)
-
-    @property
-    def range(self) -> SpecifierSet:
-        """What the gate reads (:attr:`kvpatch.record.Patch.range`)."""
-        return self.specifier
 
     @property
     def import_name(self) -> str:
         return DISTRIBUTIONS[self.distribution]
 
     def resolve(self) -> Patch:
-        """The unit's record (imported on first use); raises what importing it raises."""
+        """The unit's record (imported on first use)."""
         if self._record is None:
             record = _unit(self.module)
             if record.id != self.id:
@@ -184,18 +162,17 @@ class Stub:
 
 
 def entries(patches: Iterable[Patch]) -> dict[str, dict[str, Any]]:
-    """The unit index of ``patches``: unit module name -> the :data:`INDEXED` fields (what ``units.json`` holds)."""
+    """What ``units.json`` holds for ``patches``: unit module name -> the :data:`INDEXED` fields."""
     return {p.module: {name: getattr(p, name) for name in INDEXED} for p in sorted(patches, key=lambda p: p.module)}
 
 
 def index_path() -> Path:
-    """Where the shipped unit index lives (``kvpatch/data/units.json``)."""
     return Path(__file__).parent / "data" / INDEX
 
 
 def index() -> list[Stub] | None:
-    """A :class:`Stub` per unit from the shipped index, or ``None`` when the index is missing, unreadable or
-    does not list exactly the units on disk (then :func:`load` is the way). Never raises."""
+    """A :class:`Stub` per unit, or ``None`` when the index is missing, unreadable or does not list exactly the
+    units on disk (then :func:`load` is the way). Never raises."""
     try:
         package = _patches_package()
         data = json.loads(index_path().read_text(encoding="utf-8"))

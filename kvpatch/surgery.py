@@ -1,31 +1,15 @@
-"""Surgery on someone else's objects: install a replacement, know whether it is still there, put things back.
+"""Surgery on someone else's objects: install a replacement, tell whether it is still reached, put things back.
 
-The rules:
-
-* **Mark and metadata.** Every replacement kvpatch installs is a plain function carrying the original's
-  metadata (``functools.update_wrapper``: ``__name__``, ``__qualname__``, ``__module__``, ``__doc__``,
-  ``__wrapped__``, so ``inspect.signature`` and pickling by qualified name work) and the mark
-  ``__kvpatch__ = <patch id>``. An attribute *added* where upstream has none gets the qualified name it
-  would have had.
-* **Never twice.** Before installing, the current attribute and everything it wraps (``__wrapped__``
-  chain) is searched for the patch's mark: a second engine, a reloaded kvpatch or a re-activation finds
-  its own replacement already reachable and installs nothing.
-* **Live truth.** :func:`liveness` tells whether a replacement is still what the attribute holds, still
-  reached through a foreign wrapper's ``__wrapped__`` chain, or gone (someone replaced it without calling
-  it: ``overridden by <qualified name>``).
-* **Restore only what is still ours.** :func:`restore` puts the original back only where kvpatch's
-  replacement is still the attribute. Where a foreign wrapper sits on top, the wrapper stays: if it is a
-  wrapt proxy (which calls through ``__wrapped__``) the original is spliced in under it; a plain-function
-  wrapper holds kvpatch's replacement in its closure, which nobody can change from outside, so it is left
-  and reported. Where someone replaced kvpatch's replacement outright, theirs stays.
-* **Aliases.** Modules that imported a replaced module-level function by name are rebound, by identity
-  only: at install, inside the upstream packages (the bootstrap activates before anything else can import
-  them), and in every module of ``sys.modules`` when a target was already imported before kvpatch
-  activated, and on restore.
+A replacement is a plain function with the original's metadata (``functools.update_wrapper``: pickling by qualified
+name and ``inspect.signature`` work) and kvpatch's mark; before installing, what the attribute reaches is searched
+for the mark, so nothing is patched twice. Restore puts the original back only where kvpatch's replacement is still
+the attribute: under a foreign wrapt proxy the original is spliced in, a closure wrapper or an outright replacement
+stays (and is reported). Modules that imported a replaced module-level function by name are rebound, by identity.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
@@ -33,7 +17,7 @@ import sys
 import types
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .record import DISTRIBUTIONS, Patch, Target, borrowed
@@ -48,6 +32,7 @@ __all__ = [
     "describe",
     "foreign",
     "liveness",
+    "mark",
     "mark_of",
     "prepare",
     "rebind_aliases",
@@ -59,12 +44,10 @@ __all__ = [
 MARK = "__kvpatch__"
 MISSING: Any = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
 _MAX_CHAIN = 64  # a __wrapped__ chain longer than this is a cycle or a pathology: stop looking
-#: Every replacement function kvpatch made in this process, with its patch id. The ``__kvpatch__`` attribute
-#: is the visible mark, but ``functools.wraps`` copies ``__dict__`` (mark included) onto a foreign wrapper,
-#: so only this registry says which functions are really kvpatch's. Kept across ``importlib.reload``.
+#: Every replacement function kvpatch made, with its patch id: ``functools.wraps`` copies the visible mark onto a
+#: foreign wrapper, so only this registry says which functions are kvpatch's. Kept across ``importlib.reload``.
 _OURS: weakref.WeakKeyDictionary[Any, str] = globals().get("_OURS") or weakref.WeakKeyDictionary()
-#: The same for replacements that are properties (a patched ``meta_state`` setter; a class attribute's value served
-#: by a property, as offset-detach's ``step``), which carry no attributes: id -> (property, patch id, what it
+#: The same for replacements that are properties (they carry no attributes): id -> (property, patch id, what it
 #: replaced: the original property or value, or None for one added in front of an instance attribute).
 _OURS_PROPERTIES: dict[int, tuple[Any, str, Any]] = globals().get("_OURS_PROPERTIES") or {}
 
@@ -77,19 +60,11 @@ class Change:
     target: Target
     owner: Any
     name: str
-    #: True when the owner held the attribute in its own ``__dict__`` (else it was inherited or absent).
-    had_own: bool
-    #: What the owner's ``__dict__`` held before (``MISSING`` when it held nothing).
-    raw_original: Any
-    #: The plain original function (``None`` for an added attribute).
-    original: Any
-    #: What was stored on the owner (the replacement, re-wrapped in classmethod/staticmethod if needed).
-    stored: Any
-    #: The plain replacement function (carries the mark).
-    function: Any
-    aliases: list[tuple[types.ModuleType, str]] = field(default_factory=list)
-    #: Set by :func:`restore` when it put the original in under a foreign wrapt proxy (that proxy).
-    spliced_into: Any = None
+    had_own: bool  # the owner's own ``__dict__`` held the attribute (else inherited or absent)
+    raw_original: Any  # what the owner's ``__dict__`` held (``MISSING``: nothing)
+    original: Any  # the plain original function (``None`` for an added attribute)
+    function: Any  # the plain replacement (carries the mark)
+    spliced_into: Any = None  # the foreign wrapt proxy :func:`restore` put the original in under
 
 
 def _plain(obj: Any) -> Any:
@@ -123,22 +98,19 @@ def chain(obj: Any) -> Iterator[Any]:
 
 
 def reachable(obj: Any) -> Iterator[Any]:
-    """``obj`` and everything it reaches through ``__wrapped__`` and its closure's functions (see :func:`_walk`)."""
     for node, _ in _walk(obj):
         yield node
 
 
 def carries(obj: Any, patch_id: str) -> bool:
-    """True when kvpatch's replacement for ``patch_id`` is ``obj`` or reachable under it (``__wrapped__`` or a
-    closure: see :func:`_walk`)."""
+    """True when kvpatch's replacement for ``patch_id`` is ``obj`` or reachable from it (:func:`_walk`)."""
     return any(mark_of(node) == patch_id for node, _ in _walk(obj))
 
 
 def mark_of(obj: Any) -> str | None:
-    # Only a real function carries kvpatch's mark: a proxy (wrapt, OpenTelemetry...) forwards attribute
-    # reads to what it wraps and would otherwise pass for kvpatch's own replacement.
+    # only a real function carries the mark: a proxy forwards attribute reads to what it wraps
     entry = _OURS_PROPERTIES.get(id(obj))
-    if entry is not None and entry[0] is obj:  # one of kvpatch's properties (possibly of a property subclass)
+    if entry is not None and entry[0] is obj:
         return entry[1]
     if type(obj) is not types.FunctionType:
         return None
@@ -162,10 +134,8 @@ _BUILTIN_METHODS = (types.MethodDescriptorType, types.WrapperDescriptorType, typ
 
 
 def foreign(obj: Any, package: str) -> str | None:
-    """Whose code ``obj`` (a target's live object) is, when it is not ``package``'s own: ``None`` for a plain
-    function (or a classmethod / staticmethod of one) defined in a module of ``package``; else the qualified
-    name of another library's function, or a wrapper's type (and what it wraps). kvpatch's own replacements
-    count as foreign: take them out first."""
+    """Whose code ``obj`` is when not ``package``'s own (``None``: a plain function of ``package``): another
+    library's function's qualified name, or a wrapper's type and what it wraps. kvpatch's replacements count."""
     func = _plain(obj)
     if type(func) is types.FunctionType:
         module = func.__module__ or ""
@@ -182,38 +152,30 @@ def foreign(obj: Any, package: str) -> str | None:
 
 
 def build(patch: Patch, owner: Any, original: Any, builder: Callable[[Any], Any]) -> Any:
-    """``builder(original)``; ``original`` itself where the patch declines: its builder returns it, or the patch
-    fixes only its own distribution's classes and ``owner`` is another's (``Patch.own_classes_only``)."""
+    """``builder(original)``, or ``original`` itself where the patch declines (its builder returns it, or
+    ``owner`` is another distribution's class and the patch fixes its own only: ``Patch.own_classes_only``)."""
     if patch.own_classes_only and borrowed(owner, patch.import_name):
         return original
     return builder(original)
 
 
-def prepare(
-    patch: Patch,
-    target: Target,
-    owner: Any,
-    original: Any,
-    builder: Callable[[Any], Any],
-) -> Any:
-    """Build the replacement for ``target`` and give it the original's identity and kvpatch's mark.
-
-    Returns ``original`` itself when the patch declines (nothing to change here: :func:`build`).
-    """
-    patch_id = patch.id
+def prepare(patch: Patch, target: Target, owner: Any, original: Any, builder: Callable[[Any], Any]) -> Any:
+    """:func:`build` then :func:`mark` the replacement; ``original`` itself where the patch declines."""
     function = build(patch, owner, original, builder)
-    if function is original:
-        return original
+    return original if function is original else mark(patch, target, owner, original, function)
+
+
+def mark(patch: Patch, target: Target, owner: Any, original: Any, function: Any) -> Any:
+    """Give a built replacement the original's identity (or, added, the qualified name it would have had) and
+    kvpatch's mark."""
     if isinstance(function, property) and (
         isinstance(original, property) or (isinstance(owner, type) and (original is None or not callable(original)))
     ):
-        # A property replaced by a property (a fixed setter around the original's getter), added in front of an
-        # instance attribute (``original`` None), or serving a class attribute's plain value (``original``, e.g.
-        # an int): no metadata to copy.
-        _OURS_PROPERTIES[id(function)] = (function, patch_id, original)
+        # a property for a property, in front of an instance attribute, or serving a class attribute's plain value
+        _OURS_PROPERTIES[id(function)] = (function, patch.id, original)
         return function
     if type(function) is not types.FunctionType:
-        raise TypeError(f"{patch_id}: builder for {target.path} returned {function!r}, not a plain function")
+        raise TypeError(f"{patch.id}: builder for {target.path} returned {function!r}, not a plain function")
     if original is not None:
         try:
             functools.update_wrapper(function, original)
@@ -221,18 +183,14 @@ def prepare(
             function.__wrapped__ = original  # type: ignore[attr-defined]
     else:
         owner_qualname = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", "")
-        owner_module = owner.__name__ if isinstance(owner, types.ModuleType) else getattr(owner, "__module__", None)
-        try:
-            function.__qualname__ = (
-                target.attribute if isinstance(owner, types.ModuleType) else f"{owner_qualname}.{target.attribute}"
-            )
-            function.__name__ = target.attribute
-            if owner_module:
-                function.__module__ = owner_module
-        except (AttributeError, TypeError):  # pragma: no cover - a builder returned a non-function callable
-            pass
-    setattr(function, MARK, patch_id)
-    _OURS[function] = patch_id
+        is_module = isinstance(owner, types.ModuleType)
+        function.__qualname__ = target.attribute if is_module else f"{owner_qualname}.{target.attribute}"
+        function.__name__ = target.attribute
+        owner_module = owner.__name__ if is_module else getattr(owner, "__module__", None)
+        if owner_module:
+            function.__module__ = owner_module
+    setattr(function, MARK, patch.id)
+    _OURS[function] = patch.id
     return function
 
 
@@ -248,18 +206,16 @@ def commit(
     function: Any,
     wrapper: type | None = None,
 ) -> Change:
-    """Set a replacement :func:`prepare` made on ``owner`` (re-wrapped in ``wrapper``, a classmethod or
-    staticmethod, where the original was one) and return how to put it back: kvpatch's one install step, for
-    upstream's modules and vendored copies alike. The caller guards against concurrent changes."""
-    stored = wrapper(function) if wrapper is not None else function
-    setattr(owner, name, stored)
-    return Change(patch_id, target, owner, name, had_own, raw, original, stored, function)
+    """Set a replacement from :func:`prepare` on ``owner`` (in ``wrapper``: the original's classmethod or
+    staticmethod) and return how to put it back: the one install step, for upstream and vendored copies alike."""
+    setattr(owner, name, wrapper(function) if wrapper is not None else function)
+    return Change(patch_id, target, owner, name, had_own, raw, original, function)
 
 
 def _walk(obj: Any) -> Iterator[tuple[Any, Any]]:
-    """Everything reachable from ``obj`` through ``__wrapped__`` and the functions a closure holds (a wrapper that
-    calls kvpatch's replacement from its closure, as servers' own monkey patches do, still reaches it), breadth
-    first, each with the outermost non-kvpatch object above it (``None`` when only kvpatch's lie above)."""
+    """Everything reachable from ``obj`` through ``__wrapped__`` and the functions a closure holds (servers' own
+    monkey patches call kvpatch's replacement from a closure), breadth first, each with the outermost non-kvpatch
+    object above it (``None``: only kvpatch's)."""
     seen: set[int] = set()
     todo: list[tuple[Any, Any]] = [(_plain(obj), None)]
     while todo and len(seen) < 4 * _MAX_CHAIN:
@@ -286,22 +242,9 @@ def _walk(obj: Any) -> Iterator[tuple[Any, Any]]:
                     todo.append((_plain(value), above))
 
 
-def _reaches(obj: Any, target: Any) -> Any:
-    """The outermost non-kvpatch object above ``target`` as reached from ``obj`` (``None``: only kvpatch's own;
-    ``MISSING``: not reached)."""
-    for node, above in _walk(obj):
-        if node is target:
-            return above
-    return MISSING
-
-
 def liveness(change: Change) -> tuple[str, str]:
-    """Where ``change``'s replacement stands now: ``("in place" | "wrapped" | "overridden" | "removed", detail)``.
-
-    ``wrapped``: a foreign wrapper holds the attribute and reaches kvpatch's replacement (through its
-    ``__wrapped__`` chain or its closure), so the fix still runs when the wrapper calls through, as wrappers do.
-    ``overridden``: the attribute holds something that does not reach it.
-    """
+    """Where ``change``'s replacement stands now: ``("in place" | "wrapped" | "overridden" | "removed", detail)``;
+    ``wrapped``: a foreign wrapper holds the attribute and reaches it (the fix runs when it calls through)."""
     try:
         current = vars(change.owner).get(change.name, MISSING)
         if current is MISSING:
@@ -312,28 +255,23 @@ def liveness(change: Change) -> tuple[str, str]:
         return "removed", f"{change.target.path} no longer exists"
     if _plain(current) is change.function:
         return "in place", ""
-    foreign = _reaches(current, change.function)
+    # the outermost non-kvpatch object above the replacement (None: only kvpatch's own; MISSING: not reached)
+    foreign = next((above for node, above in _walk(current) if node is change.function), MISSING)
     if foreign is MISSING:
         return "overridden", f"overridden by {describe(current)}"
     return ("in place", "") if foreign is None else ("wrapped", f"under {describe(foreign)}")
 
 
 def restore(change: Change) -> str | None:
-    """Undo ``change`` where kvpatch's replacement is still its own; return a note when something was left.
-
-    The note says what was left in place and why (a foreign wrapper or replacement); ``None`` when the
-    original is back.
-    """
+    """Undo ``change`` where kvpatch's replacement is still its own; else a note of what was left in place, and why."""
     state, detail = liveness(change)
     note: str | None = None
     if state == "in place":
         if change.had_own:
             setattr(change.owner, change.name, change.raw_original)
         else:
-            try:
+            with contextlib.suppress(AttributeError):  # someone else removed it
                 delattr(change.owner, change.name)
-            except AttributeError:  # pragma: no cover - someone else removed it
-                pass
     elif state == "wrapped":
         current = vars(change.owner).get(change.name, MISSING)
         if current is MISSING:
@@ -346,7 +284,6 @@ def restore(change: Change) -> str | None:
     elif state == "overridden":
         note = f"{change.target.path}: left in place ({detail}); kvpatch's replacement was no longer reachable"
     if isinstance(change.owner, types.ModuleType) and change.original is not None:
-        # Modules that imported the replacement by name get the original back (identity only).
         rebind_aliases(change.function, change.original, skip=change.owner, everywhere=True)
     return note
 
@@ -382,14 +319,9 @@ def splice_under(proxy: Any, old: Any, new: Any) -> bool:
         return False
 
 
-def rebind_aliases(
-    old: Any, new: Any, *, skip: types.ModuleType, everywhere: bool = False
-) -> list[tuple[types.ModuleType, str]]:
-    """Rebind module attributes that are ``old`` (by identity) to ``new``; return where.
-
-    ``everywhere=False`` looks only inside the upstream packages; ``True`` looks in every module.
-    """
-    found: list[tuple[types.ModuleType, str]] = []
+def rebind_aliases(old: Any, new: Any, *, skip: types.ModuleType, everywhere: bool = False) -> None:
+    """Rebind module attributes that are ``old`` (by identity) to ``new`` inside the upstream packages, or in every
+    module (``everywhere``)."""
     prefixes = tuple(f"{pkg}." for pkg in DISTRIBUTIONS.values())
     packages = frozenset(DISTRIBUTIONS.values())
     for mod_name, module in list(sys.modules.items()):
@@ -408,9 +340,5 @@ def rebind_aliases(
             pass
         for name, value in list(namespace.items()):
             if value is old:
-                try:
+                with contextlib.suppress(Exception):  # a read-only module stand-in
                     setattr(module, name, new)
-                except Exception:  # pragma: no cover - a read-only module stand-in
-                    continue
-                found.append((module, name))
-    return found

@@ -1,21 +1,14 @@
 """``python -m kvpatch verify``: settle, in this process, every verdict the environment's imports will read.
 
-It imports every target module of every patch that concerns the installed upstream, with a fresh engine
-that considers every patch (``KVPATCH_DISABLE`` / ``KVPATCH_ENABLE`` do not change what a verdict is),
-and for each patch the facts leave to its reproduction (see :mod:`kvpatch.gate`: a release newer than
-``checked_through``, an editable / directory / archive install, an unknown commit, drifted target code)
-runs the reproduction without and with the patch and stores the verdict (:mod:`kvpatch.verdicts`). It
-also caches the source fingerprint of every replaced target, so later imports read no source.
+The process's engine decides every patch again with all of them considered (a verdict does not depend on
+``KVPATCH_DISABLE`` / ``KVPATCH_ENABLE``), imports every target module, and measures each patch the facts leave to its
+reproduction (:mod:`kvpatch.gate`), storing the verdict (:mod:`kvpatch.verdicts`) and the targets' fingerprints.
+``--background`` is what a user's process starts when it finds no verdict (detached, ``nice`` 10, one per
+environment, only what is missing).
 
-Run it after installing or upgrading (a Dockerfile's last step, CI, a deployment hook); the pytest
-plugin runs it with ``--kvpatch-verify``. ``--background`` is what a user's process starts when it finds
-no verdict (detached, ``nice`` 10, at most one per environment, only what is missing).
-
-Exit status: 0 when every patch is settled (applied, not needed, out of range, not installed), 1 when
-a verdict is inconclusive, a patch drifted or failed, or a verification could not run, and 74 (an I/O
-error, sysexits' EX_IOERR) when a verdict was measured but could not be stored (a full disk, a directory
-that cannot be written or is refused by :mod:`kvpatch.store`): later processes would not see it, so a
-build step that runs ``kvpatch verify`` must fail.
+Exit status: 0 when every patch is settled; 1 when a verdict is inconclusive, a patch drifted or failed, or a
+verification could not run; 74 (EX_IOERR) when a verdict was measured but could not be stored, so that a build step
+running ``kvpatch verify`` fails.
 """
 
 from __future__ import annotations
@@ -73,19 +66,17 @@ def run(args: argparse.Namespace) -> int:
     import kvpatch
 
     from .config import Config
-    from .engine import Engine, State, import_target_modules
-    from .registry import load
+    from .engine import State, import_target_modules
 
-    kvpatch.deactivate()  # the environment's engine steps aside: this one considers every patch
-    reg = load()
-    engine = Engine(reg.patches, broken=reg.broken, config=Config(enable_all=True))
+    kvpatch.deactivate()
+    engine = kvpatch.get_engine()
+    engine.reconsider(Config(enable_all=True))
     by = "background" if background else "verify"
     errors: dict[str, str] = {}
     with measurer.measuring_as(by, remeasure=not (background or args.missing)):
         engine.activate()
         for patch in engine.materialise():
-            st = engine.status[patch.id]
-            if st.state is not State.PENDING:
+            if engine.status[patch.id].state is not State.PENDING:
                 continue
             try:
                 import_target_modules(patch)
@@ -113,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     engine.deactivate()
     unsettled = [r for r in rows if r["state"] not in _SETTLED and r["state"] != "pending"]
     # "pending": an APPLY patch whose modules imported nothing to patch (optional targets): not a verdict matter
-    code = 1 if unsettled or reg.broken else 0
+    code = 1 if unsettled or engine.broken else 0
     lost = verdicts.unstored()
     if lost:
         code = EXIT_NOT_STORED
@@ -123,36 +114,29 @@ def run(args: argparse.Namespace) -> int:
             "schema": "kvpatch.verify/1",
             "cache": str(where / verdicts.FILE) if where else None,
             "patches": rows,
-            "broken": dict(reg.broken),
+            "broken": dict(engine.broken),
             "not_stored": lost,
             "exit": code,
         }
         print(json.dumps(data, indent=2))
-        if lost:
-            print(_not_stored_line(lost), file=sys.stderr)
-        return code
-    measured = [r for r in rows if r["verdict"] or r["state"] not in _SETTLED]
-    for r in measured:
-        print(f"{r['id']:<26} {r['state']:<20} {r['verdict'] or r['error'] or r['reason']}")
-    for module, error in reg.broken.items():
-        print(f"BROKEN {module}: {error}")
-    verified = sum(1 for r in rows if r["verdict"])
-    decided = sum(1 for r in rows if r["action"] in ("apply", "not needed"))
-    stored = f"stored in {where / verdicts.FILE}" if where else "not stored: no writable cache"
-    print(
-        f"kvpatch verify: verified {verified} patch(es) whose outcome depends on a reproduction here ({stored}); "
-        f"{decided} decided by the installed release need none (`kvpatch status --verify` measures those too); "
-        f"{len(unsettled)} need attention (exit {code})",
-        file=sys.stdout,
-    )
+    else:
+        for r in rows:
+            if r["verdict"] or r["state"] not in _SETTLED:
+                print(f"{r['id']:<26} {r['state']:<20} {r['verdict'] or r['error'] or r['reason']}")
+        for module, error in engine.broken.items():
+            print(f"BROKEN {module}: {error}")
+        verified = sum(1 for r in rows if r["verdict"])
+        decided = sum(1 for r in rows if r["action"] in ("apply", "not needed"))
+        stored = f"stored in {where / verdicts.FILE}" if where else "not stored: no writable cache"
+        print(
+            f"kvpatch verify: verified {verified} patch(es) whose outcome depends on a reproduction here ({stored}); "
+            f"{decided} decided by the installed release need none (`kvpatch status --verify` measures those too); "
+            f"{len(unsettled)} need attention (exit {code})"
+        )
     if lost:
-        print(_not_stored_line(lost), file=sys.stderr)
+        print(
+            f"kvpatch verify: {len(lost)} verdict(s) were measured but NOT stored ({next(iter(lost.values()))}); "
+            f"later processes will show them as pending verification (exit {EXIT_NOT_STORED})",
+            file=sys.stderr,
+        )
     return code
-
-
-def _not_stored_line(lost: dict[str, str]) -> str:
-    reason = next(iter(lost.values()))
-    return (
-        f"kvpatch verify: {len(lost)} verdict(s) were measured but NOT stored ({reason}); later processes will "
-        f"show them as pending verification (exit {EXIT_NOT_STORED})"
-    )

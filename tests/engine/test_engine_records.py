@@ -51,6 +51,30 @@ def test_records_are_patches_and_stubs_import_nothing(tmp_path):
     assert out["all_patches"] and out["count"], out
 
 
+#: A patch of ``_site``'s ``C.f`` whose reproduction decides it (a release past ``checked_through``); ``BUILDS``
+#: counts its builder's runs.
+DEMO = """
+from kvpatch.record import Expiry, Finding, Patch
+p = Patch(id="demo", summary="demo", distribution="mlx-lm", affected=">=0.1.0,<=0.1.0",
+          checked_through="0.1.0", reference="none", expiry=Expiry("never"))
+p.module = "kvpatch"
+BUILDS = []
+
+@p.replace("mlx_lm.models.cache", "C.f")
+def build(original):
+    BUILDS.append(1)
+    def f(self):
+        return 2
+    return f
+
+@p.reproduce
+def reproduce():
+    import mlx_lm.models.cache as c
+    return Finding(c.C().f() == 1, "f() said %d" % c.C().f())
+"""
+DEMO = textwrap.indent(DEMO, " " * 8)  # as indented as the programs it goes into (dedented whole)
+
+
 def _site(tmp_path, version: str = "0.1.0"):
     """A site folder with a small mlx_lm (one class) and the little of mlx.core a reproduction run touches."""
     site = tmp_path / "site"
@@ -74,22 +98,9 @@ def test_status_verify_runs_each_side_once(tmp_path):
         from kvpatch import status
         from kvpatch.config import Config
         from kvpatch.engine import REPRODUCTIONS_RUN, Engine
-        from kvpatch.record import Expiry, Finding, Patch
-        p = Patch(id="demo", summary="demo", distribution="mlx-lm", affected=">=0.1.0,<=0.1.0",
-                  checked_through="0.1.0", reference="none", expiry=Expiry("never"))
-        p.module = "kvpatch"
-
-        @p.replace("mlx_lm.models.cache", "C.f")
-        def build(original):
-            def f(self):
-                return 2
-            return f
-
-        @p.reproduce
-        def reproduce():
-            import mlx_lm.models.cache as c
-            return Finding(c.C().f() == 1, "f() said %d" % c.C().f())
-
+        """
+        + DEMO
+        + """
         engine = Engine([p], config=Config())
         engine.activate()
         report = status.build_report(engine, verify=True)
@@ -133,3 +144,32 @@ def test_a_declining_builder_is_asked_once(tmp_path):
         KVPATCH="off",
     )
     assert out == {"calls": 1, "state": "not needed"}, out
+
+
+def test_a_builder_is_asked_once_per_install(tmp_path):
+    """A patch its verdict settles: deciding whether it declines builds the replacement that is then installed."""
+    out = _run(
+        """
+        import json
+        from kvpatch import measurer, verdicts
+        from kvpatch.config import Config
+        from kvpatch.engine import Engine
+        """
+        + DEMO
+        + """
+        with measurer.measuring_as("verify"):  # measures and stores the verdict
+            first = Engine([p], config=Config())
+            first.activate()
+            import mlx_lm.models.cache
+        first.deactivate()
+        BUILDS.clear()
+        engine = Engine([p], config=Config())  # reads the stored verdict
+        engine.activate()
+        print("@@" + json.dumps({"calls": len(BUILDS), "state": engine.status["demo"].state.value}))
+        """,
+        tmp_path,
+        PYTHONPATH=_site(tmp_path, "0.2.0"),
+        KVPATCH="off",
+        KVPATCH_VERDICTS=str(tmp_path / "verdicts"),
+    )
+    assert out == {"calls": 1, "state": "applied"}, out

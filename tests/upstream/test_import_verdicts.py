@@ -288,3 +288,31 @@ def test_verify_credits_a_server_fix_to_the_server_not_upstream(tmp_path):
     assert outcome.startswith("bug absent in this process, fixed by something else in this process"), outcome
     assert "some_server.patches.fixed_merge" in outcome, outcome
     assert not [r for r in out["check"]["reasons"] if r.startswith("rotating-merge-empty")], out["check"]
+
+
+VERIFY_IN_PROCESS = r"""
+import argparse, contextlib, gc, io, json
+import kvpatch
+from kvpatch import verify
+from kvpatch.engine import Engine
+
+engine = kvpatch.get_engine()
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    verify.run(argparse.Namespace(background=False, json=True, missing=False, lock_fd=None, for_keys=""))
+rows = {r["id"]: r["action"] for r in json.loads(out.getvalue())["patches"]}
+print("@@" + json.dumps({
+    "engines": sum(isinstance(o, Engine) for o in gc.get_objects()),
+    "same": kvpatch.get_engine() is engine,
+    "rows": rows,
+    "engine": {pid: engine.status[pid].decision.action.value for pid in rows},
+}))
+"""
+
+
+def test_verify_decides_every_patch_with_the_process_engine(tmp_path):
+    """``kvpatch verify`` considers every patch whatever ``KVPATCH_DISABLE`` says, with the process's one engine:
+    what it measured is what that engine holds."""
+    out = _run(VERIFY_IN_PROCESS, _env(tmp_path, "index", KVPATCH_DISABLE="*", KVPATCH_VERIFY="never"), tmp_path)
+    assert out["engines"] == 1 and out["same"], out["engines"]
+    assert out["rows"] and "disabled" not in out["rows"].values(), out["rows"]
+    assert out["engine"] == out["rows"]
