@@ -11,7 +11,6 @@ import importlib
 import importlib.util
 import json
 import pkgutil
-import sys
 from collections.abc import Iterable
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -54,24 +53,6 @@ class Registry:
             raise KeyError(f"no patch {patch_id!r}; known: {', '.join(sorted(self.by_id))}") from None
 
 
-def _patches_package() -> ModuleType:
-    try:
-        return importlib.import_module(PACKAGE)
-    except ModuleNotFoundError as exc:
-        if exc.name != PACKAGE:
-            raise
-    folder = Path(__file__).resolve().parent / "patches"
-    init = folder / "__init__.py"
-    if not init.is_file():
-        raise ModuleNotFoundError(f"kvpatch's patch units are missing (looked for {PACKAGE} and {folder})")
-    spec = importlib.util.spec_from_file_location(PACKAGE, init, submodule_search_locations=[str(folder)])
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[PACKAGE] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _unit(name: str) -> Patch:
     """Import the unit ``name`` (a full module name) and return its checked record."""
     module = importlib.import_module(name)
@@ -100,7 +81,7 @@ def load() -> Registry:
     patches: list[Patch] = []
     broken: dict[str, str] = {}
     try:
-        package = _patches_package()
+        package = importlib.import_module(PACKAGE)
     except Exception as exc:
         return Registry([], {PACKAGE: f"{type(exc).__name__}: {exc}"})
     seen: dict[str, str] = {}
@@ -174,7 +155,7 @@ def index() -> list[Stub] | None:
     """A :class:`Stub` per unit, or ``None`` when the index is missing, unreadable or does not list exactly the
     units on disk (then :func:`load` is the way). Never raises."""
     try:
-        package = _patches_package()
+        package = importlib.import_module(PACKAGE)
         data = json.loads(index_path().read_text(encoding="utf-8"))
         units = data["units"]
         if sorted(units) != _unit_names(package):

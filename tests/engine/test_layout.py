@@ -16,7 +16,7 @@ from kvpatch.maint.units import module_for
 def test_every_unit_lives_where_its_id_and_distribution_say():
     reg = registry.load()
     assert not reg.broken, reg.broken
-    misplaced = {p.id: p.module for p in reg if p.module != module_for(p.id, p.distribution)}
+    misplaced = {p.id: p.module for p in reg.patches if p.module != module_for(p.id, p.distribution)}
     assert not misplaced, f"move each unit to the module its id names: {misplaced}"
 
 
