@@ -131,10 +131,8 @@ def test_vendored_copy_found_and_patched_on_request(run_py, tmp_path, package):
     for key in expected:
         # patched, or declined by the patch's own builder exactly as for upstream's class (e.g. a target whose
         # fix needs a method this release lacks: BatchQuantizedKVCache.extract arrives in mlx-vlm 0.6.5)
-        assert on["found"][key] in ("patched", "not patched: the patch's builder declined for this copy"), (
-            key,
-            on["found"][key],
-        )
+        state = on["found"][key]
+        assert state == "patched" or (state.startswith("not patched") and "declined" in state), (key, state)
     patched_offset = {"offset-detach BatchKVCache.update_and_fetch", "offset-detach-vlm BatchKVCache.update_and_fetch"}
     if patched_offset & expected and on["edges"] is not None:
         assert off["edges"][1] > off["edges"][0], off  # the copy has the bug
