@@ -1,14 +1,9 @@
-"""Vendored copies of upstream code: a server's own copy of a module kvpatch patches carries the same bugs.
+"""Vendored copies of upstream code: a server's own copy of a module kvpatch patches has the same bugs.
 
-A copy is *registered* (:func:`register_copy`: "this module is a copy of that release's module") and patched
-when it is imported, with the fixes the gate applies to that release, each with a status of its own
-(``PatchStatus.copy``), so ``status`` and ``require`` never take upstream's fix for the copy's.
-
-:func:`scan` only finds copies, reading source files: a function whose fingerprint
-(:func:`kvpatch.engine.fingerprint_source`) equals a replaced target's in the installed upstream file, under
-the same qualified name. ``KVPATCH_VENDORED`` (opt-in) registers what the scan finds in :data:`KNOWN` and the
-modules it names, as copies of the installed release, with the patches applied to it, and only where each
-replaced function is the installed upstream's code.
+A copy is registered (:func:`register_copy`) and patched when it is imported, with a status per patch of
+its own (``PatchStatus.copy``). :func:`scan` only finds copies, reading source files: a function whose
+fingerprint equals a replaced target's in the installed upstream file. ``KVPATCH_VENDORED`` registers what
+it finds as copies of the installed release, only where each replaced function is that release's code.
 """
 
 from __future__ import annotations
@@ -40,7 +35,7 @@ if TYPE_CHECKING:
 VARIABLE = config.VENDORED
 #: Modules known to hold vendored copies of patched upstream code (hooked when ``KVPATCH_VENDORED=1``).
 KNOWN: tuple[str, ...] = ("rapid_mlx.models.mlx_vlm_vendored.cache",)
-_SKIP_TOP = frozenset({*DISTRIBUTIONS.values(), "kvpatch", "_kvpatch_boot", "kvpatch_pytest"})
+_SKIP_TOP = frozenset({*DISTRIBUTIONS.values(), "kvpatch", "_kvpatch_boot", "kvpatch_pytest", "__main__"})
 _DEPENDS = re.compile(r"^(mlx|mlx[-_]lm|mlx[-_]vlm)\b", re.I)
 #: Same code under another qualified name is reported only from this many lines (``return True`` says nothing).
 MIN_LINES = 4
@@ -86,13 +81,12 @@ class _Kept(Exception):
 
 _lock = threading.RLock()
 _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registration
-_hooked: set[str] = set()
 
 
 # -- finding copies: source text only ----------------------------------------------------------------------
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
     """``{qualname: (fingerprint, first line, lines)}`` of the functions named in ``names`` at module level or in
-    classes (any depth) of ``source``: the block ``inspect.getsource`` gives, decorators included."""
+    classes of ``source``: the block ``inspect.getsource`` gives, so :func:`kvpatch.engine.fingerprint` agrees."""
     try:
         todo = [(node, "") for node in ast.parse(source).body]
     except (SyntaxError, ValueError):
@@ -117,13 +111,6 @@ def _read(path: str | None) -> str:
     return data.decode(errors="replace") if data else ""
 
 
-def target_fingerprint(target: Target) -> str | None:
-    """The fingerprint of ``target``'s code in the installed upstream file, whatever is patched: equal to
-    :func:`kvpatch.engine.fingerprint` of the unpatched object."""
-    found = _definitions(_read(module_file(target.module)), frozenset([target.attribute])).get(target.qualname)
-    return found[0] if found else None
-
-
 def _upstream_fingerprints(engine: Engine) -> dict[str, list[tuple[str, Target, str]]]:
     """``{fingerprint: [(patch id, target, first line)]}`` of every replaced target of a patch that applies to
     the installed upstream (applied, or waiting for its module: a copy may be imported before upstream's)."""
@@ -133,46 +120,36 @@ def _upstream_fingerprints(engine: Engine) -> dict[str, list[tuple[str, Target, 
     for patch in patches:
         st = engine.status[patch.id]
         pending = st.decision.action is Action.APPLY and st.state in (State.PENDING, State.OVERRIDDEN)
-        if not (st.state is State.APPLIED or st.installed or pending):
-            continue
-        for target in patch.targets:
-            if target.kind is not Kind.REPLACE:
-                continue
-            if target.module not in texts:
+        for target in patch.targets if st.state is State.APPLIED or st.installed or pending else ():
+            if target.kind is Kind.REPLACE and target.module not in texts:
                 wanted = frozenset(t.attribute for p in patches for t in p.targets if t.module == target.module)
                 texts[target.module] = _definitions(_read(module_file(target.module)), wanted)
-            found = texts[target.module].get(target.qualname)
+            found = texts.get(target.module, {}).get(target.qualname) if target.kind is Kind.REPLACE else None
             if found is not None:
                 out.setdefault(found[0], []).append((patch.id, target, found[1]))
     return out
 
 
 def _installed_dependents() -> dict[str, str]:
-    """``{module: file}`` of every ``.py`` file of an installed distribution that requires mlx, mlx-lm or
-    mlx-vlm (downstream servers), from the distributions' RECORD files, importing nothing."""
+    """``{module: file}`` of the ``.py`` files of installed distributions that require mlx, mlx-lm or mlx-vlm
+    (downstream servers), from their RECORD files."""
     out: dict[str, str] = {}
-    skip = {"mlx", "mlx-lm", "mlx-vlm", "mlx-cpu", "mlx-metal", "kvpatch"}
     for dist in importlib.metadata.distributions():
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
-        if name in skip or not any(_DEPENDS.match(req) for req in dist.requires or ()):
+        if name in ("mlx", "mlx-lm", "mlx-vlm", "kvpatch") or not any(map(_DEPENDS.match, dist.requires or ())):
             continue
-        skip.add(name)
         for file in dist.files or ():
             parts = list(file.with_suffix("").parts)
-            if parts and parts[-1] == "__init__":
-                parts.pop()
-            if file.suffix == ".py" and parts and all(p.isidentifier() for p in parts):
-                out.setdefault(".".join(parts), str(dist.locate_file(file)))
+            if file.suffix == ".py" and all(p.isidentifier() for p in parts):
+                out.setdefault(".".join(parts).removesuffix(".__init__"), str(dist.locate_file(file)))
     return out
 
 
 def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, installed: bool = False) -> list[Copy]:
     """Copies of the replaced targets of patches that apply here, among ``modules`` (default: every imported
     module outside mlx_lm / mlx_vlm / kvpatch and the standard library) and, with ``installed``, the files of
-    every installed distribution that requires mlx / mlx-lm / mlx-vlm. Reads source files only.
-
-    The same code under another qualified name (a subclass that copied a method) is reported as
-    :data:`OTHER_OWNER` when it is more than a few lines: it has the bug too, but it is not patched."""
+    every installed distribution that requires mlx / mlx-lm / mlx-vlm. The same code under another qualified
+    name (a subclass that copied a method) has the bug too, but is not patched: :data:`OTHER_OWNER`."""
     if engine is None:
         from . import get_engine
 
@@ -183,89 +160,74 @@ def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, 
     names = frozenset(t.attribute for entries in upstream.values() for _, t, _ in entries)
     needles = re.compile("|".join(sorted(re.escape(first) for entries in upstream.values() for *_, first in entries)))
     skip = _SKIP_TOP | getattr(sys, "stdlib_module_names", frozenset())
-    candidates: dict[str, str | None] = {}
-    for name in list(sys.modules) if modules is None else modules:
-        if name.split(".")[0] not in skip and name != "__main__":
-            candidates[name] = module_file(name)
+    names_in = list(sys.modules) if modules is None else modules
+    candidates = {name: module_file(name) for name in names_in if name.split(".")[0] not in skip}
     for name, path in _installed_dependents().items() if installed else ():
         candidates.setdefault(name, path)
+    with _lock:
+        statuses = {(r.module, pid): st for r in _registered.values() for pid, st in r.statuses.items()}
     found: list[Copy] = []
     for module, file in candidates.items():
         source = _read(file)
-        if needles.search(source) is None:
-            continue
-        for qualname, (fp, _, size) in _definitions(source, names).items():
-            for patch_id, target, _ in upstream.get(fp, []):
-                same_name = qualname == target.qualname
-                if qualname.rsplit(".", 1)[-1] == target.attribute and (same_name or size >= MIN_LINES):
-                    copy = Copy(patch_id, target.path, module, qualname, fp, "found" if same_name else OTHER_OWNER)
-                    found.append(_with_state(copy))
+        for qualname, (fp, _, size) in _definitions(source, names).items() if needles.search(source) else ():
+            for patch_id, target, _ in upstream.get(fp, []):  # the same fingerprint: the same name
+                st = statuses.get((module, patch_id))
+                if qualname != target.qualname:
+                    state = OTHER_OWNER
+                elif st is None or st.state is State.PENDING:
+                    state = "found"
+                else:
+                    state = "patched" if st.state is State.APPLIED else f"not patched: {st.reason}"
+                if state != OTHER_OWNER or size >= MIN_LINES:
+                    found.append(Copy(patch_id, target.path, module, qualname, fp, state))
     return found
 
 
-def _with_state(copy: Copy) -> Copy:
-    """``copy`` with the state of its patch in its module's registration, where there is one."""
-    with _lock:
-        regs = [r for (module, _), r in _registered.items() if module == copy.module]
-    st = next((r.statuses[copy.patch_id] for r in regs if copy.patch_id in r.statuses), None)
-    if copy.state != OTHER_OWNER and st is not None and st.state is not State.PENDING:
-        copy.state = "patched" if st.state is State.APPLIED else f"not patched: {st.reason}"
-    return copy
-
-
-def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> list[Copy]:
+def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> None:
     """Register the copies :func:`scan` finds among ``modules`` (default: all imported) as copies of the installed
     release, with the patches applied to it; only with ``KVPATCH_VENDORED`` on or ``force``. Never raises."""
-    if not (force or _setting()[0]):
-        return []
+    if not (force or _setting() is not None):
+        return
     try:
         if engine is None:
             from . import get_engine
 
             engine = get_engine()
-        copies = scan(engine, modules=modules)
-        found: dict[tuple[str, str], dict[str, str]] = {}
-        for c in copies:
+        found: dict[tuple[str, str], tuple[dict[str, str], set[str]]] = {}
+        for c in scan(engine, modules=modules):
             if c.state != OTHER_OWNER:
-                found.setdefault((c.module, c.target[: -len(c.qualname) - 1]), {})[c.target] = c.fingerprint
-        for (module, of), expected in found.items():
+                expected, ids = found.setdefault((c.module, c.target[: -len(c.qualname) - 1]), ({}, set()))
+                expected[c.target] = c.fingerprint
+                ids.add(c.patch_id)
+        for (module, of), (expected, ids) in found.items():
             with _lock:
                 if (module, of) in _registered:
                     continue
-            ids = {c.patch_id for c in copies if c.module == module and c.target in expected}
-            version = engine.upstream[engine.status[min(ids)].record.distribution].version or ""
-            _register(engine, _Registered(module, of, version, expected), ids)
-        return [_with_state(c) for c in copies]
+            dist = next(d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0])
+            _register(engine, _Registered(module, of, engine.upstream[dist].version or "", expected), ids)
     except Exception as exc:  # kvpatch never raises into its host
         emit(f"kvpatch: patching vendored copies failed: {type(exc).__name__}: {exc}")
-        return []
 
 
-def _setting(environ: Mapping[str, str] | None = None) -> tuple[bool, list[str]]:
-    """(patch copies?, the modules named besides :data:`KNOWN`) from ``KVPATCH_VENDORED``."""
+def _setting(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The modules ``KVPATCH_VENDORED`` names besides :data:`KNOWN` (``None``: off)."""
     raw = config.vendored(environ)
-    names = [n.strip() for n in raw.split(",") if n.strip().lower() not in {*config.ON_VALUES, "all"}]
-    return bool(raw) and raw.lower() not in config.OFF_VALUES, names
+    if not raw or raw.lower() in config.OFF_VALUES:
+        return None
+    return [n.strip() for n in raw.split(",") if n.strip().lower() not in {*config.ON_VALUES, "all"}]
 
 
 def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
     """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported
     (now, for those imported already). Never raises."""
-    on, names = _setting(environ)
-    if not on:
-        return
+    names = _setting(environ)
     try:
-        register = _registry()
-        for name in dict.fromkeys([*KNOWN, *names]):
-            with _lock:
-                if name in _hooked:
-                    continue
-                _hooked.add(name)
+        for name in dict.fromkeys([*KNOWN, *names]) if names is not None else ():
             if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False):
                 # kvpatch activated inside this module's own import: its classes do not exist yet, no hook will come
                 emit(f"kvpatch: vendored copy {name} was still being imported: call kvpatch.vendored.apply()")
                 continue
-            register(lambda module: apply(engine, modules=[module.__name__], force=True), name)
+            _registry()(lambda module: apply(engine, modules=[module.__name__], force=True), name)
     except Exception as exc:
         emit(f"kvpatch: could not hook vendored modules: {type(exc).__name__}: {exc}")
 
@@ -283,20 +245,20 @@ def register_copy(
     engine: Engine, module: str, *, of: str, version: str, patches: Iterable[str] | None = None
 ) -> list[PatchStatus]:
     """Declare ``module`` a copy of ``of`` as released in ``version`` (see :func:`kvpatch.register_copy`)."""
-    if of.split(".", 1)[0] not in DISTRIBUTIONS.values():
-        raise ValueError(f"{of} is not a module of {' or '.join(DISTRIBUTIONS)}")
     return _register(engine, _Registered(module, of, version, None), patches)
 
 
 def _register(engine: Engine, reg: _Registered, patches: Iterable[str] | None) -> list[PatchStatus]:
     """Decide each patch of ``reg.of`` for the copy's release; patch the copy when it is imported (or now)."""
     top = reg.of.split(".", 1)[0]
+    dist = next((d for d, name in DISTRIBUTIONS.items() if name == top), None)
+    if dist is None:
+        raise ValueError(f"{reg.of} is not a module of {' or '.join(DISTRIBUTIONS)}")
     wanted = None if patches is None else list(dict.fromkeys(patches))
     known = {p.id: p for p in engine.materialise()}
     for patch in known.values():
-        if patch.import_name != top or reg.of not in patch.modules or patch.id not in (wanted or [patch.id]):
+        if patch.distribution != dist or reg.of not in patch.modules or (wanted is not None and patch.id not in wanted):
             continue
-        dist = patch.distribution
         decision = decide(patch, Upstream(dist, reg.version), engine.config)
         state, reason = _FROM_ACTION[decision.action], f"copy of {dist} {reg.version}'s {reg.of}: {decision.reason}"
         mine = engine.status[patch.id]
@@ -305,13 +267,11 @@ def _register(engine: Engine, reg: _Registered, patches: Iterable[str] | None) -
         elif decision.action is Action.VERIFY:
             state, reason = State.UNVERIFIED, f"{reason}; the reproduction runs on upstream, not on a copy: not applied"
         reg.statuses[patch.id] = PatchStatus(patch, decision, state, reason, copy=reg.module)
-    for pid in wanted or ():
-        if pid not in reg.statuses:
-            why = "no such patch" if pid not in known else f"it does not change {reg.of}"
-            dist = next(d for d, name in DISTRIBUTIONS.items() if name == top)
-            record = known.get(pid) or Patch(pid, "unknown patch", dist, "<0", "", Expiry("unknown"), fixed_in="0")
-            decision, reason = Decision(Action.DISABLED, why), f"{pid} cannot patch {reg.module}: {why}"
-            reg.statuses[pid] = PatchStatus(record, decision, State.FAILED, reason, error=why, copy=reg.module)
+    for pid in (p for p in wanted or () if p not in reg.statuses):
+        why = "no such patch" if pid not in known else f"it does not change {reg.of}"
+        record = known.get(pid) or Patch(pid, "unknown patch", dist, "<0", "", Expiry("unknown"), fixed_in="0")
+        decision, reason = Decision(Action.DISABLED, why), f"{pid} cannot patch {reg.module}: {why}"
+        reg.statuses[pid] = PatchStatus(record, decision, State.FAILED, reason, error=why, copy=reg.module)
     with _lock:
         earlier = _registered.get((reg.module, reg.of))
         _registered[(reg.module, reg.of)] = reg
@@ -339,26 +299,22 @@ def _patch(reg: _Registered) -> None:
                 else:
                     known = frozenset([reg.expected.get(target.path, "")])
                 change = _install(st.record, target, reg.module, known)
-                if change is not None:
-                    done.append(change)
+                done += [change] if change is not None else []
         except Exception as exc:
             for change in reversed(done):
                 surgery.restore(change)
-            if isinstance(exc, _Kept):
-                set_state(st, exc.args[0], f"{st.reason}; {exc.args[1]}: not applied")
-                continue
-            failed = State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED
-            set_state(st, failed, f"{st.reason}; not applied: {type(exc).__name__}: {exc}", error=str(exc))
-            if failed is State.FAILED:
+            state, why = exc.args if isinstance(exc, _Kept) else (State.FAILED, f"{type(exc).__name__}: {exc}")
+            state = State.TARGET_MISSING if isinstance(exc, TargetMissing) else state
+            error = why if state in (State.FAILED, State.TARGET_MISSING) else None
+            set_state(st, state, f"{st.reason}; not applied: {why}", error=error)
+            if state is State.FAILED:
                 emit(f"kvpatch: vendored copy {reg.module}: {st.reason}", key=f"vendored:{pid}:{reg.module}")
             continue
         with _lock:
             reg.changes[pid] = done
             st.installed = [c.target for c in done]
-            if done:
-                set_state(st, State.APPLIED)
-            else:
-                set_state(st, State.NOT_NEEDED, f"{st.reason}; nothing to change in the copy (the builders declined)")
+            declined = f"{st.reason}; nothing to change in the copy (the builders declined)"
+            set_state(st, State.APPLIED if done else State.NOT_NEEDED, None if done else declined)
 
 
 def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | None) -> surgery.Change | None:
