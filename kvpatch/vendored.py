@@ -44,7 +44,7 @@ OTHER_OWNER = "found (other owner: not patched)"
 
 @dataclass
 class Copy:
-    """One function of a module that is a copy of one replaced upstream target."""
+    """A function that is a copy of a replaced upstream target."""
 
     patch_id: str
     target: str  # the upstream target, "module.Qual.name"
@@ -186,7 +186,7 @@ def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, 
 def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> None:
     """Register the copies :func:`scan` finds among ``modules`` (default: all imported) as copies of the installed
     release, with the patches applied to it; only with ``KVPATCH_VENDORED`` on or ``force``. Never raises."""
-    if not (force or _setting() is not None):
+    if not (force or setting() is not None):
         return
     try:
         if engine is None:
@@ -209,7 +209,7 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
         emit(f"kvpatch: patching vendored copies failed: {type(exc).__name__}: {exc}")
 
 
-def _setting(environ: Mapping[str, str] | None = None) -> list[str] | None:
+def setting(environ: Mapping[str, str] | None = None) -> list[str] | None:
     """The modules ``KVPATCH_VENDORED`` names besides :data:`KNOWN` (``None``: off)."""
     raw = config.vendored(environ)
     if not raw or raw.lower() in config.OFF_VALUES:
@@ -220,7 +220,7 @@ def _setting(environ: Mapping[str, str] | None = None) -> list[str] | None:
 def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
     """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported
     (now, for those imported already). Never raises."""
-    names = _setting(environ)
+    names = setting(environ)
     try:
         for name in dict.fromkeys([*KNOWN, *names]) if names is not None else ():
             if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False):
@@ -294,11 +294,10 @@ def _patch(reg: _Registered) -> None:
         done: list[surgery.Change] = []
         try:
             for target in (t for t in st.record.targets if t.module == reg.of):
-                if reg.expected is None:
-                    known = verdicts.validated(st.record).get(target.path) or None
-                else:
-                    known = frozenset([reg.expected.get(target.path, "")])
-                change = _install(st.record, target, reg.module, known)
+                known = reg.expected and frozenset([reg.expected.get(target.path, "")])
+                change = _install(
+                    st.record, target, reg.module, known or verdicts.validated(st.record).get(target.path)
+                )
                 done += [change] if change is not None else []
         except Exception as exc:
             for change in reversed(done):
@@ -318,10 +317,8 @@ def _patch(reg: _Registered) -> None:
 
 
 def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | None) -> surgery.Change | None:
-    """Put ``target``'s fix on the object of the same qualified name in the copy ``module`` through kvpatch's one
-    install step (:func:`kvpatch.surgery.prepare`, :func:`~kvpatch.surgery.commit`). ``None``: nothing to do (the
-    fix is there, an optional target the copy lacks, or the builder declines, as for upstream's). ``known``: the
-    fingerprints the copy's code must have (``None``: any)."""
+    """``target``'s fix on the copy's object of the same qualified name, through kvpatch's one install step
+    (:mod:`kvpatch.surgery`); ``None``: nothing to change. ``known``: the fingerprints the copy's code must have."""
     owner: Any = sys.modules[module]
     for part in target.owner_path:
         owner = vars(owner).get(part) if isinstance(owner, types.ModuleType) else getattr(owner, part, None)
@@ -348,7 +345,7 @@ def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | 
         probe: Any = (original.fset or original.fget) if isinstance(original, property) else original
         if callable(probe) and surgery.foreign(inspect.unwrap(probe), module):
             raise _Kept(State.DRIFTED, f"{module}.{target.qualname} is not the copy's own code (replaced after import)")
-        if known is not None and fingerprint(original) not in (*known, None):  # None: a builtin, or a plain value
+        if known and fingerprint(original) not in (*known, None):  # None: a builtin, or a plain value
             raise _Kept(State.DRIFTED, f"{module}.{target.qualname} is not code the patch was decided on")
     where = Target(module, target.qualname, target.kind, target.optional)
     function = surgery.prepare(patch, where, owner, original, patch.builders[target])
