@@ -68,9 +68,9 @@ class _Registered:
     module: str
     of: str
     version: str
-    #: A copy the scan found: ``{target path: fingerprint}`` of the installed upstream code its replaced functions
-    #: must have. ``None``: those the patch was validated on (``kvpatch/data/fingerprints.json``).
-    expected: dict[str, str] | None
+    #: Found by the scan, with each replaced function of its patches the installed upstream's code (else the code
+    #: must be what the patch was validated on, ``kvpatch/data/fingerprints.json``).
+    scanned: bool
     statuses: dict[str, PatchStatus] = field(default_factory=dict)
     changes: dict[str, list[surgery.Change]] = field(default_factory=dict)
 
@@ -193,20 +193,29 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
             from . import get_engine
 
             engine = get_engine()
-        found: dict[tuple[str, str], tuple[dict[str, str], set[str]]] = {}
+        found: dict[tuple[str, str], dict[str, set[str]]] = {}  # (module, of) -> {patch id: its targets found}
         for c in scan(engine, modules=modules):
             if c.state != OTHER_OWNER:
-                expected, ids = found.setdefault((c.module, c.target[: -len(c.qualname) - 1]), ({}, set()))
-                expected[c.target] = c.fingerprint
-                ids.add(c.patch_id)
-        for (module, of), (expected, ids) in found.items():
+                of = c.target[: -len(c.qualname) - 1]
+                found.setdefault((c.module, of), {}).setdefault(c.patch_id, set()).add(c.target)
+        records = {p.id: p for p in engine.materialise()}
+        for (module, of), paths in found.items():
             with _lock:
-                if (module, of) in _registered:
-                    continue
+                taken = {m for (m, o), r in _registered.items() if o == of or not r.scanned}
+            if module in taken:
+                continue  # registered already (in code: as the server declared it)
+            # patches found whole only: a copy that changed one of a patch's functions gets none of it
+            names = frozenset(t.attribute for pid in paths for t in records[pid].targets)
+            defined = _definitions(_read(module_file(of)), names)  # the functions the scan can find
+            whole = [pid for pid, got in paths.items() if _replaced(records[pid], of, defined) <= got]
             dist = next(d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0])
-            _register(engine, _Registered(module, of, engine.upstream[dist].version or "", expected), ids)
+            _register(engine, _Registered(module, of, engine.upstream[dist].version or "", True), whole)
     except Exception as exc:  # kvpatch never raises into its host
         emit(f"kvpatch: patching vendored copies failed: {type(exc).__name__}: {exc}")
+
+
+def _replaced(patch: Patch, module: str, defined: Mapping[str, Any]) -> set[str]:
+    return {t.path for t in patch.targets if t.module == module and t.qualname in defined}
 
 
 def setting(environ: Mapping[str, str] | None = None) -> list[str] | None:
@@ -245,7 +254,7 @@ def register_copy(
     engine: Engine, module: str, *, of: str, version: str, patches: Iterable[str] | None = None
 ) -> list[PatchStatus]:
     """Declare ``module`` a copy of ``of`` as released in ``version`` (see :func:`kvpatch.register_copy`)."""
-    return _register(engine, _Registered(module, of, version, None), patches)
+    return _register(engine, _Registered(module, of, version, False), patches)
 
 
 def _register(engine: Engine, reg: _Registered, patches: Iterable[str] | None) -> list[PatchStatus]:
@@ -262,7 +271,7 @@ def _register(engine: Engine, reg: _Registered, patches: Iterable[str] | None) -
         decision = decide(patch, Upstream(dist, reg.version), engine.config)
         state, reason = _FROM_ACTION[decision.action], f"copy of {dist} {reg.version}'s {reg.of}: {decision.reason}"
         mine = engine.status[patch.id]
-        if decision.action is Action.VERIFY and reg.expected is not None and mine.verified and mine.installed:
+        if decision.action is Action.VERIFY and reg.scanned and mine.verified and mine.installed:
             state, reason = State.PENDING, f"{reason}; the installed release's verdict: {mine.verified}"
         elif decision.action is Action.VERIFY:
             state, reason = State.UNVERIFIED, f"{reason}; the reproduction runs on upstream, not on a copy: not applied"
@@ -294,10 +303,8 @@ def _patch(reg: _Registered) -> None:
         done: list[surgery.Change] = []
         try:
             for target in (t for t in st.record.targets if t.module == reg.of):
-                known = reg.expected and frozenset([reg.expected.get(target.path, "")])
-                change = _install(
-                    st.record, target, reg.module, known or verdicts.validated(st.record).get(target.path)
-                )
+                known = None if reg.scanned else verdicts.validated(st.record).get(target.path)
+                change = _install(st.record, target, reg.module, known)
                 done += [change] if change is not None else []
         except Exception as exc:
             for change in reversed(done):
@@ -376,7 +383,7 @@ def restore() -> None:
     are forgotten (``apply`` finds them again), those registered in code stay, pending."""
     with _lock:
         regs = list(_registered.values())
-        for key in [key for key, reg in _registered.items() if reg.expected is not None]:
+        for key in [key for key, reg in _registered.items() if reg.scanned]:
             del _registered[key]
     for reg in regs:
         _restore(reg)
