@@ -193,17 +193,18 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
             from . import get_engine
 
             engine = get_engine()
-        found: dict[tuple[str, str], dict[str, set[str]]] = {}  # (module, of) -> {patch id: its targets found}
+        found: dict[str, dict[str, dict[str, set[str]]]] = {}  # module -> of -> {patch id: its targets found}
         for c in scan(engine, modules=modules):
             if c.state != OTHER_OWNER:
                 of = c.target[: -len(c.qualname) - 1]
-                found.setdefault((c.module, of), {}).setdefault(c.patch_id, set()).add(c.target)
+                found.setdefault(c.module, {}).setdefault(of, {}).setdefault(c.patch_id, set()).add(c.target)
         records = {p.id: p for p in engine.materialise()}
-        for (module, of), paths in found.items():
+        for module, copied in found.items():
+            # a copy of one upstream module, the one it shares most with (mlx-vlm's cache shares code with mlx-lm's)
+            of, paths = max(copied.items(), key=lambda item: len(set().union(*item[1].values())))
             with _lock:
-                taken = {m for (m, o), r in _registered.items() if o == of or not r.scanned}
-            if module in taken:
-                continue  # registered already (in code: as the server declared it)
+                if any(m == module for m, _ in _registered):
+                    continue  # registered already (in code: as the server declared it)
             # patches found whole only: a copy that changed one of a patch's functions gets none of it
             names = frozenset(t.attribute for pid in paths for t in records[pid].targets)
             defined = _definitions(_read(module_file(of)), names)  # the functions the scan can find
