@@ -208,15 +208,15 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
             # patches found whole only: a copy that changed one of a patch's functions gets none of it
             names = frozenset(t.attribute for pid in paths for t in records[pid].targets)
             defined = _definitions(_read(module_file(of)), names)  # the functions the scan can find
-            whole = [pid for pid, got in paths.items() if _replaced(records[pid], of, defined) <= got]
+            whole = [
+                pid
+                for pid, got in paths.items()
+                if {t.path for t in records[pid].targets if t.qualname in defined and t.module == of} <= got
+            ]
             dist = next(d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0])
             _register(engine, _Registered(module, of, engine.upstream[dist].version or "", True), whole)
     except Exception as exc:  # kvpatch never raises into its host
         emit(f"kvpatch: patching vendored copies failed: {type(exc).__name__}: {exc}")
-
-
-def _replaced(patch: Patch, module: str, defined: Mapping[str, Any]) -> set[str]:
-    return {t.path for t in patch.targets if t.module == module and t.qualname in defined}
 
 
 def setting(environ: Mapping[str, str] | None = None) -> list[str] | None:
