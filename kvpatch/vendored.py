@@ -1,93 +1,56 @@
-"""Vendored copies of patched upstream code: found on demand, patched only when asked.
+"""Vendored copies of upstream code: a server's own copy of a module kvpatch patches has the same bugs.
 
-Servers copy upstream files into their own packages (Rapid-MLX 0.16.10 ships
-``rapid_mlx/models/mlx_vlm_vendored/cache.py``, mlx-vlm 0.7.2's cache module with three hunks of its
-own). Such a copy carries the same bugs kvpatch fixes in ``mlx_vlm.models.cache``, but kvpatch patches
-upstream's classes only: ``status`` says the fix is applied while the server runs the unpatched copy.
-
-:func:`scan` finds them. For every replaced target of a patch, the source fingerprint of the *upstream*
-code (:func:`kvpatch.engine.fingerprint`'s normalisation, computed from the upstream file's text, so
-neither kvpatch's replacement nor anybody else's wrapper is looked at) is compared with every function of
-the same name in the source files of modules already imported outside ``mlx_lm`` / ``mlx_vlm`` /
-``kvpatch`` and the standard library. Cheap: a file is parsed only when its text contains ``def <name>``
-for a target's name (about 0.1 s for the ~1,500 modules a server imports), and nothing is imported or
-executed. Equal fingerprints mean the copy's code is the code the patch's decision was taken on.
-
-``KVPATCH_VENDORED=1`` (opt-in) patches the copies with the same fix: a patch's builders are deltas
-that receive the original, so the vendored original goes in and the replacement goes onto the vendored
-owner. Only patches applied to the installed upstream in this process are used (same code, same
-decision), only where the copy's fingerprint equals the installed upstream's, and never over an
-attribute someone else replaced after import. :func:`apply` does it for the modules imported so far;
-``KVPATCH_VENDORED=1`` also hooks the copies kvpatch knows of (:data:`KNOWN`) and
-``KVPATCH_VENDORED=module,module`` hooks the named modules, so they are patched as they are imported.
-:func:`restore` (also run by ``kvpatch.deactivate()``) takes the replacements out where they are still
-kvpatch's. A builder that inspects upstream's own classes (not the original it receives) declines or
-gates on upstream's state as it does there; such a target stays unpatched in the copy, and says so.
+A copy is registered (:func:`register_copy`) and patched when it is imported, with a status per patch of
+its own (``PatchStatus.copy``). :func:`scan` only finds copies, reading source files: a function whose
+fingerprint equals a replaced target's in the installed upstream file. ``KVPATCH_VENDORED`` registers what
+it finds as copies of the installed release, only where each replaced function is that release's code.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
-import logging
 import re
 import sys
 import threading
 import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import config, surgery
+from . import config, store, surgery
+from ._site import hooks
 from ._warn import emit
-from .engine import fingerprint, fingerprint_source, hook_registry
-from .record import DISTRIBUTIONS, Kind, Patch, Target
+from .detect import Upstream
+from .engine import _FROM_ACTION, PatchStatus, State, TargetMissing, fingerprint, fingerprint_source, set_state
+from .gate import Action, Decision, decide
+from .locate import module_file
+from .record import DISTRIBUTIONS, Expiry, Kind, Patch, Target
 
 if TYPE_CHECKING:
-    from .engine import Engine, PatchStatus
+    from .engine import Engine
 
-__all__ = [
-    "KNOWN",
-    "VARIABLE",
-    "Copy",
-    "apply",
-    "copy_records",
-    "format_copies",
-    "hook",
-    "register_copy",
-    "restore",
-    "scan",
-    "setting",
-    "target_fingerprint",
-]
-
-log = logging.getLogger(__name__)
-
-#: The environment variable: ``1`` patches copies (and hooks :data:`KNOWN`); a comma-separated list of
-#: module names hooks those modules too. Unset, ``0`` or ``off``: copies are only reported.
 VARIABLE = config.VENDORED
-#: Modules known to hold vendored copies of patched upstream code (hooked when KVPATCH_VENDORED=1).
+#: Modules known to hold vendored copies of patched upstream code (hooked when ``KVPATCH_VENDORED=1``).
 KNOWN: tuple[str, ...] = ("rapid_mlx.models.mlx_vlm_vendored.cache",)
-_OFF = frozenset({"", "0", "off", "false", "no"})
-_ON = frozenset({"1", "on", "true", "yes", "all"})
-_SKIP_TOP = frozenset({*DISTRIBUTIONS.values(), "kvpatch", "_kvpatch_boot", "kvpatch_pytest"})
-_MISSING = object()
-#: Same code under another qualified name counts only when it has at least this many lines.
+_SKIP_TOP = frozenset({*DISTRIBUTIONS.values(), "kvpatch", "_kvpatch_boot", "kvpatch_pytest", "__main__"})
+_DEPENDS = re.compile(r"^(mlx|mlx[-_]lm|mlx[-_]vlm)\b", re.I)
+#: Same code under another qualified name is reported only from this many lines (``return True`` says nothing).
 MIN_LINES = 4
 OTHER_OWNER = "found (other owner: not patched)"
 
 
 @dataclass
 class Copy:
-    """One vendored copy of one patched upstream target."""
+    """A function that is a copy of a replaced upstream target."""
 
     patch_id: str
     target: str  # the upstream target, "module.Qual.name"
-    module: str  # the module holding the copy
-    qualname: str  # the copy's qualified name inside it
+    module: str
+    qualname: str
     fingerprint: str
-    #: "found" (reported only), "patched", or "not patched: <why>".
+    #: "found", "patched", "not patched: <why>" or :data:`OTHER_OWNER`.
     state: str = "found"
 
     @property
@@ -95,69 +58,39 @@ class Copy:
         return f"{self.module}.{self.qualname}"
 
     def as_dict(self) -> dict[str, str]:
-        return {
-            "patch": self.patch_id,
-            "target": self.target,
-            "copy": self.path,
-            "fingerprint": self.fingerprint,
-            "state": self.state,
-        }
-
-
-@dataclass
-class _Installed:
-    copy: Copy
-    #: How to put the copy's original back.
-    change: surgery.Change
+        keys = ("patch", "target", "copy", "fingerprint", "state")
+        return dict(zip(keys, (self.patch_id, self.target, self.path, self.fingerprint, self.state), strict=True))
 
 
 @dataclass
 class _Registered:
-    """A copy a server registered in code (:func:`register_copy`): one status per patch, and its changes."""
-
     module: str
     of: str
     version: str
+    #: Found by the scan, with each replaced function of its patches the installed upstream's code (else the code
+    #: must be what the patch was validated on, ``kvpatch/data/fingerprints.json``).
+    scanned: bool
     statuses: dict[str, PatchStatus] = field(default_factory=dict)
     changes: dict[str, list[surgery.Change]] = field(default_factory=dict)
 
 
-@dataclass
-class _State:
-    lock: threading.RLock = field(default_factory=threading.RLock)
-    installed: list[_Installed] = field(default_factory=list)
-    hooked: set[str] = field(default_factory=set)
-    #: The last state :func:`apply` gave each (patch id, copy path) that it did not patch.
-    notes: dict[tuple[str, str], str] = field(default_factory=dict)
-    #: Copies registered in code, by module name.
-    registered: dict[str, _Registered] = field(default_factory=dict)
+class _Kept(Exception):
+    """The copy keeps its code for this patch: ``args`` = (state, why)."""
 
 
-_state = _State()
+_lock = threading.RLock()
+_registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registration
 
 
-def setting(environ: Mapping[str, str] | None = None) -> tuple[bool, tuple[str, ...]]:
-    """(patch copies?, modules to hook) from ``KVPATCH_VENDORED``."""
-    raw = config.vendored(environ)
-    if raw.lower() in _OFF:
-        return False, ()
-    if raw.lower() in _ON:
-        return True, KNOWN
-    names = tuple(n.strip() for n in raw.split(",") if n.strip() and n.strip().lower() not in _ON)
-    return True, tuple(dict.fromkeys([*KNOWN, *names]))
-
-
-# -- fingerprints from source text ----------------------------------------------------------------
+# -- finding copies: source text only ----------------------------------------------------------------------
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
-    """``{qualname: (fingerprint, first line, lines)}`` of every function named in ``names`` defined in
-    ``source`` at module level or inside classes (any depth), found by indentation, not by parsing: a
-    third of the time of ``ast.parse`` on the large cache modules, with the same block ``inspect.getsource``
-    gives for ordinary code (a block it reads differently only misses a copy, it never invents one)."""
+    """``{qualname: (fingerprint, longest line, lines)}`` of the functions named in ``names`` at module level or in
+    classes of ``source``: the block ``inspect.getsource`` gives, so :func:`kvpatch.engine.fingerprint` agrees. Found
+    by indentation, not parsed: a tenth of ``ast.parse``'s time (an odd block misses a copy, never invents one)."""
     if not names:
         return {}
-    pattern = re.compile(
-        r"^([ \t]*)(?:async[ \t]+)?def[ \t]+(" + "|".join(sorted(map(re.escape, names))) + r")[ \t]*\(", re.M
-    )
+    alternatives = "|".join(sorted(map(re.escape, names)))
+    pattern = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+(" + alternatives + r")[ \t]*\(", re.M)
     lines = source.split("\n")
     found: dict[str, tuple[str, str, int]] = {}
     row, position = 0, 0
@@ -168,36 +101,31 @@ def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str
         qualname = _enclosing(lines, row, indent, match.group(2))
         if qualname is None:
             continue
-        first = row
+        first = last = row
         while first > 0 and lines[first - 1].strip().startswith("@"):
             first -= 1
-        end = row + 1
-        last = row
-        while end < len(lines):
+        for end in range(row + 1, len(lines)):
             text = lines[end]
             if text.strip():
                 if len(text) - len(text.lstrip()) <= indent and not text.lstrip().startswith(("#", ")")):
                     break
                 last = end
-            end += 1
         block = "\n".join(lines[first : last + 1])
         kept = [line.strip() for line in block.splitlines() if line.strip() and not line.strip().startswith("#")]
-        found[qualname] = (fingerprint_source(block), kept[0], len(kept))
+        found[qualname] = (fingerprint_source(block), max(kept, key=len), len(kept))
     return found
 
 
 def _enclosing(lines: list[str], row: int, indent: int, name: str) -> str | None:
-    """The qualified name of a ``def`` at ``row``: its enclosing classes, or None inside a function."""
+    """The qualified name of a ``def`` at ``row``: its enclosing classes; None inside a function or statement."""
     parts = [name]
     for index in range(row - 1, -1, -1):
         if indent == 0:
             break
         text = lines[index]
         stripped = text.lstrip()
-        if not stripped or stripped.startswith(("#", "@", ")")):
-            continue
         level = len(text) - len(stripped)
-        if level >= indent:
+        if not stripped or stripped.startswith(("#", "@", ")")) or level >= indent:
             continue
         header = re.match(r"(class|def|async[ \t]+def)[ \t]+(\w+)", stripped)
         if header is None:
@@ -205,159 +133,57 @@ def _enclosing(lines: list[str], row: int, indent: int, name: str) -> str | None
                 continue  # a continuation line or a string inside something
             return None  # module-level code (if/try) holding the def: not a stable name
         if header.group(1) != "class":
-            return None  # a function inside a function
+            return None
         parts.append(header.group(2))
         indent = level
     return ".".join(reversed(parts))
 
 
-def target_fingerprint(target: Target) -> str | None:
-    """The fingerprint of ``target``'s code in the installed upstream file (no import, whatever is
-    patched): equal to :func:`kvpatch.engine.fingerprint` of the unpatched object."""
-    path = _module_file(target.module)
-    source = _read(path) if path is not None else None
-    if not source:
-        return None
-    found = _definitions(source, frozenset([target.attribute])).get(target.qualname)
-    return found[0] if found else None
+def _read(path: str | None) -> str:
+    """The text of a ``.py`` file, importing nothing ("" unless it is a regular file of bounded size)."""
+    data = store.read_bytes(Path(path)) if path and path.endswith(".py") else None
+    return data.decode(errors="replace") if data else ""
 
 
-def _module_file(name: str) -> Path | None:
-    """The ``.py`` file of module ``name``, without importing it (or any package above it)."""
-    module = sys.modules.get(name)
-    origin = getattr(module, "__file__", None) if module is not None else None
-    if origin is None:
-        top, *rest = name.split(".")
-        try:
-            spec = find_spec(top)  # a top-level name: finds, never imports
-        except (ImportError, ValueError):
-            return None
-        if spec is None:
-            return None
-        if not rest:
-            origin = spec.origin
-        else:
-            for base in spec.submodule_search_locations or ():
-                stem = Path(base, *rest)
-                for candidate in (stem.with_suffix(".py"), stem / "__init__.py"):
-                    if candidate.is_file():
-                        return candidate
-            return None
-    if not origin or not origin.endswith(".py"):
-        return None
-    path = Path(origin)
-    return path if path.is_file() else None
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-@dataclass(frozen=True)
-class _Upstream:
-    patch_id: str
-    target: Target
-    first_line: str  # the normalised first line (``def ...`` or a decorator): the cheap pre-filter
-    size: int  # normalised lines
-
-
-def _applicable(engine: Engine) -> set[str]:
-    """Patches that apply to the installed upstream here: applied, or decided to apply and waiting for
-    their module (a vendored copy may be imported before upstream's own module)."""
-    out = set()
-    for pid, st in engine.status.items():
-        if st.state.value == "applied" or st.installed:
-            out.add(pid)
-        elif st.decision.action.value == "apply" and st.state.value in ("pending", "overridden"):
-            out.add(pid)
-    return out
-
-
-def _upstream_fingerprints(engine: Engine) -> dict[str, list[_Upstream]]:
-    """``{fingerprint: [upstream target]}`` of every replaced target of a patch that applies here, read
-    from the installed upstream files (the release's own code, whatever is patched in this process)."""
-    applicable = _applicable(engine)
-    out: dict[str, list[_Upstream]] = {}
+def _upstream_fingerprints(engine: Engine) -> dict[str, list[tuple[str, Target, str]]]:
+    """``{fingerprint: [(patch id, target, longest line)]}`` of every replaced target of a patch that applies to
+    the installed upstream (applied, or waiting for its module: a copy may be imported before upstream's)."""
+    out: dict[str, list[tuple[str, Target, str]]] = {}
     texts: dict[str, dict[str, tuple[str, str, int]]] = {}
     patches = engine.materialise()
     for patch in patches:
-        if patch.id not in applicable:
-            continue
-        for target in patch.targets:
-            if target.kind is not Kind.REPLACE:
-                continue
-            if target.module not in texts:
-                path = _module_file(target.module)
-                source = _read(path) if path is not None else None
+        st = engine.status[patch.id]
+        pending = st.decision.action is Action.APPLY and st.state in (State.PENDING, State.OVERRIDDEN)
+        for target in patch.targets if st.state is State.APPLIED or st.installed or pending else ():
+            if target.kind is Kind.REPLACE and target.module not in texts:
                 wanted = frozenset(t.attribute for p in patches for t in p.targets if t.module == target.module)
-                texts[target.module] = _definitions(source, wanted) if source else {}
-            found = texts[target.module].get(target.qualname)
+                texts[target.module] = _definitions(_read(module_file(target.module)), wanted)
+            found = texts.get(target.module, {}).get(target.qualname) if target.kind is Kind.REPLACE else None
             if found is not None:
-                fp, first, size = found
-                out.setdefault(fp, []).append(_Upstream(patch.id, target, first, size))
+                out.setdefault(found[0], []).append((patch.id, target, found[1]))
     return out
 
 
-def _candidate_modules(modules: Iterable[str] | None) -> list[tuple[str, Path]]:
-    stdlib: frozenset[str] = getattr(sys, "stdlib_module_names", frozenset())
-    names = list(sys.modules) if modules is None else list(modules)
-    out = []
-    for name in names:
-        top = name.split(".")[0]
-        if top in _SKIP_TOP or top in stdlib or name == "__main__":
-            continue
-        path = _module_file(name)
-        if path is not None:
-            out.append((name, path))
-    return out
-
-
-_DEPENDS = re.compile(r"^(mlx|mlx[-_]lm|mlx[-_]vlm)\b", re.I)
-
-
-def _installed_dependents() -> list[tuple[str, Path]]:
-    """``(module name, file)`` of every ``.py`` file of an installed distribution that requires mlx,
-    mlx-lm or mlx-vlm (the only code that can hold a copy that matters: downstream servers), read from
-    the distributions' RECORD files without importing anything."""
-    import importlib.metadata as metadata
-
-    out: list[tuple[str, Path]] = []
-    seen: set[str] = set()
-    for dist in metadata.distributions():
+def _installed_dependents() -> dict[str, str]:
+    """``{module: file}`` of the ``.py`` files of installed distributions that require mlx, mlx-lm or mlx-vlm
+    (downstream servers), from their RECORD files."""
+    out: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
-        if not name or name in seen or name in ("mlx", "mlx-lm", "mlx-vlm", "mlx-cpu", "mlx-metal", "kvpatch"):
-            continue
-        seen.add(name)
-        if not any(_DEPENDS.match(req) for req in dist.requires or ()):
+        if name in ("mlx", "mlx-lm", "mlx-vlm", "kvpatch") or not any(map(_DEPENDS.match, dist.requires or ())):
             continue
         for file in dist.files or ():
-            if file.suffix != ".py" or ".." in file.parts:
-                continue
             parts = list(file.with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            if not parts or not all(p.isidentifier() for p in parts):
-                continue
-            path = Path(str(dist.locate_file(file)))
-            if path.is_file():
-                out.append((".".join(parts), path))
+            if file.suffix == ".py" and all(p.isidentifier() for p in parts):
+                out.setdefault(".".join(parts).removesuffix(".__init__"), str(dist.locate_file(file)))
     return out
 
 
 def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, installed: bool = False) -> list[Copy]:
-    """Vendored copies of the targets of patches that apply here, among ``modules`` (default: every
-    imported module outside mlx_lm / mlx_vlm / kvpatch and the standard library) and, with ``installed``,
-    the files of every installed distribution that requires mlx / mlx-lm / mlx-vlm (what ``kvpatch
-    status --scan`` looks at: a fresh CLI process has imported no server). Reads source files only.
-
-    A copy is a function whose fingerprint equals an upstream target's and whose qualified name is the
-    target's (same class, same method). The same code under another name (a subclass that copied a
-    method) is reported too, when it is more than a few lines, with state "found (other owner)": such
-    code has the bug as well, but it is not patched.
-    """
+    """Copies of the replaced targets of patches that apply here, among ``modules`` (default: every imported
+    module outside mlx_lm / mlx_vlm / kvpatch and the standard library) and, with ``installed``, the files of
+    every installed distribution that requires mlx / mlx-lm / mlx-vlm. The same code under another qualified
+    name (a subclass that copied a method) has the bug too, but is not patched: :data:`OTHER_OWNER`."""
     if engine is None:
         from . import get_engine
 
@@ -365,276 +191,247 @@ def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, 
     upstream = _upstream_fingerprints(engine)
     if not upstream:
         return []
-    names = frozenset(u.target.attribute for entries in upstream.values() for u in entries)
-    needles = re.compile("|".join(sorted(re.escape(u.first_line) for entries in upstream.values() for u in entries)))
+    names = frozenset(t.attribute for entries in upstream.values() for _, t, _ in entries)
+    # a copy holds each line of the code it copies: its longest line, searched for first, spares most files a parse
+    needles = {line for entries in upstream.values() for *_, line in entries}
+    skip = _SKIP_TOP | getattr(sys, "stdlib_module_names", frozenset())
+    names_in = list(sys.modules) if modules is None else modules
+    candidates = {name: module_file(name) for name in names_in if name.split(".")[0] not in skip}
+    for name, path in _installed_dependents().items() if installed else ():
+        candidates.setdefault(name, path)
+    with _lock:
+        statuses = {(r.module, pid): st for r in _registered.values() for pid, st in r.statuses.items()}
     found: list[Copy] = []
-    with _state.lock:
-        patched = dict(_state.notes)
-        patched.update({(i.copy.patch_id, i.copy.path): i.copy.state for i in _state.installed})
-    candidates = dict(_candidate_modules(modules))
-    if installed:
-        for module, path in _installed_dependents():
-            candidates.setdefault(module, path)
-    for module, path in candidates.items():
-        source = _read(path)
-        if not source or needles.search(source) is None:
-            continue
-        for qualname, (fp, _, size) in _definitions(source, names).items():
-            for entry in upstream.get(fp, []):
-                if qualname.rsplit(".", 1)[-1] != entry.target.attribute:
-                    continue
-                same_name = qualname == entry.target.qualname
-                if not same_name and size < MIN_LINES:
-                    continue  # a trivial body (``return True``) says nothing about where it came from
-                copy = Copy(entry.patch_id, entry.target.path, module, qualname, fp)
-                copy.state = patched.get((entry.patch_id, copy.path), "found" if same_name else OTHER_OWNER)
-                found.append(copy)
+    for module, file in candidates.items():
+        source = _read(file)
+        for qualname, (fp, _, size) in _definitions(source, names).items() if any(n in source for n in needles) else ():
+            for patch_id, target, _ in upstream.get(fp, []):  # the same fingerprint: the same name
+                st = statuses.get((module, patch_id))
+                if qualname != target.qualname:
+                    state = OTHER_OWNER
+                elif st is None or st.state is State.PENDING:
+                    state = "found"
+                else:
+                    state = "patched" if st.state is State.APPLIED else f"not patched: {st.reason}"
+                if state != OTHER_OWNER or size >= MIN_LINES:
+                    found.append(Copy(patch_id, target.path, module, qualname, fp, state))
     return found
 
 
-# -- patching copies (KVPATCH_VENDORED=1) ----------------------------------------------------------
-def _install(engine: Engine, copy: Copy) -> None:
-    """Patch one copy found by :func:`scan` (``KVPATCH_VENDORED``), through :func:`_install_in_copy`."""
-    patch = engine.status[copy.patch_id].record
-    target = next(t for t in patch.targets if t.path == copy.target)
-    done = _install_in_copy(patch, target, copy.module, recorded=False)
-    if isinstance(done, str):
-        copy.state = f"not patched: {done.partition(': ')[2]}"
+def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> None:
+    """Register the copies :func:`scan` finds among ``modules`` (default: all imported) as copies of the installed
+    release, with the patches applied to it; only with ``KVPATCH_VENDORED`` on or ``force``. Never raises."""
+    if not (force or setting() is not None):
         return
-    if done is not None:
-        _state.installed.append(_Installed(copy, done))
-    copy.state = "patched"
-
-
-def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> list[Copy]:
-    """Patch the vendored copies found among ``modules`` (default: all imported) with the fixes applied to
-    the installed upstream. Does nothing unless ``KVPATCH_VENDORED`` is on or ``force``. Idempotent;
-    never raises (a copy that cannot be patched says why in its ``state``). Returns the copies."""
-    on, _ = setting()
-    if not (on or force):
-        return []
     try:
         if engine is None:
             from . import get_engine
 
             engine = get_engine()
-        copies = scan(engine, modules=modules)
-        applied = _applicable(engine)
-        with _state.lock:
-            done = {(i.copy.patch_id, i.copy.path) for i in _state.installed}
-            for copy in copies:
-                if copy.state == OTHER_OWNER:
-                    continue
-                if (copy.patch_id, copy.path) in done:
-                    copy.state = "patched"
-                    continue
-                if copy.patch_id not in applied:
-                    copy.state = f"not patched: {copy.patch_id} is not applied to the installed upstream here"
-                    continue
-                try:
-                    _install(engine, copy)  # stacks on a copy kvpatch patched already (engine order)
-                except Exception as exc:
-                    copy.state = f"not patched: {type(exc).__name__}: {exc}"
-                    emit(f"kvpatch: vendored copy {copy.path} {copy.state}", key=f"vendored:{copy.path}")
-                if copy.state != "patched":
-                    _state.notes[(copy.patch_id, copy.path)] = copy.state
-        return copies
+        found: dict[str, dict[str, dict[str, set[str]]]] = {}  # module -> of -> {patch id: its targets found}
+        for c in scan(engine, modules=modules):
+            if c.state != OTHER_OWNER:
+                of = c.target[: -len(c.qualname) - 1]
+                found.setdefault(c.module, {}).setdefault(of, {}).setdefault(c.patch_id, set()).add(c.target)
+        records = {p.id: p for p in engine.materialise()}
+        for module, copied in found.items():
+            # a copy of one upstream module, the one it shares most with (mlx-vlm's cache shares code with mlx-lm's)
+            of, paths = max(copied.items(), key=lambda item: len(set().union(*item[1].values())))
+            with _lock:
+                if any(m == module for m, _ in _registered):
+                    continue  # registered already (in code: as the server declared it)
+            # patches found whole only: a copy that changed one of a patch's functions gets none of it
+            names = frozenset(t.attribute for pid in paths for t in records[pid].targets)
+            defined = _definitions(_read(module_file(of)), names)  # the functions the scan can find
+            whole = [
+                pid
+                for pid, got in paths.items()
+                if {t.path for t in records[pid].targets if t.qualname in defined and t.module == of} <= got
+            ]
+            dist = next(d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0])
+            _register(engine, _Registered(module, of, engine.upstream[dist].version or "", True), whole)
     except Exception as exc:  # kvpatch never raises into its host
         emit(f"kvpatch: patching vendored copies failed: {type(exc).__name__}: {exc}")
-        return []
 
 
-def restore() -> list[str]:
-    """Take kvpatch's replacements out of vendored copies where they are still in place; returns the paths
-    restored. A replacement someone wrapped since is left (with the wrapper) and warned about."""
-    from .engine import State, set_state
+def setting(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The modules ``KVPATCH_VENDORED`` names besides :data:`KNOWN` (``None``: off)."""
+    raw = config.vendored(environ)
+    if not raw or raw.lower() in config.OFF_VALUES:
+        return None
+    return [n.strip() for n in raw.split(",") if n.strip().lower() not in {*config.ON_VALUES, "all"}]
 
-    restored = []
-    with _state.lock:
-        for reg in _state.registered.values():
-            for pid, changes in reg.changes.items():
-                for change in reversed(changes):
-                    note = surgery.restore(change)
-                    if note:
-                        emit(f"kvpatch: vendored copy: {note}")
-                    else:
-                        restored.append(change.target.path)
-                st = reg.statuses[pid]
-                st.installed = []
-                if st.state in (State.APPLIED, State.OVERRIDDEN):
-                    set_state(st, State.PENDING, st.decision.reason)
-            reg.changes.clear()
-        for item in reversed(_state.installed):
-            note = surgery.restore(item.change)
-            if note:
-                emit(f"kvpatch: vendored copy: {note}")
+
+def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
+    """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported
+    (now, for those imported already). Never raises."""
+    names = setting(environ)
+    try:
+        for name in dict.fromkeys([*KNOWN, *names]) if names is not None else ():
+            if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False):
+                # kvpatch activated inside this module's own import: its classes do not exist yet, no hook will come
+                emit(f"kvpatch: vendored copy {name} was still being imported: call kvpatch.vendored.apply()")
                 continue
-            item.copy.state = "found"
-            restored.append(item.copy.path)
-        _state.installed.clear()
-        _state.notes.clear()
-    return restored
+            _registry()(lambda module: apply(engine, modules=[module.__name__], force=True), name)
+    except Exception as exc:
+        emit(f"kvpatch: could not hook vendored modules: {type(exc).__name__}: {exc}")
 
 
-# -- copies registered in code (kvpatch.register_copy) ----------------------------------------------------
+def _registry() -> Any:
+    """kvpatch's own post-import hooks (``_kvpatch_hooks``): run after the module's code, with no lock held."""
+    registry = hooks()
+    if registry is None:
+        raise ImportError("kvpatch's post-import hooks (_kvpatch_hooks) cannot be loaded: reinstall kvpatch")
+    return registry.register_post_import_hook
+
+
+# -- registered copies ----------------------------------------------------------------------------------------
 def register_copy(
     engine: Engine, module: str, *, of: str, version: str, patches: Iterable[str] | None = None
 ) -> list[PatchStatus]:
-    """Declare ``module`` a copy of ``of`` (an mlx-lm / mlx-vlm module) as released in ``version`` of its
-    distribution, and patch it with the patches (all, or the ids in ``patches``) that the gate applies to that
-    release and that change ``of``. Each gets a status of its own (``copy`` = ``module``), apart from
-    upstream's: applied only while its replacements are in the copy. The copy is patched when it is imported
-    (now, if it is imported already). Returns the copy's statuses; never raises for a patch that cannot be
-    used (an unknown or retired id is a status ``failed`` saying so)."""
-    from .detect import Upstream
-    from .engine import _FROM_ACTION, PatchStatus, State
-    from .gate import Action, Decision, decide
+    """Declare ``module`` a copy of ``of`` as released in ``version`` (see :func:`kvpatch.register_copy`)."""
+    return _register(engine, _Registered(module, of, version, False), patches)
 
-    top = of.split(".", 1)[0]
+
+def _register(engine: Engine, reg: _Registered, patches: Iterable[str] | None) -> list[PatchStatus]:
+    """Decide each patch of ``reg.of`` for the copy's release; patch the copy when it is imported (or now)."""
+    top = reg.of.split(".", 1)[0]
     dist = next((d for d, name in DISTRIBUTIONS.items() if name == top), None)
     if dist is None:
-        raise ValueError(f"{of} is not a module of {' or '.join(DISTRIBUTIONS)}")
+        raise ValueError(f"{reg.of} is not a module of {' or '.join(DISTRIBUTIONS)}")
     wanted = None if patches is None else list(dict.fromkeys(patches))
-    reg = _Registered(module, of, version)
     known = {p.id: p for p in engine.materialise()}
     for patch in known.values():
-        if patch.distribution != dist or of not in patch.modules or (wanted is not None and patch.id not in wanted):
+        if patch.distribution != dist or reg.of not in patch.modules or (wanted is not None and patch.id not in wanted):
             continue
-        decision = decide(patch, Upstream(dist, version), engine.config)
-        state = _FROM_ACTION[decision.action]
-        reason = f"copy of {dist} {version}'s {of}: {decision.reason}"
-        if decision.action is Action.VERIFY:
-            state = State.UNVERIFIED
-            reason += "; the reproduction runs on the installed upstream, not on a copy: not applied"
-        reg.statuses[patch.id] = PatchStatus(patch, decision, state, reason, copy=module)
-    for pid in wanted or ():
-        if pid not in reg.statuses:
-            why = "no such patch" if pid not in known else f"it does not change {of}"
-            st = PatchStatus(known[pid] if pid in known else _unknown(pid, dist), Decision(Action.DISABLED, why),
-                             State.FAILED, f"{pid} cannot patch {module}: {why}", error=why, copy=module)  # fmt: skip
-            reg.statuses[pid] = st
-    with _state.lock:
-        _state.registered[module] = reg
-    register = hook_registry()
-    if isinstance(register, BaseException):
-        raise register
-    register(lambda loaded: _patch_registered(reg), module)
+        decision = decide(patch, Upstream(dist, reg.version), engine.config)
+        state, reason = _FROM_ACTION[decision.action], f"copy of {dist} {reg.version}'s {reg.of}: {decision.reason}"
+        mine = engine.status[patch.id]
+        if decision.action is Action.VERIFY and reg.scanned and mine.verified and mine.installed:
+            state, reason = State.PENDING, f"{reason}; the installed release's verdict: {mine.verified}"
+        elif decision.action is Action.VERIFY:
+            state, reason = State.UNVERIFIED, f"{reason}; the reproduction runs on upstream, not on a copy: not applied"
+        reg.statuses[patch.id] = PatchStatus(patch, decision, state, reason, copy=reg.module)
+    for pid in (p for p in wanted or () if p not in reg.statuses):
+        why = "no such patch" if pid not in known else f"it does not change {reg.of}"
+        record = known.get(pid) or Patch(pid, "unknown patch", dist, "<0", "", Expiry("unknown"), fixed_in="0")
+        decision, reason = Decision(Action.DISABLED, why), f"{pid} cannot patch {reg.module}: {why}"
+        reg.statuses[pid] = PatchStatus(record, decision, State.FAILED, reason, error=why, copy=reg.module)
+    with _lock:
+        earlier = _registered.get((reg.module, reg.of))
+        _registered[(reg.module, reg.of)] = reg
+    if earlier is not None:
+        _restore(earlier)
+    _registry()(lambda loaded: _patch(reg), reg.module)
     return list(reg.statuses.values())
 
 
-def _unknown(pid: str, dist: str) -> Any:
-    """A record standing for a patch id kvpatch does not know (retired, or misspelt)."""
-    from .record import Expiry, Patch
+def _patch(reg: _Registered) -> None:
+    """Install, on the imported copy, every pending patch of ``reg`` (all or nothing per patch)."""
+    from . import fingerprints
 
-    return Patch(pid, "unknown patch", dist, "<0", "", Expiry("unknown"), fixed_in="0")
-
-
-def _patch_registered(reg: _Registered) -> None:
-    """Install, on the imported copy, every patch of ``reg`` the gate applies (all or nothing per patch)."""
-    from .engine import State, TargetMissing, set_state
-
+    with _lock:
+        if _registered.get((reg.module, reg.of)) is not reg:
+            return  # registered again since
     for pid, st in reg.statuses.items():
         if st.state is not State.PENDING:
             continue
         done: list[surgery.Change] = []
         try:
-            for target in st.record.targets:
-                if target.module != reg.of:
-                    continue  # the patch's other modules are upstream's own
-                change = _install_in_copy(st.record, target, reg.module, recorded=True)
-                if isinstance(change, str):
-                    raise TargetMissing(change) if change.startswith("missing") else _Declined(change)
-                if change is not None:
-                    done.append(change)
+            for target in (t for t in st.record.targets if t.module == reg.of):
+                known = None if reg.scanned else fingerprints.validated(st.record).get(target.path)
+                change = _install(st.record, target, reg.module, known)
+                done += [change] if change is not None else []
         except Exception as exc:
             for change in reversed(done):
                 surgery.restore(change)
-            if isinstance(exc, _Declined) and str(exc).startswith(("drifted", "replaced")):
-                set_state(st, State.DRIFTED, f"{st.reason}; {exc}: not applied")
-            elif isinstance(exc, _Declined):
-                set_state(st, State.NOT_NEEDED, f"{st.reason}; {exc}")
-            else:
-                failed = State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED
-                set_state(st, failed, f"{st.reason}; not applied: {type(exc).__name__}: {exc}", error=str(exc))
+            state, why = exc.args if isinstance(exc, _Kept) else (State.FAILED, f"{type(exc).__name__}: {exc}")
+            state = State.TARGET_MISSING if isinstance(exc, TargetMissing) else state
+            error = why if state in (State.FAILED, State.TARGET_MISSING) else None
+            set_state(st, state, f"{st.reason}; not applied: {why}", error=error)
+            if state is State.FAILED:
+                emit(f"kvpatch: vendored copy {reg.module}: {st.reason}", key=f"vendored:{pid}:{reg.module}")
             continue
-        with _state.lock:
+        with _lock:
             reg.changes[pid] = done
             st.installed = [c.target for c in done]
-            set_state(st, State.APPLIED if done else State.NOT_NEEDED)
+            declined = f"{st.reason}; nothing to change in the copy (the builders declined)"
+            set_state(st, State.APPLIED if done else State.NOT_NEEDED, None if done else declined)
 
 
-class _Declined(Exception):
-    """The copy keeps its code for this patch (the builder declined, or the copy's code is not upstream's)."""
-
-
-def _install_in_copy(patch: Patch, target: Target, module: str, *, recorded: bool) -> surgery.Change | str | None:
-    """Put ``target``'s fix on the copy's object of the same qualified name in ``module``, through kvpatch's one
-    install step (:func:`kvpatch.surgery.prepare` and :func:`~kvpatch.surgery.commit`: the replacement carries
-    the original's metadata and kvpatch's mark; restore puts back only what is still kvpatch's).
-
-    Returns the change; ``None`` when there is nothing to do (the fix is there already, or an optional target
-    the copy lacks); or why not, as ``"<missing|declined|drifted|replaced>: <text>"``. ``recorded``: the copy's
-    code must be one the patch was validated on (``kvpatch/data/fingerprints.json``).
-    """
+def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | None) -> surgery.Change | None:
+    """``target``'s fix on the copy's object of the same qualified name, through kvpatch's one install step
+    (:mod:`kvpatch.surgery`); ``None``: nothing to change. ``known``: the fingerprints the copy's code must have."""
     owner: Any = sys.modules[module]
     for part in target.owner_path:
-        owner = (
-            vars(owner).get(part, _MISSING) if isinstance(owner, types.ModuleType) else getattr(owner, part, _MISSING)
-        )
-        if owner is _MISSING:
-            return None if target.optional else f"missing: {module}.{target.qualname} (the copy has no {part})"
+        owner = vars(owner).get(part) if isinstance(owner, types.ModuleType) else getattr(owner, part, None)
+        if owner is None:
+            if target.optional:
+                return None
+            raise TargetMissing(f"{module}.{target.qualname}: the copy has no {part}")
     name = target.attribute
-    static = inspect.getattr_static(owner, name, _MISSING)
-    wrapper = None
+    static = inspect.getattr_static(owner, name, surgery.MISSING)
+    wrapper, original = None, None
+    if static is not surgery.MISSING and surgery.carries(static, patch.id):
+        return None
     if target.kind is Kind.ADD:
-        if static is not _MISSING:
-            return None if surgery.carries(static, patch.id) else "declined: the copy has it already"
-        original: Any = None
-    else:
-        if static is _MISSING:
-            return None if target.optional else f"missing: {module}.{target.qualname}"
-        if surgery.carries(static, patch.id):
+        if static is not surgery.MISSING:
+            raise _Kept(State.NOT_NEEDED, f"the copy has {target.qualname} already")
+    elif static is surgery.MISSING:
+        if target.optional:
             return None
+        raise TargetMissing(f"{module}.{target.qualname} not found")
+    else:
         wrapper = type(static) if isinstance(static, (classmethod, staticmethod)) else None
         original = static.__func__ if wrapper else getattr(owner, name)
-        # stacked on another kvpatch replacement of the copy (or an added attribute): the copy's code is under it
-        ours = any(surgery.mark_of(node) is not None for node in surgery.chain(static))
+        # a plain value (a class attribute a patch serves through a property) has no code to compare
         probe: Any = (original.fset or original.fget) if isinstance(original, property) else original
-        code = getattr(inspect.unwrap(probe), "__code__", None)
-        home = _module_file(module)
-        own_code = code is not None and home is not None and Path(code.co_filename).resolve() == home.resolve()
-        if not ours and callable(probe) and not own_code:
-            # Someone replaced the copy after import: their code is not the copy's. (A plain value, such as a
-            # class attribute a patch serves through a property, has no code to compare.)
-            return "replaced: the attribute is no longer the copy's own code (replaced after import)"
-        if recorded:
-            from . import fingerprints
-
-            known = fingerprints.validated(patch).get(target.path)
-            if known and fingerprint(original) not in known:
-                release = f"{patch.distribution} release the patch was validated on"
-                return f"drifted: {module}.{target.qualname} is not the code of any {release}"
+        if callable(probe) and surgery.foreign(inspect.unwrap(probe), module):
+            raise _Kept(State.DRIFTED, f"{module}.{target.qualname} is not the copy's own code (replaced after import)")
+        if known and fingerprint(original) not in (*known, None):  # None: a builtin, or a plain value
+            raise _Kept(State.DRIFTED, f"{module}.{target.qualname} is not code the patch was decided on")
     where = Target(module, target.qualname, target.kind, target.optional)
     function = surgery.prepare(patch, where, owner, original, patch.builders[target])
     if function is original:
-        return "declined: the patch's builder declined for this copy"
+        return None
     own = vars(owner)
-    had_own = name in own
     return surgery.commit(
-        patch.id, where, owner, name, had_own=had_own, raw=own[name] if had_own else surgery.MISSING,
-        original=original, function=function, wrapper=wrapper,
+        patch.id, where, owner, name, had_own=name in own, raw=own.get(name, surgery.MISSING), original=original,
+        function=function, wrapper=wrapper,
     )  # fmt: skip
 
 
-def copy_records() -> list[PatchStatus]:
-    """The statuses of every registered copy's patches, looked up again (``overridden`` when a replacement is
-    no longer reachable in the copy)."""
-    from .engine import State, set_state
+def _restore(reg: _Registered) -> None:
+    """Take ``reg``'s replacements out where they are still kvpatch's."""
+    with _lock:
+        changes, reg.changes = reg.changes, {}
+    for pid, done in changes.items():
+        for note in filter(None, (surgery.restore(change) for change in reversed(done))):
+            emit(f"kvpatch: vendored copy: {note}")
+        st = reg.statuses[pid]
+        st.installed = []
+        if st.state in (State.APPLIED, State.OVERRIDDEN):
+            set_state(st, State.PENDING, st.decision.reason)
 
+
+def restore() -> None:
+    """Take kvpatch's replacements out of every copy (``kvpatch.deactivate()``); the copies the scan registered
+    are forgotten (``apply`` finds them again), those registered in code stay, pending."""
+    with _lock:
+        regs = list(_registered.values())
+        for key in [key for key, reg in _registered.items() if reg.scanned]:
+            del _registered[key]
+    for reg in regs:
+        _restore(reg)
+
+
+def copy_records() -> list[PatchStatus]:
+    """Every registered copy's statuses, looked up again (``overridden`` where a replacement is no longer
+    reachable in the copy)."""
     out: list[PatchStatus] = []
-    with _state.lock:
-        registered = list(_state.registered.values())
-    for reg in registered:
+    with _lock:
+        regs = list(_registered.values())
+    for reg in regs:
         for pid, st in reg.statuses.items():
             changes = reg.changes.get(pid, [])
             if st.state in (State.APPLIED, State.OVERRIDDEN) and changes:
@@ -647,42 +444,11 @@ def copy_records() -> list[PatchStatus]:
     return out
 
 
-def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
-    """With ``KVPATCH_VENDORED`` on: patch copies in the modules it names (and :data:`KNOWN`) as they are
-    imported, and in those already imported. Called when kvpatch activates; never raises."""
-    on, names = setting(environ)
-    if not on:
-        return
-    try:
-        register = hook_registry()  # kvpatch's own post-import hooks: they run after the module's code, no lock held
-        if isinstance(register, BaseException):
-            raise register
-        for name in names:
-            with _state.lock:
-                if name in _state.hooked:
-                    continue
-                _state.hooked.add(name)
-            current = sys.modules.get(name)
-            if current is not None and getattr(getattr(current, "__spec__", None), "_initializing", False):
-                # Activation came from inside this module's own import (it imports upstream): its classes
-                # are not defined yet and the registry would call the hook now, never again. Left to apply().
-                log.info("kvpatch: %s is still being imported; call kvpatch.vendored.apply()", name)
-                continue
-
-            def patch_module(module: types.ModuleType, _engine: Engine = engine) -> None:
-                apply(_engine, modules=[module.__name__], force=True)
-
-            register(patch_module, name)
-    except Exception as exc:
-        emit(f"kvpatch: could not hook vendored modules: {type(exc).__name__}: {exc}")
-
-
 def format_copies(copies: list[Copy]) -> str:
     """The text ``kvpatch status --scan`` prints."""
     if not copies:
         return "vendored copies: none found (scanned imported modules and installed mlx dependents)"
     lines = [f"vendored copies: {len(copies)} (the same code as a patched upstream target; {VARIABLE}=1 patches them)"]
     width = max(len(c.path) for c in copies)
-    for c in copies:
-        lines.append(f"  {c.path:<{width}}  = {c.target} [{c.patch_id}]  {c.state}")
+    lines += [f"  {c.path:<{width}}  = {c.target} [{c.patch_id}]  {c.state}" for c in copies]
     return "\n".join(lines)
