@@ -199,7 +199,7 @@ def _open(path: Path | str, flags: int, mode: int = 0o600) -> int:
     return fd
 
 
-def _read_bytes(path: Path, limit: int = MAX_BYTES) -> bytes | None:
+def read_bytes(path: Path, limit: int = MAX_BYTES) -> bytes | None:
     """The bytes of a regular file of at most ``limit`` bytes (``None``: absent, refused or unreadable)."""
     try:
         fd = _open(path, os.O_RDONLY)
@@ -233,7 +233,7 @@ def read_json(place: Place, name: str, what: str = "state") -> Any:
     try:
         if _refused(place, what):
             return None
-        data = _read_bytes(place / name)
+        data = read_bytes(place / name)
         return None if data is None else json.loads(data)
     except Exception as exc:
         log.debug("kvpatch: ignoring %s: %s", place / name, exc)
