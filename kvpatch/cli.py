@@ -271,15 +271,17 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_help(args: argparse.Namespace) -> int:
     topic = args.topic
-    if topic is None:
-        emit(build_parser("").format_help(), end="")
-        return EXIT_CLEAN
-    if topic not in _HELP:
+    if topic is not None and topic not in _HELP:
         _unknown_command(topic)
-    parser = build_parser(topic)
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    emit(sub.choices[topic].format_help(), end="")
+    parser = build_parser(topic or "")
+    emit((_command_parser(parser, topic) or parser).format_help(), end="")
     return EXIT_CLEAN
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
+    """The parser of ``command`` (``None``: none, or no such command)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices.get(command) if command else None
 
 
 def _run_usage_error(message: str) -> int:
@@ -418,9 +420,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = build_parser(command)
     args, extra = parser.parse_known_args(argv)
     if extra:
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        owner = sub.choices.get(args.command) if args.command else None
-        (owner or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        (_command_parser(parser, args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 
@@ -436,8 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 emit(_version())
                 code = EXIT_CLEAN
             elif args.command is None:  # bare `kvpatch`: the help, as pip does
-                emit(build_parser("").format_help(), end="")
-                code = EXIT_CLEAN
+                code = cmd_help(argparse.Namespace(topic=None))
             else:
                 code = int(args.func(args) or 0)
         except SystemExit as exc:  # --help, --version (0) or a usage error (64)

@@ -522,7 +522,7 @@ def test_the_import_scan_finds_each_form_of_import():
     ]
 
 
-def test_enforce_reads_expiry_lazily(tmp_path):
+def test_enforce_adds_review_by_facts_without_error(tmp_path):
     """KVPATCH_ENFORCE=1 (kvpatch's own CI) adds the review-by facts, computed by the runtime's records."""
     proc = _run(["status", "--check"], cwd=tmp_path, env={"KVPATCH_ENFORCE": "1"})
     assert proc.returncode in (0, 1, 2) and "Traceback" not in proc.stderr, proc.stderr
