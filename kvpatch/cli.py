@@ -387,8 +387,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p["run"].add_argument("ARGS", nargs="*", help="the program's arguments (its sys.argv[1:])")
     p["list"].add_argument("--json", action="store_true", help="machine-readable output")
     p["help"].add_argument("topic", nargs="?", metavar="COMMAND", help="the command to describe")
-    commands = {"status": cmd_status, "verify": verify.run, "list": cmd_list, "version": cmd_version}
-    commands["help"] = cmd_help
+    commands = {"status": cmd_status, "verify": verify.run, "list": cmd_list, "version": cmd_version, "help": cmd_help}
     for name, func in commands.items():
         p[name].set_defaults(func=func)
     if command is None or command in _MAINTAINER_COMMANDS:
