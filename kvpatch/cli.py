@@ -2,7 +2,7 @@
 
 Exit statuses are one table, :data:`EXIT_CODES`. Usage errors exit 64, not argparse's 2 (``status --check``'s
 "a patch failed"); output that cannot be written exits 74, and a reader that goes away (``| head -1``) changes
-nothing. Maintainer commands import :mod:`kvpatch.maint` only when they run.
+nothing. The maintainer commands live in :mod:`kvpatch.maint.cli`, imported only when one is the command.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ COMMANDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ),
     ),
 )
-_HELP = {name: text for _, commands in COMMANDS for name, text in commands}
+_USER_COMMANDS, _MAINTAINER_COMMANDS = (dict(commands) for _, commands in COMMANDS)
+_HELP = _USER_COMMANDS | _MAINTAINER_COMMANDS
 
 _RUN_USAGE = "kvpatch run [-h] (-c CODE | -m MODULE | SCRIPT) [ARGS ...]"
 _RUN_DESCRIPTION = (
@@ -86,7 +87,7 @@ _RUN_EPILOG = (
 )
 
 
-#: Each command's ``--help`` paragraph (upstream-check's options load with the command, kvpatch.maint).
+#: Each user command's ``--help`` paragraph.
 _DESCRIPTIONS = {
     "status": textwrap.fill(  # its formatter keeps line breaks (the exit-status table needs them)
         "Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and why. "
@@ -106,16 +107,6 @@ _DESCRIPTIONS = {
     "list": "List every patch kvpatch ships, one line each.",
     "version": "Print kvpatch's version, where it is, and Python's.",
     "help": "Show kvpatch's help (its commands and what they do), or one command's: kvpatch help status.",
-    "compat": "For maintainers: render COMPAT.md, the table of patches by upstream release, from the registry.",
-    "fingerprints": (
-        "For maintainers: import the installed mlx-lm / mlx-vlm and print, as JSON, the source fingerprint "
-        "of every target each patch replaces (what kvpatch/data/fingerprints.json records for drift checks)."
-    ),
-    "upstream-check": (
-        "For maintainers: install the newest mlx-lm / mlx-vlm releases (or the ones named) into throwaway "
-        "environments, run every patch's reproduction there with kvpatch off, and compare each outcome with what "
-        "the patch's record says (still affected, fixed upstream, first fixed release). Needs the package index."
-    ),
 }
 _EPILOGS = {
     "status": _STATUS_EPILOG,
@@ -135,7 +126,7 @@ class _Parser(argparse.ArgumentParser):
         # argparse ignores a failed write (--help > /dev/full would exit 0 having printed nothing)
         # (``file`` None: argparse meant stdout, which is closed; it passes stderr explicitly)
         if message and (file is sys.stdout or (file is None and sys.stdout is None)):
-            _emit(message, end="")
+            emit(message, end="")
         else:
             super()._print_message(message, file)
 
@@ -164,7 +155,8 @@ class _OutputError(Exception):
     """Standard output cannot take what kvpatch writes (closed, full disk): exit :data:`EXIT_IOERR`."""
 
 
-def _emit(text: str, *, end: str = "\n") -> None:
+def emit(text: str, *, end: str = "\n") -> None:
+    """Print ``text`` for a command (also the maintainer commands'): see :func:`_write`."""
     if sys.stdout is None:
         raise _OutputError("standard output is closed")
     _write(text + end)
@@ -228,12 +220,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     asked = args.check or args.verify
     code = report.exit_code if asked else EXIT_CLEAN
     if args.json:
-        _emit(json.dumps(report.data, indent=2, sort_keys=False))
+        emit(json.dumps(report.data, indent=2, sort_keys=False))
     else:
         width = _width(tty_only=not args.verbose)
-        _emit(format_text(report, verbose=args.verbose, width=width, check=asked))
+        emit(format_text(report, verbose=args.verbose, width=width, check=asked))
         if copies is not None:
-            _emit(format_copies(copies))
+            emit(format_copies(copies))
     return code
 
 
@@ -250,7 +242,7 @@ def _width(*, tty_only: bool) -> int | None:
 
 
 def cmd_version(args: argparse.Namespace) -> int:
-    _emit(_version())
+    emit(_version())
     return EXIT_CLEAN
 
 
@@ -264,14 +256,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     patches = sorted(reg.patches, key=lambda p: (p.distribution, p.id))
     if args.json:
         rows = [{k: getattr(p, k) for k in ("id", "distribution", "affected", "opt_in", "summary")} for p in patches]
-        _emit(json.dumps({"patches": rows, "broken": dict(reg.broken)}, indent=2))
+        emit(json.dumps({"patches": rows, "broken": dict(reg.broken)}, indent=2))
     else:
         width = _width(tty_only=True)
         pad = max((len(p.id) for p in patches), default=0)
         for p in patches:
             summary = ("opt-in: " if p.opt_in else "") + p.summary
-            _emit(cut(f"{p.id:<{pad}}  {p.distribution:<7}  {p.affected:<18}  {summary}", width))
-        _emit(f"{len(patches)} patches; `kvpatch status` says which apply here")
+            emit(cut(f"{p.id:<{pad}}  {p.distribution:<7}  {p.affected:<18}  {summary}", width))
+        emit(f"{len(patches)} patches; `kvpatch status` says which apply here")
     for module, error in reg.broken.items():
         print(f"kvpatch: patch module {module} cannot be loaded: {error}", file=sys.stderr)
     return EXIT_FAILED if reg.broken else EXIT_CLEAN
@@ -279,15 +271,17 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_help(args: argparse.Namespace) -> int:
     topic = args.topic
-    if topic is None:
-        _emit(build_parser("").format_help(), end="")
-        return EXIT_CLEAN
-    if topic not in _HELP:
+    if topic is not None and topic not in _HELP:
         _unknown_command(topic)
-    parser = build_parser(topic)
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    _emit(sub.choices[topic].format_help(), end="")
+    parser = build_parser(topic or "")
+    emit((_command_parser(parser, topic) or parser).format_help(), end="")
     return EXIT_CLEAN
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
+    """The parser of ``command`` (``None``: none, or no such command)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices.get(command) if command else None
 
 
 def _run_usage_error(message: str) -> int:
@@ -343,38 +337,9 @@ def cmd_run(argv: Sequence[str]) -> int:
     return EXIT_CLEAN
 
 
-def cmd_compat(args: argparse.Namespace) -> int:
-    from .maint.compat import render
-
-    text = render()
-    path = Path(args.path)
-    if args.write:
-        path.write_text(text)
-        _emit(f"wrote {path}")
-        return 0
-    if args.check:
-        current = path.read_text() if path.exists() else ""
-        if current != text:
-            print(f"{path} is stale: run `kvpatch compat --write`", file=sys.stderr)
-            return EXIT_ATTENTION
-        _emit(f"{path} is up to date")
-        return 0
-    _emit(text, end="")
-    return 0
-
-
-def cmd_fingerprints(args: argparse.Namespace) -> int:
-    import json
-
-    from .maint.compat import target_fingerprints
-
-    _emit(json.dumps(target_fingerprints(), indent=2))
-    return 0
-
-
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser; ``upstream-check``'s options (maintainer code) load only when ``command`` is it or None
-    (``""``: a command line that names no command, as ``kvpatch --help``)."""
+    """The parser; the maintainer commands' parsers (:mod:`kvpatch.maint.cli`) load only when ``command`` is
+    one of them or None (``""``: a command line that names no command, as ``kvpatch --help``)."""
     parser = _TopParser(
         prog="kvpatch",
         usage="kvpatch [-h] [--version] COMMAND [ARGS ...]",
@@ -392,13 +357,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, prog="kvpatch")
 
     p = {}
-    for name, text in _HELP.items():
-        if name == "upstream-check" and command in (None, "upstream-check"):
-            from .maint.upstream_check import add_parser
-
-            add_parser(sub)
-            sub.choices[name].description = _DESCRIPTIONS[name]
-            continue
+    for name, text in _USER_COMMANDS.items():
         raw = name in ("status", "run")  # their descriptions and epilogs keep their line breaks
         p[name] = sub.add_parser(
             name,
@@ -428,15 +387,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p["run"].add_argument("ARGS", nargs="*", help="the program's arguments (its sys.argv[1:])")
     p["list"].add_argument("--json", action="store_true", help="machine-readable output")
     p["help"].add_argument("topic", nargs="?", metavar="COMMAND", help="the command to describe")
-    group = p["compat"].add_mutually_exclusive_group()
-    group.add_argument("--write", action="store_true", help="write the table to --path")
-    group.add_argument("--check", action="store_true", help="exit 1 when --path is not what --write would write")
-    p["compat"].add_argument("--path", default="COMPAT.md", help="the file to write or check (default: COMPAT.md)")
-    commands = {"status": cmd_status, "verify": verify.run, "list": cmd_list, "version": cmd_version}
-    commands.update({"help": cmd_help, "compat": cmd_compat, "fingerprints": cmd_fingerprints})
+    commands = {"status": cmd_status, "verify": verify.run, "list": cmd_list, "version": cmd_version, "help": cmd_help}
     for name, func in commands.items():
         p[name].set_defaults(func=func)
+    if command is None or command in _MAINTAINER_COMMANDS:
+        _add_maintainer_commands(sub)
     return parser
+
+
+def _add_maintainer_commands(sub: Any) -> None:
+    """The only place the runtime imports :mod:`kvpatch.maint` (tests/engine/test_cli.py checks it)."""
+    from .maint.cli import add_parsers
+
+    add_parsers(sub)
 
 
 def _unknown_command(word: str) -> NoReturn:
@@ -456,9 +419,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = build_parser(command)
     args, extra = parser.parse_known_args(argv)
     if extra:
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        owner = sub.choices.get(args.command) if args.command else None
-        (owner or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        (_command_parser(parser, args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 
@@ -471,11 +432,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             args = _parse(argv)
             if args.version:
-                _emit(_version())
+                emit(_version())
                 code = EXIT_CLEAN
             elif args.command is None:  # bare `kvpatch`: the help, as pip does
-                _emit(build_parser("").format_help(), end="")
-                code = EXIT_CLEAN
+                code = cmd_help(argparse.Namespace(topic=None))
             else:
                 code = int(args.func(args) or 0)
         except SystemExit as exc:  # --help, --version (0) or a usage error (64)

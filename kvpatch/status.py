@@ -217,12 +217,12 @@ def _build_report(engine: Engine, *, verify: bool, settle: bool, fresh: bool) ->
     if engine.config.enforce:
         # Review-by dates are the project's own deadlines: they fail kvpatch's CI (KVPATCH_ENFORCE=1), never an
         # operator's health check on a day when nothing changed in the environment.
-        for p in records:
-            if p.expiry.overdue() and p.expiry.review_by is not None:
-                attention.append(
-                    f"{p.id}: review-by date {p.expiry.review_by.isoformat()} has passed ({p.expiry.condition}): run "
-                    "`python -m kvpatch upstream-check`, then retire the patch or set a new Expiry(review_by=...)"
-                )
+        attention.extend(
+            f"{e['id']}: review-by date {e['expiry']['review_by']} has passed ({e['expiry']['condition']}): run "
+            "`python -m kvpatch upstream-check`, then retire the patch or set a new Expiry(review_by=...)"
+            for e in patches
+            if e["expiry"]["overdue"]
+        )
     attention.extend(engine.config.problems)
     data: dict[str, Any] = {
         "schema": "kvpatch.status/1",
@@ -405,8 +405,7 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
             continue
         groups.setdefault(state, []).append(e)
     if not groups:
-        installed = [name for name, up in d["upstream"].items() if up.get("installed", up["version"] is not None)]
-        if not any(name in installed for name in ("mlx-lm", "mlx-vlm")):
+        if not any(d["upstream"][name]["installed"] for name in ("mlx-lm", "mlx-vlm") if name in d["upstream"]):
             return ["nothing to patch here: neither mlx-lm nor mlx-vlm is installed", ""]
         return ["nothing to patch here: every patch is fixed upstream or predates this release", ""]
     pad = max(len(e["id"]) for es in groups.values() for e in es)

@@ -86,7 +86,7 @@ def evaluate(patch: Patch, today: _dt.date | None = None, floor: Mapping[str, st
             )
         )
     review_by = patch.expiry.review_by
-    if review_by is not None and today > review_by:
+    if review_by is not None and patch.expiry.overdue(today):
         out.append(
             Expired(
                 patch.id,

@@ -448,8 +448,82 @@ def test_status_imports_no_maintainer_code(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "[] []"
 
 
-def test_enforce_reads_expiry_lazily(tmp_path):
-    """KVPATCH_ENFORCE=1 (kvpatch's own CI) adds expiry facts; the maintainer module loads only then."""
+#: The one function of the runtime allowed to import kvpatch.maint: the maintainer commands' dispatch.
+_MAINTAINER_DISPATCH = {("cli.py", "_add_maintainer_commands")}
+
+
+def _forbidden_imports(source: str, module: str) -> list[str]:
+    """Every import of ``kvpatch.maint`` or ``kvpatch.testing`` in ``source`` (the module ``module``), at the top
+    or inside a function, as ``"function: imported name"`` (``<module>`` at the top); relative imports resolved."""
+    import ast
+
+    package = module.split(".")[:-1]
+    found = []
+
+    def visit(node, where):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+            names = [a.name for a in child.names] if isinstance(child, ast.Import) else []
+            if isinstance(child, ast.ImportFrom):
+                parts = package[: len(package) - child.level + 1] if child.level else []
+                base = ".".join([*parts, *([child.module] if child.module else [])])
+                names = [base, *(f"{base}.{a.name}" for a in child.names)]
+            for name in names:
+                if name.split(".")[:2] in (["kvpatch", "maint"], ["kvpatch", "testing"]):
+                    found.append(f"{where}: {name}")
+            visit(child, inner)
+
+    visit(ast.parse(source), "<module>")
+    return sorted(set(found))
+
+
+def _runtime_modules():
+    """Every runtime module: ``kvpatch/`` without ``kvpatch/maint/`` and ``kvpatch/testing.py``."""
+    root = REPO / "kvpatch"
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] != "maint" and rel != Path("testing.py"):
+            yield path, ".".join(("kvpatch", *rel.with_suffix("").parts))
+
+
+def test_the_runtime_imports_no_maintainer_or_test_code():
+    """No runtime module (kvpatch.patches included) imports kvpatch.maint or kvpatch.testing, at the top or in a
+    function, except the maintainer commands' dispatch in cli.py."""
+    modules = list(_runtime_modules())
+    assert any(name.startswith("kvpatch.patches.mlx_lm.") for _, name in modules) and len(modules) > 40
+    found = []
+    for path, name in modules:
+        for hit in _forbidden_imports(path.read_text(encoding="utf-8"), name):
+            if (path.name, hit.split(":")[0]) not in _MAINTAINER_DISPATCH:
+                found.append(f"{path.relative_to(REPO)} {hit}")
+    assert not found, found
+
+
+def test_the_import_scan_finds_each_form_of_import():
+    """The scan above cannot pass by missing an import: each form is found where it is."""
+    source = (
+        "from .maint import envs\n"
+        "import kvpatch.testing\n"
+        "from kvpatch import maint\n"
+        "def f():\n"
+        "    from ...testing import x\n"
+        "    from .maintenance import y\n"
+    )
+    assert _forbidden_imports(source, "kvpatch.status") == [
+        "<module>: kvpatch.maint",
+        "<module>: kvpatch.maint.envs",
+        "<module>: kvpatch.testing",
+    ]
+    assert _forbidden_imports(source, "kvpatch.patches.mlx_lm.unit") == [
+        "<module>: kvpatch.maint",
+        "<module>: kvpatch.testing",
+        "f: kvpatch.testing",
+        "f: kvpatch.testing.x",
+    ]
+
+
+def test_enforce_adds_review_by_facts_without_error(tmp_path):
+    """KVPATCH_ENFORCE=1 (kvpatch's own CI) adds the review-by facts, computed by the runtime's records."""
     proc = _run(["status", "--check"], cwd=tmp_path, env={"KVPATCH_ENFORCE": "1"})
     assert proc.returncode in (0, 1, 2) and "Traceback" not in proc.stderr, proc.stderr
 
