@@ -18,7 +18,7 @@ import logging
 import sys
 import threading
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -799,15 +799,19 @@ class TargetMissing(LookupError):
     """A target attribute is not where the patch expects it."""
 
 
-def import_target_modules(patch: Patch) -> None:
+def import_target_modules(patch: Patch, failed: Callable[[str, Exception], None] | None = None) -> None:
     """Import every module the patch targets (the hooks run). A module holding only optional targets may fail in
-    any way (some raise at import without Metal): its targets count as absent."""
+    any way (some raise at import without Metal): its targets count as absent. Another module's failure raises, or
+    with ``failed`` is given to it with the module's name and the remaining modules are still imported."""
     for module in patch.modules:
         try:
             importlib.import_module(module)
-        except Exception:
-            if not all(t.optional for t in patch.targets if t.module == module):
+        except Exception as exc:
+            if all(t.optional for t in patch.targets if t.module == module):
+                continue
+            if failed is None:
                 raise
+            failed(module, exc)
 
 
 #: Ids of the reproductions run in this process, in order: tests read it to prove a user's import ran none.
