@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import importlib
 import inspect
 import logging
@@ -40,8 +39,6 @@ __all__ = [
     "Measurement",
     "PatchStatus",
     "State",
-    "fingerprint",
-    "fingerprint_source",
     "hook_registry",
     "set_state",
 ]
@@ -121,29 +118,6 @@ class PatchStatus:
         if not isinstance(patch, Patch):
             raise TypeError(f"{patch!r} is not resolved")
         return patch
-
-
-def fingerprint(obj: Any) -> str | None:
-    """A short hash of an object's source (:func:`fingerprint_source`), looking through kvpatch's replacements;
-    ``None`` when the source cannot be read. Source, not bytecode: the same on every Python. A property counts by
-    its setter, else its getter (as ``scripts/record_fingerprints.py`` finds it)."""
-    if isinstance(obj, property):
-        obj = obj.fset or obj.fget
-    func = inspect.unwrap(obj) if callable(obj) else obj
-    func = getattr(func, "__func__", func)
-    try:
-        text = inspect.getsource(func)
-    except (OSError, TypeError):
-        return None
-    return fingerprint_source(text)
-
-
-def fingerprint_source(text: str) -> str:
-    """The one normalisation of a definition's source (live objects, vendored files, the recorded data): non-blank
-    lines stripped, comment lines dropped, hashed."""
-    lines = [line.strip() for line in text.splitlines()]
-    body = "\n".join(line for line in lines if line and not line.startswith("#"))
-    return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
 class Engine:
@@ -378,7 +352,7 @@ class Engine:
             if original is _MISSING:
                 continue
             st.fingerprinted.add(target)
-            fp = fingerprints.cached(original, fingerprint)
+            fp = fingerprints.cached(original, fingerprints.fingerprint)
             if fp in recorded:
                 continue
             top = target.module.split(".", 1)[0]
@@ -399,7 +373,7 @@ class Engine:
                 ),
                 None,
             )
-            if inner is not None and fingerprints.cached(inner, fingerprint) in recorded:
+            if inner is not None and fingerprints.cached(inner, fingerprints.fingerprint) in recorded:
                 continue  # another library's wrapper around upstream code kvpatch validated
             # Another library's replacement that does not reach upstream's code: no verdict (measured on upstream's
             # code in a clean process) can vouch for it.

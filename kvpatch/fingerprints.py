@@ -8,6 +8,7 @@ path, size and mtime: a verified environment reads no source at import.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import time
@@ -22,12 +23,35 @@ from .locate import stamp
 if TYPE_CHECKING:
     from .record import Patch
 
-__all__ = ["SHIPPED", "cached", "save", "shipped", "validated"]
+__all__ = ["SHIPPED", "cached", "fingerprint", "fingerprint_source", "save", "shipped", "validated"]
 
 SHIPPED = Path(__file__).resolve().parent / "data" / "fingerprints.json"
 _shipped: dict[str, dict[str, frozenset[str]]] | None = None
 #: Computed in this process, not yet in the cache: file key -> {line:qualname -> fingerprint}.
 _new: dict[str, dict[str, str]] = {}
+
+
+def fingerprint(obj: Any) -> str | None:
+    """A short hash of an object's source (:func:`fingerprint_source`), looking through kvpatch's replacements;
+    ``None`` when the source cannot be read. Source, not bytecode: the same on every Python. A property counts by
+    its setter, else its getter (as ``scripts/record_fingerprints.py`` finds it)."""
+    if isinstance(obj, property):
+        obj = obj.fset or obj.fget
+    func = inspect.unwrap(obj) if callable(obj) else obj
+    func = getattr(func, "__func__", func)
+    try:
+        text = inspect.getsource(func)
+    except (OSError, TypeError):
+        return None
+    return fingerprint_source(text)
+
+
+def fingerprint_source(text: str) -> str:
+    """The one normalisation of a definition's source (live objects, vendored files, the recorded data): non-blank
+    lines stripped, comment lines dropped, hashed."""
+    lines = [line.strip() for line in text.splitlines()]
+    body = "\n".join(line for line in lines if line and not line.startswith("#"))
+    return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
 def shipped() -> dict[str, dict[str, frozenset[str]]]:

@@ -23,7 +23,8 @@ from . import config, store, surgery
 from ._site import hooks
 from ._warn import emit
 from .detect import Upstream
-from .engine import _FROM_ACTION, PatchStatus, State, TargetMissing, fingerprint, fingerprint_source, set_state
+from .engine import _FROM_ACTION, PatchStatus, State, TargetMissing, set_state
+from .fingerprints import fingerprint, fingerprint_source
 from .gate import Action, Decision, decide
 from .locate import module_file
 from .record import DISTRIBUTIONS, Expiry, Kind, Patch, Target
@@ -85,8 +86,8 @@ _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registra
 # -- finding copies: source text only ----------------------------------------------------------------------
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
     """``{qualname: (fingerprint, longest line, lines)}`` of the functions named in ``names`` at module level or in
-    classes of ``source``: the block ``inspect.getsource`` gives, so :func:`kvpatch.engine.fingerprint` agrees. Found
-    by indentation, not parsed: a tenth of ``ast.parse``'s time (an odd block misses a copy, never invents one)."""
+    classes of ``source``: the block ``inspect.getsource`` gives, so :func:`~kvpatch.fingerprints.fingerprint` agrees.
+    Found by indentation, not parsed: a tenth of ``ast.parse``'s time; an odd block misses a copy, never invents one."""
     if not names:
         return {}
     alternatives = "|".join(sorted(map(re.escape, names)))

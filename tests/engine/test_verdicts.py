@@ -292,7 +292,7 @@ def test_drifted_target_goes_to_its_verdict(fake_site, tmp_path):
     assert out["drift"] and out["state"] == "pending verification" and out["f"] == "buggy", out
     assert out["reproductions"] == []
     # with its true fingerprint recorded it applies, reading no verdict
-    from kvpatch.engine import fingerprint
+    from kvpatch.fingerprints import fingerprint
 
     namespace: dict = {}
     exec(compile(FAKE_CACHE, str(fake_site / "mlx_lm" / "models" / "cache.py"), "exec"), namespace)
