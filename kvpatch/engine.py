@@ -30,7 +30,7 @@ from .gate import Action, Decision, decide
 from .record import DISTRIBUTIONS, Bug, Finding, Kind, Patch, Target
 from .registry import Stub
 from .surgery import MISSING as _MISSING
-from .surgery import Change
+from .surgery import Change, TargetMissing
 from .verdicts import Outcome
 
 __all__ = [
@@ -63,7 +63,8 @@ class State(enum.Enum):
     INCONCLUSIVE = "inconclusive"  # the verdict's reproduction hit an error that is not the bug: not applied
 
 
-_FROM_ACTION = {
+#: The state a patch starts in, per decision of the gate.
+FROM_ACTION = {
     Action.APPLY: State.PENDING,
     Action.VERIFY: State.PENDING,
     Action.NOT_NEEDED: State.NOT_NEEDED,
@@ -176,7 +177,7 @@ class Engine:
         except Exception as exc:  # a broken record must not break imports
             decision = Decision(Action.DISABLED, "gate raised")
             return PatchStatus(patch, decision, State.FAILED, "the gate raised", error=_describe(exc))
-        return PatchStatus(patch, decision, _FROM_ACTION[decision.action], decision.reason)
+        return PatchStatus(patch, decision, FROM_ACTION[decision.action], decision.reason)
 
     def reconsider(self, config: Config) -> None:
         """Restore everything and decide every patch again under ``config``: ``kvpatch verify`` measures what the
@@ -530,61 +531,38 @@ class Engine:
         return function
 
     def _install_target(self, st: PatchStatus, target: Target, module: types.ModuleType) -> Change | None:
-        """Build the replacement (outside the lock: builders may import), then commit it under the lock."""
+        """Install one target (:func:`kvpatch.surgery.install`): built outside the lock (builders may import),
+        committed under it. A target that reaches the replacement already is adopted; one whose restore spliced the
+        original in under a foreign proxy gets the replacement spliced back there."""
         patch = st.record
         owner = _owner(target, module)
         if owner is _MISSING:
             if target.optional:
                 return None
             raise TargetMissing(f"{target.path}: {'.'.join(target.owner_path)} not found in {target.module}")
-        name = target.attribute
-        for _attempt in range(3):
-            raw = vars(owner).get(name, _MISSING)
-            wrapper_type: type | None = None
-            present = inspect.getattr_static(owner, name, _MISSING)
-            if present is not _MISSING and surgery.carries(present, patch.id):
-                self._adopt(st, target)
-                return None
-            if target.kind is Kind.REPLACE:
-                if present is _MISSING:
-                    if target.optional:
-                        return None
-                    raise TargetMissing(f"{target.path} not found (moved or removed upstream?)")
-                spliced = self._spliced.get((id(owner), name))
-                if spliced is not None and spliced.patch_id == patch.id:
-                    return self._splice_back(st, spliced, present)
-                wrapper_type = type(present) if isinstance(present, (classmethod, staticmethod)) else None
-                original = present.__func__ if wrapper_type else getattr(owner, name)
-            elif present is not _MISSING:
-                raise TargetMissing(
-                    f"{target.path} already exists upstream: either upstream fixed it (retire this patch) "
-                    "or it moved (retarget it)"
-                )
-            else:
-                original = None
-            built = self._build(st, target, owner, original)
-            if built is original:
-                return None  # the builder declined: this target needs no change here
+        present = inspect.getattr_static(owner, target.attribute, _MISSING)
+        if present is not _MISSING and surgery.carries(present, patch.id):
+            self._adopt(st, target)
+            return None
+        spliced = self._spliced.get((id(owner), target.attribute))
+        if spliced is not None and spliced.patch_id == patch.id and present is not _MISSING:
+            return self._splice_back(st, spliced, present)
+
+        def record(change: Change) -> None:
             st.built.pop(target, None)  # a build is installed once: another install builds afresh
-            function = surgery.mark(patch, target, owner, original, built)
-            with self._lock:
-                if vars(owner).get(name, _MISSING) is not raw:
-                    continue  # someone changed the attribute while we built: look again
-                if target in st.installed:
-                    return None  # another thread got there first
-                change = surgery.commit(
-                    patch.id, target, owner, name, had_own=raw is not _MISSING, raw=raw, original=original,
-                    function=function, wrapper=wrapper_type,
-                )  # fmt: skip
-                self._changes.append(change)
-                st.installed.append(target)
-            if isinstance(owner, types.ModuleType) and original is not None:
-                # Late activation (the module was imported before kvpatch): any module may hold the original by
-                # name. At a fresh import only the upstream packages can.
-                everywhere = target.module not in self._hooking()
-                surgery.rebind_aliases(original, function, skip=owner, everywhere=everywhere)
-            return change
-        raise RuntimeError(f"{target.path} kept changing while kvpatch installed {patch.id}")
+            self._changes.append(change)
+            st.installed.append(target)
+
+        def make(original: Any) -> Any:
+            return self._build(st, target, owner, original)
+
+        change = surgery.install(patch, target, owner, make=make, lock=self._lock, record=record)
+        if change is not None and isinstance(owner, types.ModuleType) and change.original is not None:
+            # Late activation (the module was imported before kvpatch): any module may hold the original by
+            # name. At a fresh import only the upstream packages can.
+            everywhere = target.module not in self._hooking()
+            surgery.rebind_aliases(change.original, change.function, skip=owner, everywhere=everywhere)
+        return change
 
     def _splice_back(self, st: PatchStatus, old: Change, proxy: Any) -> Change | None:
         """Resume a patch whose restore spliced the original in under a foreign proxy: splice the fix back there."""
@@ -767,10 +745,6 @@ def hook_registry() -> Any:
     except Exception as exc:
         return exc
     return wrapt.register_post_import_hook
-
-
-class TargetMissing(LookupError):
-    """A target attribute is not where the patch expects it."""
 
 
 def import_target_modules(patch: Patch, failed: Callable[[str, Exception], None] | None = None) -> None:
