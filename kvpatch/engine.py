@@ -40,6 +40,7 @@ __all__ = [
     "PatchStatus",
     "State",
     "hook_registry",
+    "refresh_status",
     "set_state",
 ]
 
@@ -658,24 +659,15 @@ class Engine:
 
     # -- live truth --------------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Re-read every installed replacement: "applied" means reachable now (``overridden`` when something else
-        replaced it without calling it; a foreign wrapper that reaches it is named in ``wrapped``). A target module
-        executed again (``importlib.reload``) gets its patches again first."""
+        """Re-read every installed replacement (:func:`refresh_status`); a target module executed again
+        (``importlib.reload``) gets its patches again first."""
         self._reinstall_reloaded()
         with self._lock:
-            changes = list(self._changes)
-        by_patch: dict[str, list[tuple[str, str]]] = {}
-        for change in changes:
-            by_patch.setdefault(change.patch_id, []).append(surgery.liveness(change))
-        with self._lock:
-            for pid, results in by_patch.items():
-                st = self.status[pid]
-                gone = [detail for state, detail in results if state in ("overridden", "removed")]
-                st.wrapped = [detail for state, detail in results if state == "wrapped"]
-                if gone and st.state is State.APPLIED:
-                    set_state(st, State.OVERRIDDEN, "; ".join(gone))
-                elif not gone and st.state is State.OVERRIDDEN:
-                    set_state(st, State.APPLIED, st.decision.reason)
+            by_patch: dict[str, list[Change]] = {}
+            for change in self._changes:
+                by_patch.setdefault(change.patch_id, []).append(change)
+        for pid, changes in by_patch.items():
+            refresh_status(self.status[pid], changes, self._lock)
 
     def _reinstall_reloaded(self) -> None:
         """Install again on the new objects of a re-executed target module (no import hook fires for a reload). The
@@ -818,6 +810,20 @@ def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error
         st.reason = reason
     if error is not _KEEP:
         st.error = error
+
+
+def refresh_status(st: PatchStatus, changes: list[Change], lock: threading.RLock) -> None:
+    """Re-read ``st``'s installed replacements (``changes``), outside ``lock`` and then set under it: "applied"
+    means reachable now (``overridden`` when something else replaced one without calling it; a foreign wrapper that
+    reaches one is named in ``wrapped``)."""
+    results = [surgery.liveness(change) for change in changes]
+    with lock:
+        gone = [detail for state, detail in results if state in ("overridden", "removed")]
+        st.wrapped = [detail for state, detail in results if state == "wrapped"]
+        if gone and st.state is State.APPLIED:
+            set_state(st, State.OVERRIDDEN, "; ".join(gone))
+        elif not gone and st.state is State.OVERRIDDEN:
+            set_state(st, State.APPLIED, st.decision.reason)
 
 
 def _reexecuted(change: Change) -> bool:

@@ -23,7 +23,7 @@ from . import config, store, surgery
 from ._site import hooks
 from ._warn import emit
 from .detect import Upstream
-from .engine import FROM_ACTION, PatchStatus, State, set_state
+from .engine import FROM_ACTION, PatchStatus, State, refresh_status, set_state
 from .fingerprints import fingerprint, fingerprint_source
 from .gate import Action, Decision, decide
 from .locate import module_file
@@ -416,13 +416,7 @@ def copy_records() -> list[PatchStatus]:
         regs = list(_registered.values())
     for reg in regs:
         for pid, st in reg.statuses.items():
-            changes = reg.changes.get(pid, [])
-            if st.state in (State.APPLIED, State.OVERRIDDEN) and changes:
-                gone = [d for s, d in map(surgery.liveness, changes) if s in ("overridden", "removed")]
-                if gone:
-                    set_state(st, State.OVERRIDDEN, "; ".join(gone))
-                elif st.state is State.OVERRIDDEN:
-                    set_state(st, State.APPLIED, st.decision.reason)
+            refresh_status(st, reg.changes.get(pid, []), _lock)
             out.append(st)
     return out
 
