@@ -456,7 +456,7 @@ class Engine:
         import_target_modules(patch)
         st = self.status[patch.id]
         with self.without(*self._sharing(patch)):
-            foreign = tuple(verdicts.foreign_targets(patch))
+            foreign = tuple(surgery.foreign_targets(patch))
             before = run_reproduction(patch)
         after = None
         if st.installed:
@@ -512,7 +512,7 @@ class Engine:
                 if target.optional:
                     continue  # may never exist in this release; imported later, its own hook decides again
                 return False
-            if self._build(st, target, _owner(target, module), original) is not original:
+            if self._build(st, target, surgery.owner_of(target, module), original) is not original:
                 return False
             seen += 1
         if not seen:
@@ -536,7 +536,7 @@ class Engine:
         committed under it. A target that reaches the replacement already is adopted; one whose restore spliced the
         original in under a foreign proxy gets the replacement spliced back there."""
         patch = st.record
-        owner = _owner(target, module)
+        owner = surgery.owner_of(target, module)
         if owner is _MISSING:
             if target.optional:
                 return None
@@ -589,7 +589,7 @@ class Engine:
 
     def upstream_original(self, target: Target, module: types.ModuleType) -> Any:
         """The upstream object at ``target``, looking through kvpatch's own replacements (``_MISSING``: none)."""
-        owner = _owner(target, module)
+        owner = surgery.owner_of(target, module)
         if owner is _MISSING:
             return _MISSING
         for change in self._changes:
@@ -792,16 +792,6 @@ def _mlx_state_kept() -> Iterator[None]:
         mx.set_default_stream(stream)
 
 
-def _owner(target: Target, module: types.ModuleType) -> Any:
-    """The object holding ``target``'s attribute in ``module`` now, or ``_MISSING``."""
-    owner: Any = module
-    for part in target.owner_path:
-        owner = getattr(owner, part, _MISSING)
-        if owner is _MISSING:
-            break
-    return owner
-
-
 def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _KEEP) -> None:
     """The one place a patch's state changes (``reason`` None / ``error`` unset keep the current one). Callers hold
     the engine's lock where another thread may change the same status."""
@@ -832,7 +822,7 @@ def _reexecuted(change: Change) -> bool:
     module = sys.modules.get(change.target.module)
     if module is None or _executing(module):
         return False
-    owner = _owner(change.target, module)
+    owner = surgery.owner_of(change.target, module)
     if owner is _MISSING or owner is not change.owner:
         return owner is not _MISSING
     if change.target.owner_path:

@@ -32,10 +32,12 @@ __all__ = [
     "chain",
     "describe",
     "foreign",
+    "foreign_targets",
     "install",
     "liveness",
     "mark",
     "mark_of",
+    "owner_of",
     "prepare",
     "rebind_aliases",
     "restore",
@@ -151,6 +153,30 @@ def foreign(obj: Any, package: str) -> str | None:
     inner = getattr(func, "__wrapped__", None)
     wraps = f" around {getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', '?')}" if inner else ""
     return f"{kind.__module__}.{kind.__qualname__}{wraps}"
+
+
+def owner_of(target: Target, module: types.ModuleType) -> Any:
+    """The object holding ``target``'s attribute in ``module`` now, or ``MISSING``."""
+    owner: Any = module
+    for part in target.owner_path:
+        owner = getattr(owner, part, MISSING)
+        if owner is MISSING:
+            break
+    return owner
+
+
+def foreign_targets(patch: Patch) -> list[str]:
+    """``"<target>: <qualified name>"`` for each imported replaced target of ``patch`` whose live object is not
+    upstream's own (:func:`foreign`); kvpatch's own replacements count: take them out first."""
+    found = []
+    for target in patch.targets:
+        module = sys.modules.get(target.module)
+        owner = owner_of(target, module) if module is not None and target.kind is Kind.REPLACE else MISSING
+        live = inspect.getattr_static(owner, target.attribute, MISSING) if owner is not MISSING else MISSING
+        who = foreign(live, patch.import_name) if live is not MISSING else None
+        if who is not None:
+            found.append(f"{target.path}: {who}")
+    return found
 
 
 def build(patch: Patch, owner: Any, original: Any, builder: Callable[[Any], Any]) -> Any:
