@@ -157,19 +157,11 @@ class Engine:
 
     def _decide_all(self) -> None:
         """Decide every patch; the unit of a stub that may be installed is imported now."""
-        for patch in list(self.patches):
-            st = self._decide(patch)
-            if isinstance(patch, Stub) and st.state is State.PENDING:
-                try:
-                    record = patch.resolve()
-                except Exception as exc:
-                    self.broken[patch.module] = _describe(exc)
-                    self.patches.remove(patch)
-                    self.status.pop(patch.id, None)
-                    continue
-                self.patches[self.patches.index(patch)] = record
-                st = self._decide(record)
-            self.status[patch.id] = st
+        for patch in self.patches:
+            self.status[patch.id] = self._decide(patch)
+        pending = [p for p in self.patches if isinstance(p, Stub) and self.status[p.id].state is State.PENDING]
+        for record in self._resolve(pending):
+            self.status[record.id] = self._decide(record)
 
     def _decide(self, patch: Patch | Stub) -> PatchStatus:
         try:
@@ -188,13 +180,19 @@ class Engine:
         self._decide_all()
 
     def materialise(self) -> list[Patch]:
-        """Every patch as its record, in install order, importing the units still stubs; a unit that fails to import
-        is left out and reported in :attr:`broken`."""
+        """Every patch as its record, in install order, importing the units still stubs (:meth:`_resolve`)."""
         with self._lock:
             stubs = [p for p in self.patches if isinstance(p, Stub)]
+        self._resolve(stubs)
+        with self._lock:
+            return [p for p in self.patches if isinstance(p, Patch)]
+
+    def _resolve(self, stubs: list[Stub]) -> list[Patch]:
+        """Import the units of ``stubs`` (outside the lock: a unit's code runs) and put their records in their
+        place; a unit that fails to import is left out and reported in :attr:`broken`."""
         resolved: dict[str, Patch] = {}
         failed: dict[str, str] = {}
-        for stub in stubs:  # outside the lock: importing a unit runs its code
+        for stub in stubs:
             try:
                 resolved[stub.id] = stub.resolve()
             except Exception as exc:
@@ -209,7 +207,7 @@ class Engine:
                     self.patches.remove(stub)
                     self.status.pop(stub.id, None)
                     self.broken[stub.module] = failed[stub.module]
-            return [p for p in self.patches if isinstance(p, Patch)]
+        return list(resolved.values())
 
     @staticmethod
     def record_of(st: PatchStatus) -> Patch:
