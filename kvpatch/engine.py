@@ -352,7 +352,7 @@ class Engine:
             if original is _MISSING:
                 continue
             st.fingerprinted.add(target)
-            fp = fingerprints.cached(original, fingerprints.fingerprint)
+            fp = fingerprints.cached(original)
             if fp in recorded:
                 continue
             top = target.module.split(".", 1)[0]
@@ -373,7 +373,7 @@ class Engine:
                 ),
                 None,
             )
-            if inner is not None and fingerprints.cached(inner, fingerprints.fingerprint) in recorded:
+            if inner is not None and fingerprints.cached(inner) in recorded:
                 continue  # another library's wrapper around upstream code kvpatch validated
             # Another library's replacement that does not reach upstream's code: no verdict (measured on upstream's
             # code in a clean process) can vouch for it.

@@ -12,7 +12,6 @@ import hashlib
 import inspect
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,14 +72,14 @@ def validated(patch: Patch) -> dict[str, frozenset[str]]:
     return shipped().get(patch.id, {})
 
 
-def cached(obj: Any, compute: Callable[[Any], str | None]) -> str | None:
-    """``compute(obj)`` (a source fingerprint), cached by the defining file's path, size and mtime."""
+def cached(obj: Any) -> str | None:
+    """:func:`fingerprint` of ``obj``, cached by the defining file's path, size and mtime."""
     func = inspect.unwrap(obj) if callable(obj) else obj
     func = getattr(func, "__func__", func)
     code = getattr(func, "__code__", None)
     size_mtime = stamp(getattr(code, "co_filename", None))
     if code is None or size_mtime is None:
-        return compute(obj)
+        return fingerprint(obj)
     file_key = f"{code.co_filename}|{size_mtime[0]}|{size_mtime[1]}"
     sub = f"{code.co_firstlineno}:{getattr(func, '__qualname__', '?')}"
     known = verdicts.tables()["fingerprints"].get(file_key)
@@ -88,7 +87,7 @@ def cached(obj: Any, compute: Callable[[Any], str | None]) -> str | None:
         return str(known[sub])
     if sub in _new.get(file_key, {}):
         return _new[file_key][sub]
-    value = compute(obj)
+    value = fingerprint(obj)
     if value is not None:
         _new.setdefault(file_key, {})[sub] = value
     return value
