@@ -14,7 +14,8 @@ from collections.abc import Iterable
 
 from . import config
 from ._warn import emit as _emit
-from .engine import Engine, KvpatchWarning, PatchStatus, State, fingerprint
+from .engine import Engine, KvpatchWarning, PatchStatus, State
+from .fingerprints import fingerprint
 from .record import Expiry, Finding, Kind, Patch, Target
 
 __all__ = [

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import importlib
 import inspect
 import logging
 import sys
 import threading
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +30,7 @@ from .gate import Action, Decision, decide
 from .record import DISTRIBUTIONS, Bug, Finding, Kind, Patch, Target
 from .registry import Stub
 from .surgery import MISSING as _MISSING
-from .surgery import Change
+from .surgery import Change, TargetMissing
 from .verdicts import Outcome
 
 __all__ = [
@@ -40,9 +39,8 @@ __all__ = [
     "Measurement",
     "PatchStatus",
     "State",
-    "fingerprint",
-    "fingerprint_source",
     "hook_registry",
+    "refresh_status",
     "set_state",
 ]
 
@@ -66,7 +64,8 @@ class State(enum.Enum):
     INCONCLUSIVE = "inconclusive"  # the verdict's reproduction hit an error that is not the bug: not applied
 
 
-_FROM_ACTION = {
+#: The state a patch starts in, per decision of the gate.
+FROM_ACTION = {
     Action.APPLY: State.PENDING,
     Action.VERIFY: State.PENDING,
     Action.NOT_NEEDED: State.NOT_NEEDED,
@@ -123,29 +122,6 @@ class PatchStatus:
         return patch
 
 
-def fingerprint(obj: Any) -> str | None:
-    """A short hash of an object's source (:func:`fingerprint_source`), looking through kvpatch's replacements;
-    ``None`` when the source cannot be read. Source, not bytecode: the same on every Python. A property counts by
-    its setter, else its getter (as ``scripts/record_fingerprints.py`` finds it)."""
-    if isinstance(obj, property):
-        obj = obj.fset or obj.fget
-    func = inspect.unwrap(obj) if callable(obj) else obj
-    func = getattr(func, "__func__", func)
-    try:
-        text = inspect.getsource(func)
-    except (OSError, TypeError):
-        return None
-    return fingerprint_source(text)
-
-
-def fingerprint_source(text: str) -> str:
-    """The one normalisation of a definition's source (live objects, vendored files, the recorded data): non-blank
-    lines stripped, comment lines dropped, hashed."""
-    lines = [line.strip() for line in text.splitlines()]
-    body = "\n".join(line for line in lines if line and not line.startswith("#"))
-    return hashlib.sha256(body.encode()).hexdigest()[:12]
-
-
 class Engine:
     """Installs a set of patches into this process: the one per process is :func:`kvpatch.get_engine`."""
 
@@ -181,19 +157,11 @@ class Engine:
 
     def _decide_all(self) -> None:
         """Decide every patch; the unit of a stub that may be installed is imported now."""
-        for patch in list(self.patches):
-            st = self._decide(patch)
-            if isinstance(patch, Stub) and st.state is State.PENDING:
-                try:
-                    record = patch.resolve()
-                except Exception as exc:
-                    self.broken[patch.module] = _describe(exc)
-                    self.patches.remove(patch)
-                    self.status.pop(patch.id, None)
-                    continue
-                self.patches[self.patches.index(patch)] = record
-                st = self._decide(record)
-            self.status[patch.id] = st
+        for patch in self.patches:
+            self.status[patch.id] = self._decide(patch)
+        pending = [p for p in self.patches if isinstance(p, Stub) and self.status[p.id].state is State.PENDING]
+        for record in self._resolve(pending):
+            self.status[record.id] = self._decide(record)
 
     def _decide(self, patch: Patch | Stub) -> PatchStatus:
         try:
@@ -202,7 +170,7 @@ class Engine:
         except Exception as exc:  # a broken record must not break imports
             decision = Decision(Action.DISABLED, "gate raised")
             return PatchStatus(patch, decision, State.FAILED, "the gate raised", error=_describe(exc))
-        return PatchStatus(patch, decision, _FROM_ACTION[decision.action], decision.reason)
+        return PatchStatus(patch, decision, FROM_ACTION[decision.action], decision.reason)
 
     def reconsider(self, config: Config) -> None:
         """Restore everything and decide every patch again under ``config``: ``kvpatch verify`` measures what the
@@ -212,13 +180,19 @@ class Engine:
         self._decide_all()
 
     def materialise(self) -> list[Patch]:
-        """Every patch as its record, in install order, importing the units still stubs; a unit that fails to import
-        is left out and reported in :attr:`broken`."""
+        """Every patch as its record, in install order, importing the units still stubs (:meth:`_resolve`)."""
         with self._lock:
             stubs = [p for p in self.patches if isinstance(p, Stub)]
+        self._resolve(stubs)
+        with self._lock:
+            return [p for p in self.patches if isinstance(p, Patch)]
+
+    def _resolve(self, stubs: list[Stub]) -> list[Patch]:
+        """Import the units of ``stubs`` (outside the lock: a unit's code runs) and put their records in their
+        place; a unit that fails to import is left out and reported in :attr:`broken`."""
         resolved: dict[str, Patch] = {}
         failed: dict[str, str] = {}
-        for stub in stubs:  # outside the lock: importing a unit runs its code
+        for stub in stubs:
             try:
                 resolved[stub.id] = stub.resolve()
             except Exception as exc:
@@ -233,7 +207,7 @@ class Engine:
                     self.patches.remove(stub)
                     self.status.pop(stub.id, None)
                     self.broken[stub.module] = failed[stub.module]
-            return [p for p in self.patches if isinstance(p, Patch)]
+        return list(resolved.values())
 
     @staticmethod
     def record_of(st: PatchStatus) -> Patch:
@@ -378,7 +352,7 @@ class Engine:
             if original is _MISSING:
                 continue
             st.fingerprinted.add(target)
-            fp = fingerprints.cached(original, fingerprint)
+            fp = fingerprints.cached(original)
             if fp in recorded:
                 continue
             top = target.module.split(".", 1)[0]
@@ -399,7 +373,7 @@ class Engine:
                 ),
                 None,
             )
-            if inner is not None and fingerprints.cached(inner, fingerprint) in recorded:
+            if inner is not None and fingerprints.cached(inner) in recorded:
                 continue  # another library's wrapper around upstream code kvpatch validated
             # Another library's replacement that does not reach upstream's code: no verdict (measured on upstream's
             # code in a clean process) can vouch for it.
@@ -480,7 +454,7 @@ class Engine:
         import_target_modules(patch)
         st = self.status[patch.id]
         with self.without(*self._sharing(patch)):
-            foreign = tuple(verdicts.foreign_targets(patch))
+            foreign = tuple(surgery.foreign_targets(patch))
             before = run_reproduction(patch)
         after = None
         if st.installed:
@@ -536,7 +510,7 @@ class Engine:
                 if target.optional:
                     continue  # may never exist in this release; imported later, its own hook decides again
                 return False
-            if self._build(st, target, _owner(target, module), original) is not original:
+            if self._build(st, target, surgery.owner_of(target, module), original) is not original:
                 return False
             seen += 1
         if not seen:
@@ -556,61 +530,38 @@ class Engine:
         return function
 
     def _install_target(self, st: PatchStatus, target: Target, module: types.ModuleType) -> Change | None:
-        """Build the replacement (outside the lock: builders may import), then commit it under the lock."""
+        """Install one target (:func:`kvpatch.surgery.install`): built outside the lock (builders may import),
+        committed under it. A target that reaches the replacement already is adopted; one whose restore spliced the
+        original in under a foreign proxy gets the replacement spliced back there."""
         patch = st.record
-        owner = _owner(target, module)
+        owner = surgery.owner_of(target, module)
         if owner is _MISSING:
             if target.optional:
                 return None
             raise TargetMissing(f"{target.path}: {'.'.join(target.owner_path)} not found in {target.module}")
-        name = target.attribute
-        for _attempt in range(3):
-            raw = vars(owner).get(name, _MISSING)
-            wrapper_type: type | None = None
-            present = inspect.getattr_static(owner, name, _MISSING)
-            if present is not _MISSING and surgery.carries(present, patch.id):
-                self._adopt(st, target)
-                return None
-            if target.kind is Kind.REPLACE:
-                if present is _MISSING:
-                    if target.optional:
-                        return None
-                    raise TargetMissing(f"{target.path} not found (moved or removed upstream?)")
-                spliced = self._spliced.get((id(owner), name))
-                if spliced is not None and spliced.patch_id == patch.id:
-                    return self._splice_back(st, spliced, present)
-                wrapper_type = type(present) if isinstance(present, (classmethod, staticmethod)) else None
-                original = present.__func__ if wrapper_type else getattr(owner, name)
-            elif present is not _MISSING:
-                raise TargetMissing(
-                    f"{target.path} already exists upstream: either upstream fixed it (retire this patch) "
-                    "or it moved (retarget it)"
-                )
-            else:
-                original = None
-            built = self._build(st, target, owner, original)
-            if built is original:
-                return None  # the builder declined: this target needs no change here
+        present = inspect.getattr_static(owner, target.attribute, _MISSING)
+        if present is not _MISSING and surgery.carries(present, patch.id):
+            self._adopt(st, target)
+            return None
+        spliced = self._spliced.get((id(owner), target.attribute))
+        if spliced is not None and spliced.patch_id == patch.id and present is not _MISSING:
+            return self._splice_back(st, spliced, present)
+
+        def record(change: Change) -> None:
             st.built.pop(target, None)  # a build is installed once: another install builds afresh
-            function = surgery.mark(patch, target, owner, original, built)
-            with self._lock:
-                if vars(owner).get(name, _MISSING) is not raw:
-                    continue  # someone changed the attribute while we built: look again
-                if target in st.installed:
-                    return None  # another thread got there first
-                change = surgery.commit(
-                    patch.id, target, owner, name, had_own=raw is not _MISSING, raw=raw, original=original,
-                    function=function, wrapper=wrapper_type,
-                )  # fmt: skip
-                self._changes.append(change)
-                st.installed.append(target)
-            if isinstance(owner, types.ModuleType) and original is not None:
-                # Late activation (the module was imported before kvpatch): any module may hold the original by
-                # name. At a fresh import only the upstream packages can.
-                everywhere = target.module not in self._hooking()
-                surgery.rebind_aliases(original, function, skip=owner, everywhere=everywhere)
-            return change
-        raise RuntimeError(f"{target.path} kept changing while kvpatch installed {patch.id}")
+            self._changes.append(change)
+            st.installed.append(target)
+
+        def make(original: Any) -> Any:
+            return self._build(st, target, owner, original)
+
+        change = surgery.install(patch, target, owner, make=make, lock=self._lock, record=record)
+        if change is not None and isinstance(owner, types.ModuleType) and change.original is not None:
+            # Late activation (the module was imported before kvpatch): any module may hold the original by
+            # name. At a fresh import only the upstream packages can.
+            everywhere = target.module not in self._hooking()
+            surgery.rebind_aliases(change.original, change.function, skip=owner, everywhere=everywhere)
+        return change
 
     def _splice_back(self, st: PatchStatus, old: Change, proxy: Any) -> Change | None:
         """Resume a patch whose restore spliced the original in under a foreign proxy: splice the fix back there."""
@@ -636,7 +587,7 @@ class Engine:
 
     def upstream_original(self, target: Target, module: types.ModuleType) -> Any:
         """The upstream object at ``target``, looking through kvpatch's own replacements (``_MISSING``: none)."""
-        owner = _owner(target, module)
+        owner = surgery.owner_of(target, module)
         if owner is _MISSING:
             return _MISSING
         for change in self._changes:
@@ -706,24 +657,15 @@ class Engine:
 
     # -- live truth --------------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Re-read every installed replacement: "applied" means reachable now (``overridden`` when something else
-        replaced it without calling it; a foreign wrapper that reaches it is named in ``wrapped``). A target module
-        executed again (``importlib.reload``) gets its patches again first."""
+        """Re-read every installed replacement (:func:`refresh_status`); a target module executed again
+        (``importlib.reload``) gets its patches again first."""
         self._reinstall_reloaded()
         with self._lock:
-            changes = list(self._changes)
-        by_patch: dict[str, list[tuple[str, str]]] = {}
-        for change in changes:
-            by_patch.setdefault(change.patch_id, []).append(surgery.liveness(change))
-        with self._lock:
-            for pid, results in by_patch.items():
-                st = self.status[pid]
-                gone = [detail for state, detail in results if state in ("overridden", "removed")]
-                st.wrapped = [detail for state, detail in results if state == "wrapped"]
-                if gone and st.state is State.APPLIED:
-                    set_state(st, State.OVERRIDDEN, "; ".join(gone))
-                elif not gone and st.state is State.OVERRIDDEN:
-                    set_state(st, State.APPLIED, st.decision.reason)
+            by_patch: dict[str, list[Change]] = {}
+            for change in self._changes:
+                by_patch.setdefault(change.patch_id, []).append(change)
+        for pid, changes in by_patch.items():
+            refresh_status(self.status[pid], changes, self._lock)
 
     def _reinstall_reloaded(self) -> None:
         """Install again on the new objects of a re-executed target module (no import hook fires for a reload). The
@@ -795,19 +737,19 @@ def hook_registry() -> Any:
     return wrapt.register_post_import_hook
 
 
-class TargetMissing(LookupError):
-    """A target attribute is not where the patch expects it."""
-
-
-def import_target_modules(patch: Patch) -> None:
+def import_target_modules(patch: Patch, failed: Callable[[str, Exception], None] | None = None) -> None:
     """Import every module the patch targets (the hooks run). A module holding only optional targets may fail in
-    any way (some raise at import without Metal): its targets count as absent."""
+    any way (some raise at import without Metal): its targets count as absent. Another module's failure raises, or
+    with ``failed`` is given to it with the module's name and the remaining modules are still imported."""
     for module in patch.modules:
         try:
             importlib.import_module(module)
-        except Exception:
-            if not all(t.optional for t in patch.targets if t.module == module):
+        except Exception as exc:
+            if all(t.optional for t in patch.targets if t.module == module):
+                continue
+            if failed is None:
                 raise
+            failed(module, exc)
 
 
 #: Ids of the reproductions run in this process, in order: tests read it to prove a user's import ran none.
@@ -848,16 +790,6 @@ def _mlx_state_kept() -> Iterator[None]:
         mx.set_default_stream(stream)
 
 
-def _owner(target: Target, module: types.ModuleType) -> Any:
-    """The object holding ``target``'s attribute in ``module`` now, or ``_MISSING``."""
-    owner: Any = module
-    for part in target.owner_path:
-        owner = getattr(owner, part, _MISSING)
-        if owner is _MISSING:
-            break
-    return owner
-
-
 def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _KEEP) -> None:
     """The one place a patch's state changes (``reason`` None / ``error`` unset keep the current one). Callers hold
     the engine's lock where another thread may change the same status."""
@@ -868,13 +800,27 @@ def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error
         st.error = error
 
 
+def refresh_status(st: PatchStatus, changes: list[Change], lock: threading.RLock) -> None:
+    """Re-read ``st``'s installed replacements (``changes``), outside ``lock`` and then set under it: "applied"
+    means reachable now (``overridden`` when something else replaced one without calling it; a foreign wrapper that
+    reaches one is named in ``wrapped``)."""
+    results = [surgery.liveness(change) for change in changes]
+    with lock:
+        gone = [detail for state, detail in results if state in ("overridden", "removed")]
+        st.wrapped = [detail for state, detail in results if state == "wrapped"]
+        if gone and st.state is State.APPLIED:
+            set_state(st, State.OVERRIDDEN, "; ".join(gone))
+        elif not gone and st.state is State.OVERRIDDEN:
+            set_state(st, State.APPLIED, st.decision.reason)
+
+
 def _reexecuted(change: Change) -> bool:
     """True when ``change``'s module was executed again since (``importlib.reload``): it reaches a different owner
     now, or (a module-level target) holds a new function of its own code there."""
     module = sys.modules.get(change.target.module)
     if module is None or _executing(module):
         return False
-    owner = _owner(change.target, module)
+    owner = surgery.owner_of(change.target, module)
     if owner is _MISSING or owner is not change.owner:
         return owner is not _MISSING
     if change.target.owner_path:

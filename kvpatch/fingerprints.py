@@ -8,10 +8,10 @@ path, size and mtime: a verified environment reads no source at import.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,12 +22,35 @@ from .locate import stamp
 if TYPE_CHECKING:
     from .record import Patch
 
-__all__ = ["SHIPPED", "cached", "save", "shipped", "validated"]
+__all__ = ["SHIPPED", "cached", "fingerprint", "fingerprint_source", "save", "shipped", "validated"]
 
 SHIPPED = Path(__file__).resolve().parent / "data" / "fingerprints.json"
 _shipped: dict[str, dict[str, frozenset[str]]] | None = None
 #: Computed in this process, not yet in the cache: file key -> {line:qualname -> fingerprint}.
 _new: dict[str, dict[str, str]] = {}
+
+
+def fingerprint(obj: Any) -> str | None:
+    """A short hash of an object's source (:func:`fingerprint_source`), looking through kvpatch's replacements;
+    ``None`` when the source cannot be read. Source, not bytecode: the same on every Python. A property counts by
+    its setter, else its getter (as ``scripts/record_fingerprints.py`` finds it)."""
+    if isinstance(obj, property):
+        obj = obj.fset or obj.fget
+    func = inspect.unwrap(obj) if callable(obj) else obj
+    func = getattr(func, "__func__", func)
+    try:
+        text = inspect.getsource(func)
+    except (OSError, TypeError):
+        return None
+    return fingerprint_source(text)
+
+
+def fingerprint_source(text: str) -> str:
+    """The one normalisation of a definition's source (live objects, vendored files, the recorded data): non-blank
+    lines stripped, comment lines dropped, hashed."""
+    lines = [line.strip() for line in text.splitlines()]
+    body = "\n".join(line for line in lines if line and not line.startswith("#"))
+    return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
 def shipped() -> dict[str, dict[str, frozenset[str]]]:
@@ -49,14 +72,14 @@ def validated(patch: Patch) -> dict[str, frozenset[str]]:
     return shipped().get(patch.id, {})
 
 
-def cached(obj: Any, compute: Callable[[Any], str | None]) -> str | None:
-    """``compute(obj)`` (a source fingerprint), cached by the defining file's path, size and mtime."""
+def cached(obj: Any) -> str | None:
+    """:func:`fingerprint` of ``obj``, cached by the defining file's path, size and mtime."""
     func = inspect.unwrap(obj) if callable(obj) else obj
     func = getattr(func, "__func__", func)
     code = getattr(func, "__code__", None)
     size_mtime = stamp(getattr(code, "co_filename", None))
     if code is None or size_mtime is None:
-        return compute(obj)
+        return fingerprint(obj)
     file_key = f"{code.co_filename}|{size_mtime[0]}|{size_mtime[1]}"
     sub = f"{code.co_firstlineno}:{getattr(func, '__qualname__', '?')}"
     known = verdicts.tables()["fingerprints"].get(file_key)
@@ -64,7 +87,7 @@ def cached(obj: Any, compute: Callable[[Any], str | None]) -> str | None:
         return str(known[sub])
     if sub in _new.get(file_key, {}):
         return _new[file_key][sub]
-    value = compute(obj)
+    value = fingerprint(obj)
     if value is not None:
         _new.setdefault(file_key, {})[sub] = value
     return value

@@ -19,7 +19,15 @@ from typing import Any
 from . import config, verdicts
 from . import store as _store
 
-__all__ = ["MEASURING", "measuring", "measuring_as", "record_attempt", "remeasure", "request_verification"]
+__all__ = [
+    "MEASURING",
+    "background_start",
+    "measuring",
+    "measuring_as",
+    "record_attempt",
+    "remeasure",
+    "request_verification",
+]
 
 #: A background verification is not started again for a key tried this recently (seconds).
 RETRY_AFTER = 3600.0
@@ -106,7 +114,7 @@ def _spawn(place: _store.Place, keys: list[str], settle: str) -> str:
     """
     import subprocess
 
-    fd = _store.acquire(place, "verify.lock", wait=False, what="verdicts")
+    fd = _lock(place)
     if fd is None:
         return f"no verdict yet: a verification is running for this environment; {settle}"
     try:
@@ -136,6 +144,27 @@ def _spawn(place: _store.Place, keys: list[str], settle: str) -> str:
         return f"no verdict for this environment yet: verifying in the background ({where}); {settle}"
     finally:
         os.close(fd)  # the verifier holds the lock through its own copy of the descriptor
+
+
+def _lock(place: _store.Place) -> int | None:
+    """Take the environment's verification lock without waiting: its descriptor, ``None`` when another holds it."""
+    return _store.acquire(place, "verify.lock", wait=False, what="verdicts")
+
+
+def background_start(lock_fd: int | None, keys: list[str]) -> bool:
+    """The background verifier's start: lower priority, hold the verification lock (inherited as ``lock_fd`` from
+    :func:`_spawn`, else taken now), note the keys tried. False: another verification holds the lock."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(10)
+    place = verdicts.write_place() if lock_fd is None else None
+    if place is not None:  # started by hand
+        try:
+            if _lock(place) is None:  # held until this process exits
+                return False
+        except OSError:
+            pass  # no lock to be had: verify anyway, the verdicts' own lock keeps the file whole
+    record_attempt(keys)
+    return True
 
 
 def record_attempt(keys: list[str]) -> None:

@@ -10,8 +10,8 @@ a missing, refused or mismatching file means settling again (``status --fresh`` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
-import importlib
 import json
 import os
 import sys
@@ -105,7 +105,7 @@ def settle(engine: Engine, *, fresh: bool = False) -> Settled:
 
     Uses the cached outcome for this environment unless ``fresh`` or the environment changed.
     """
-    from .engine import State
+    from .engine import State, import_target_modules
 
     key = environment_key(engine)
     if not fresh and not engine.changes():
@@ -116,14 +116,8 @@ def settle(engine: Engine, *, fresh: bool = False) -> Settled:
         for st in list(engine.status.values()):
             if st.state is not State.PENDING:
                 continue
-            for module in st.record.modules:
-                try:
-                    importlib.import_module(module)
-                except Exception as exc:
-                    # A module that fails to import takes its patch's targets with it: the hooks never ran.
-                    # Only optional targets may live in modules that fail (e.g. Metal-only upstream modules).
-                    if not all(t.optional for t in st.record.targets if t.module == module):
-                        engine.import_failed(st.patch.id, module, exc)
+            # a module that fails to import takes its patch's targets with it: the hooks never ran
+            import_target_modules(st.record, functools.partial(engine.import_failed, st.patch.id))
         engine.refresh()
     outcomes = {
         pid: {"state": st.state.value, "reason": st.reason, "error": st.error, "notes": list(st.notes)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import operator
 import sys
@@ -20,20 +21,23 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .record import DISTRIBUTIONS, Patch, Target, borrowed
+from .record import DISTRIBUTIONS, Kind, Patch, Target, borrowed
 
 __all__ = [
     "MARK",
     "MISSING",
     "Change",
+    "TargetMissing",
     "carries",
     "chain",
-    "commit",
     "describe",
     "foreign",
+    "foreign_targets",
+    "install",
     "liveness",
     "mark",
     "mark_of",
+    "owner_of",
     "prepare",
     "rebind_aliases",
     "restore",
@@ -151,6 +155,30 @@ def foreign(obj: Any, package: str) -> str | None:
     return f"{kind.__module__}.{kind.__qualname__}{wraps}"
 
 
+def owner_of(target: Target, module: types.ModuleType) -> Any:
+    """The object holding ``target``'s attribute in ``module`` now, or ``MISSING``."""
+    owner: Any = module
+    for part in target.owner_path:
+        owner = getattr(owner, part, MISSING)
+        if owner is MISSING:
+            break
+    return owner
+
+
+def foreign_targets(patch: Patch) -> list[str]:
+    """``"<target>: <qualified name>"`` for each imported replaced target of ``patch`` whose live object is not
+    upstream's own (:func:`foreign`); kvpatch's own replacements count: take them out first."""
+    found = []
+    for target in patch.targets:
+        module = sys.modules.get(target.module)
+        owner = owner_of(target, module) if module is not None and target.kind is Kind.REPLACE else MISSING
+        live = inspect.getattr_static(owner, target.attribute, MISSING) if owner is not MISSING else MISSING
+        who = foreign(live, patch.import_name) if live is not MISSING else None
+        if who is not None:
+            found.append(f"{target.path}: {who}")
+    return found
+
+
 def build(patch: Patch, owner: Any, original: Any, builder: Callable[[Any], Any]) -> Any:
     """``builder(original)``, or ``original`` itself where the patch declines (its builder returns it, or
     ``owner`` is another distribution's class and the patch fixes its own only: ``Patch.own_classes_only``)."""
@@ -194,22 +222,65 @@ def mark(patch: Patch, target: Target, owner: Any, original: Any, function: Any)
     return function
 
 
-def commit(
-    patch_id: str,
+class TargetMissing(LookupError):
+    """A target attribute is not where the patch expects it."""
+
+
+def install(
+    patch: Patch,
     target: Target,
     owner: Any,
-    name: str,
     *,
-    had_own: bool,
-    raw: Any,
-    original: Any,
-    function: Any,
-    wrapper: type | None = None,
-) -> Change:
-    """Set a replacement from :func:`prepare` on ``owner`` (in ``wrapper``: the original's classmethod or
-    staticmethod) and return how to put it back: the one install step, for upstream and vendored copies alike."""
-    setattr(owner, name, wrapper(function) if wrapper is not None else function)
-    return Change(patch_id, target, owner, name, had_own, raw, original, function)
+    at: Target | None = None,
+    make: Callable[[Any], Any] | None = None,
+    check: Callable[[Any], None] | None = None,
+    lock: contextlib.AbstractContextManager[Any] | None = None,
+    record: Callable[[Change], None] | None = None,
+) -> Change | None:
+    """Install ``target``'s replacement on ``owner``: the one install step, for upstream and vendored copies alike.
+
+    ``None`` when the attribute already carries the patch or the builder declines (``make(original)``, by
+    default :func:`build` with the patch's builder, returns the original). :class:`TargetMissing` for a missing
+    target that is not optional, and for an added one that exists. ``check(original)`` may raise to keep the code
+    as it is; ``at`` is the target the change is recorded as (a copy's own path). The attribute is read again
+    under ``lock`` before it is set (``record(change)`` runs there too): when it changed meanwhile, it is built
+    again."""
+    at = at or target
+    name = target.attribute
+    for _attempt in range(3):
+        raw = vars(owner).get(name, MISSING)
+        present = inspect.getattr_static(owner, name, MISSING)
+        if present is not MISSING and carries(present, patch.id):
+            return None
+        wrapper = type(present) if isinstance(present, (classmethod, staticmethod)) else None
+        if target.kind is Kind.ADD:
+            if present is not MISSING:
+                raise TargetMissing(
+                    f"{at.path} already exists upstream: either upstream fixed it (retire this patch) "
+                    "or it moved (retarget it)"
+                )
+            original = None
+        elif present is MISSING:
+            if target.optional:
+                return None
+            raise TargetMissing(f"{at.path} not found (moved or removed upstream?)")
+        else:
+            original = present.__func__ if wrapper else getattr(owner, name)
+            if check is not None:
+                check(original)
+        built = make(original) if make is not None else build(patch, owner, original, patch.builders[target])
+        if built is original:
+            return None
+        function = mark(patch, at, owner, original, built)
+        with lock if lock is not None else contextlib.nullcontext():
+            if vars(owner).get(name, MISSING) is not raw:
+                continue  # someone changed the attribute while it was built: look again
+            setattr(owner, name, wrapper(function) if wrapper is not None else function)
+            change = Change(patch.id, at, owner, name, raw is not MISSING, raw, original, function)
+            if record is not None:
+                record(change)
+        return change
+    raise RuntimeError(f"{at.path} kept changing while kvpatch installed {patch.id}")
 
 
 def _walk(obj: Any) -> Iterator[tuple[Any, Any]]:

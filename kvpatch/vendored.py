@@ -23,10 +23,12 @@ from . import config, store, surgery
 from ._site import hooks
 from ._warn import emit
 from .detect import Upstream
-from .engine import _FROM_ACTION, PatchStatus, State, TargetMissing, fingerprint, fingerprint_source, set_state
+from .engine import FROM_ACTION, PatchStatus, State, refresh_status, set_state
+from .fingerprints import fingerprint, fingerprint_source
 from .gate import Action, Decision, decide
 from .locate import module_file
 from .record import DISTRIBUTIONS, Expiry, Kind, Patch, Target
+from .surgery import TargetMissing
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -85,8 +87,8 @@ _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registra
 # -- finding copies: source text only ----------------------------------------------------------------------
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
     """``{qualname: (fingerprint, longest line, lines)}`` of the functions named in ``names`` at module level or in
-    classes of ``source``: the block ``inspect.getsource`` gives, so :func:`kvpatch.engine.fingerprint` agrees. Found
-    by indentation, not parsed: a tenth of ``ast.parse``'s time (an odd block misses a copy, never invents one)."""
+    classes of ``source``: the block ``inspect.getsource`` gives, so :func:`~kvpatch.fingerprints.fingerprint` agrees.
+    Found by indentation, not parsed: a tenth of ``ast.parse``'s time; an odd block misses a copy, never invents one."""
     if not names:
         return {}
     alternatives = "|".join(sorted(map(re.escape, names)))
@@ -305,7 +307,7 @@ def _register(engine: Engine, reg: _Registered, patches: Iterable[str] | None) -
         if patch.distribution != dist or reg.of not in patch.modules or (wanted is not None and patch.id not in wanted):
             continue
         decision = decide(patch, Upstream(dist, reg.version), engine.config)
-        state, reason = _FROM_ACTION[decision.action], f"copy of {dist} {reg.version}'s {reg.of}: {decision.reason}"
+        state, reason = FROM_ACTION[decision.action], f"copy of {dist} {reg.version}'s {reg.of}: {decision.reason}"
         mine = engine.status[patch.id]
         if decision.action is Action.VERIFY and reg.scanned and mine.verified and mine.installed:
             state, reason = State.PENDING, f"{reason}; the installed release's verdict: {mine.verified}"
@@ -360,8 +362,8 @@ def _patch(reg: _Registered) -> None:
 
 
 def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | None) -> surgery.Change | None:
-    """``target``'s fix on the copy's object of the same qualified name, through kvpatch's one install step
-    (:mod:`kvpatch.surgery`); ``None``: nothing to change. ``known``: the fingerprints the copy's code must have."""
+    """``target``'s fix on the copy's object of the same qualified name (:func:`kvpatch.surgery.install`) when the
+    copy's code is its own and, with ``known``, has one of those fingerprints; ``None``: nothing to change."""
     owner: Any = sys.modules[module]
     for part in target.owner_path:
         owner = vars(owner).get(part) if isinstance(owner, types.ModuleType) else getattr(owner, part, None)
@@ -369,36 +371,17 @@ def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | 
             if target.optional:
                 return None
             raise TargetMissing(f"{module}.{target.qualname}: the copy has no {part}")
-    name = target.attribute
-    static = inspect.getattr_static(owner, name, surgery.MISSING)
-    wrapper, original = None, None
-    if static is not surgery.MISSING and surgery.carries(static, patch.id):
-        return None
-    if target.kind is Kind.ADD:
-        if static is not surgery.MISSING:
-            raise _Kept(State.NOT_NEEDED, f"the copy has {target.qualname} already")
-    elif static is surgery.MISSING:
-        if target.optional:
-            return None
-        raise TargetMissing(f"{module}.{target.qualname} not found")
-    else:
-        wrapper = type(static) if isinstance(static, (classmethod, staticmethod)) else None
-        original = static.__func__ if wrapper else getattr(owner, name)
+
+    def check(original: Any) -> None:
         # a plain value (a class attribute a patch serves through a property) has no code to compare
         probe: Any = (original.fset or original.fget) if isinstance(original, property) else original
         if callable(probe) and surgery.foreign(inspect.unwrap(probe), module):
             raise _Kept(State.DRIFTED, f"{module}.{target.qualname} is not the copy's own code (replaced after import)")
         if known and fingerprint(original) not in (*known, None):  # None: a builtin, or a plain value
             raise _Kept(State.DRIFTED, f"{module}.{target.qualname} is not code the patch was decided on")
+
     where = Target(module, target.qualname, target.kind, target.optional)
-    function = surgery.prepare(patch, where, owner, original, patch.builders[target])
-    if function is original:
-        return None
-    own = vars(owner)
-    return surgery.commit(
-        patch.id, where, owner, name, had_own=name in own, raw=own.get(name, surgery.MISSING), original=original,
-        function=function, wrapper=wrapper,
-    )  # fmt: skip
+    return surgery.install(patch, target, owner, at=where, check=check)
 
 
 def _restore(reg: _Registered) -> None:
@@ -433,13 +416,7 @@ def copy_records() -> list[PatchStatus]:
         regs = list(_registered.values())
     for reg in regs:
         for pid, st in reg.statuses.items():
-            changes = reg.changes.get(pid, [])
-            if st.state in (State.APPLIED, State.OVERRIDDEN) and changes:
-                gone = [d for s, d in map(surgery.liveness, changes) if s in ("overridden", "removed")]
-                if gone:
-                    set_state(st, State.OVERRIDDEN, "; ".join(gone))
-                elif st.state is State.OVERRIDDEN:
-                    set_state(st, State.APPLIED, st.decision.reason)
+            refresh_status(st, reg.changes.get(pid, []), _lock)
             out.append(st)
     return out
 

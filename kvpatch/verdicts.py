@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import inspect
 import json
 import sys
 import time
@@ -41,7 +40,6 @@ __all__ = [
     "Outcome",
     "Verdict",
     "digest",
-    "foreign_targets",
     "judge",
     "key",
     "lookup",
@@ -98,8 +96,8 @@ class Verdict:
 
 def judge(before: Finding, after: Finding | None, foreign: Sequence[str] = ()) -> tuple[Outcome, str]:
     """The outcome and its detail of a run without the patch (``before``) and with it (``after``; ``None``: not
-    tried). ``foreign``: targets holding another library's code (:func:`foreign_targets`) during the run without:
-    an absent bug is then that library's fix, not upstream's."""
+    tried). ``foreign``: targets holding another library's code (:func:`kvpatch.surgery.foreign_targets`) during
+    the run without: an absent bug is then that library's fix, not upstream's."""
     if before.bug is Bug.SKIPPED:
         return Outcome.SKIPPED, before.skipped or ""
     if before.bug is Bug.INCONCLUSIVE:
@@ -123,29 +121,6 @@ def verdict_of(before: Finding, after: Finding | None, *, by: str = "") -> Verdi
     if outcome is Outcome.UNPATCHED:
         outcome, detail = Outcome.INCONCLUSIVE, "bug present; the patch could not be tried"
     return Verdict(outcome, detail, time.time(), by)
-
-
-def foreign_targets(patch: Patch) -> list[str]:
-    """``"<target>: <qualified name>"`` for each imported replaced target of ``patch`` whose live object is not
-    upstream's own (:func:`kvpatch.surgery.foreign`); kvpatch's own replacements count: take them out first."""
-    from . import surgery
-    from .record import Kind
-
-    found = []
-    for target in patch.targets:
-        if target.kind is not Kind.REPLACE:
-            continue
-        owner: Any = sys.modules.get(target.module)
-        for part in target.owner_path:
-            owner = getattr(owner, part, None)
-        try:
-            live = inspect.getattr_static(owner, target.attribute) if owner is not None else None
-        except AttributeError:
-            continue
-        who = surgery.foreign(live, patch.import_name) if live is not None else None
-        if who is not None:
-            found.append(f"{target.path}: {who}")
-    return found
 
 
 # ------------------------------------------------------------------------------------------------

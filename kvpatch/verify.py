@@ -14,13 +14,12 @@ running ``kvpatch verify`` fails.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 from typing import Any
 
-from . import config, fingerprints, measurer, store, verdicts
+from . import config, fingerprints, measurer, verdicts
 
 __all__ = ["add_arguments", "run"]
 
@@ -39,27 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--for", dest="for_keys", default="", help=argparse.SUPPRESS)
 
 
-def _background_start(args: argparse.Namespace) -> bool:
-    """Lower priority, hold the environment's verification lock, note the keys tried. False: another runs."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.nice(10)
-    if args.lock_fd is None:  # started by hand: take the lock ourselves
-        place = verdicts.write_place()
-        if place is not None:
-            try:
-                fd = store.acquire(place, "verify.lock", wait=False, what="verdicts")
-            except OSError:
-                fd = -1  # no lock to be had: verify anyway, the verdicts' own lock keeps the file whole
-            if fd is None:
-                return False
-            args.lock_fd = fd  # held until this process exits
-    measurer.record_attempt([k for k in args.for_keys.split(",") if k])
-    return True
-
-
 def run(args: argparse.Namespace) -> int:
     background = bool(args.background)
-    if background and not _background_start(args):
+    if background and not measurer.background_start(args.lock_fd, [k for k in args.for_keys.split(",") if k]):
         print("kvpatch verify: another verification holds this environment's lock; nothing to do")
         return 0
     os.environ[config.VERIFYING] = "1"  # nothing started from here starts a verification of its own

@@ -6,7 +6,7 @@ Writes ``kvpatch/data/fingerprints.json`` (schema ``kvpatch.fingerprints/1``)::
     {"schema": ..., "patches": {"<patch id>": {"<target path>": {"<fingerprint>": ["0.28.0", ..., "git:1a2b3c4d"]}}}}
 
 The engine reads it once (``kvpatch.fingerprints.validated``) and compares each replaced target's
-fingerprint (``kvpatch.engine.fingerprint``: the target's source, blank lines, comments and indentation
+fingerprint (``kvpatch.fingerprints.fingerprint``: the target's source, blank lines, comments and indentation
 normalised) with the recorded ones: a target whose code is none of them has *drifted* (an editable
 install, a vendor's patched wheel, a file rewritten in place) and the patch goes to its verdict
 instead of being applied blindly.
@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 
 from matrix import BUCKETS  # noqa: E402
 
-from kvpatch.engine import fingerprint_source  # noqa: E402
+from kvpatch.fingerprints import fingerprint_source  # noqa: E402
 from kvpatch.maint import envs  # noqa: E402
 from kvpatch.maint.envs import Bucket  # noqa: E402
 from kvpatch.record import DISTRIBUTIONS, Kind, Patch  # noqa: E402
@@ -162,7 +162,7 @@ def bucket_for(distribution: str, release: str) -> Bucket:
 
 _CHILD = r"""
 import importlib, inspect, json, sys
-from kvpatch.engine import fingerprint
+from kvpatch.fingerprints import fingerprint
 targets = json.loads(sys.argv[1])
 out = {}
 for path, module, qualname in targets:

@@ -113,7 +113,7 @@ def render() -> str:
 def target_fingerprints() -> dict[str, dict[str, Any]]:
     """Fingerprint every REPLACE target of every patch in the installed upstream (imports it)."""
     from .. import get_engine
-    from ..engine import fingerprint
+    from ..fingerprints import fingerprint
     from ..surgery import MISSING
 
     engine = get_engine()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from support import child_env, fake_mlx_core
 
-from kvpatch import config, fingerprints, locate, measurer, store, verdicts
+from kvpatch import config, fingerprints, locate, measurer, store, surgery, verdicts
 from kvpatch.detect import Source, Upstream
 from kvpatch.record import Expiry, Finding, Patch
 
@@ -178,7 +178,7 @@ def test_foreign_targets_name_what_sits_on_a_target(monkeypatch):
     p = _patch()
     p.replace("mlx_lm.models.fake", "C.f")(lambda o: o)
     p.replace("mlx_lm.models.fake", "C.g")(lambda o: o)
-    assert verdicts.foreign_targets(p) == ["mlx_lm.models.fake.C.g: some_server.patches.server_f"]
+    assert surgery.foreign_targets(p) == ["mlx_lm.models.fake.C.g: some_server.patches.server_f"]
 
 
 # -- the engine, in a child process with a fake upstream -------------------------------------------------
@@ -292,7 +292,7 @@ def test_drifted_target_goes_to_its_verdict(fake_site, tmp_path):
     assert out["drift"] and out["state"] == "pending verification" and out["f"] == "buggy", out
     assert out["reproductions"] == []
     # with its true fingerprint recorded it applies, reading no verdict
-    from kvpatch.engine import fingerprint
+    from kvpatch.fingerprints import fingerprint
 
     namespace: dict = {}
     exec(compile(FAKE_CACHE, str(fake_site / "mlx_lm" / "models" / "cache.py"), "exec"), namespace)

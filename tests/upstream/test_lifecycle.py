@@ -239,7 +239,8 @@ import contextlib, copy, dataclasses
 from kvpatch import fingerprints, measurer, registry
 from kvpatch.config import Config
 from kvpatch.detect import Source, Upstream, detect
-from kvpatch.engine import Engine, REPRODUCTIONS_RUN, fingerprint
+from kvpatch.engine import Engine, REPRODUCTIONS_RUN
+from kvpatch.fingerprints import fingerprint
 from kvpatch.gate import Action, decide
 # As from a package index, whatever the install source: an archive or editable install leaves every in-range patch
 # to its reproduction, fingerprints or not, and this test is about what a fingerprint that does not match changes.

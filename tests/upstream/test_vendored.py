@@ -1,5 +1,5 @@
 """kvpatch.vendored against the installed upstream (every bucket): fingerprints read from source files
-agree with ``kvpatch.engine.fingerprint``, and a vendored copy of upstream's cache module (made here, in a
+agree with ``kvpatch.fingerprints.fingerprint``, and a vendored copy of upstream's cache module (made here, in a
 temporary directory, from the installed wheel's file; never committed) is found by the scan and patched
 with ``KVPATCH_VENDORED``. Rapid-MLX's real copy is tested in tests/coexist."""
 
@@ -15,7 +15,7 @@ CHILD_FINGERPRINTS = """
 import importlib, json, sys
 import kvpatch
 from kvpatch import vendored
-from kvpatch.engine import fingerprint
+from kvpatch.fingerprints import fingerprint
 from kvpatch.locate import module_file
 from kvpatch.record import Kind
 out = {}
