@@ -17,7 +17,7 @@ from .engine import import_target_modules, run_reproduction
 from .gate import Decision, decide
 
 # The reproductions' own helpers (they run at run time), re-exported for the tests.
-from .patches._reproduce import matmul_precision, tiny_pixtral_language_model, tolerance  # noqa: F401
+from .patches._reproduce import matmul_precision, tiny_llama, tiny_pixtral_language_model, tolerance  # noqa: F401
 from .record import Finding, Patch
 from .registry import Stub
 
@@ -219,30 +219,6 @@ def require_applies(patch: Patch) -> Decision:
         if st.state in (State.UNVERIFIED, State.INCONCLUSIVE, State.NOT_NEEDED):
             pytest.skip(f"{patch.id}: the reproduction decides here, and this environment's verdict: {st.reason}")
     return decision
-
-
-def tiny_llama(*, seed: int = 0, heads: int = 4, kv_heads: int = 2, vocab: int = 64, dtype: object = None) -> object:
-    """A random-weight mlx-lm llama (hidden 64, 2 layers): the test model. No downloads."""
-    import mlx.core as mx
-    from mlx_lm.models import llama
-
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        rms_norm_eps=1e-5,
-        vocab_size=vocab,
-        rope_theta=10000.0,
-    )
-    model = llama.Model(args)
-    if dtype is not None:
-        model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
 
 
 def skip_unless_in_place(patch_id: str, why: str) -> None:

@@ -1,4 +1,5 @@
-"""What reproductions share beyond the fixes: the tolerance of a comparison and the mlx-vlm test model.
+"""What reproductions share beyond the fixes: the tolerance of a comparison, the test models, the finding for
+an upstream that lacks what a reproduction exercises, and left-padded attention.
 
 Reproductions run at run time (``kvpatch verify``, ``status --verify``, a background verification), so
 what they need lives here, among the units, and never in kvpatch's test helpers (``kvpatch.testing``
@@ -6,6 +7,10 @@ re-exports it for the tests).
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+from kvpatch.record import Finding, upstream_missing
 
 _UNIT_ROUNDOFF = {"float32": 2.0**-24, "tf32": 2.0**-11, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
@@ -70,3 +75,52 @@ def tiny_pixtral_language_model(*, head_dim: int, heads: int = 4, kv_heads: int 
         model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
+
+
+def tiny_llama(
+    *, seed: int = 0, heads: int = 4, kv_heads: int = 2, vocab: int = 64, dtype: object = None, doubled: bool = False
+) -> Any:
+    """A random-weight mlx-lm llama (hidden 64, 2 layers): the mlx-lm test model. No downloads.
+
+    ``doubled`` doubles every weight: the default init is so flat that greedy decoding repeats one token whatever
+    the context, which generation reproductions cannot tell apart from a correct run.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.models import llama
+
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        rope_theta=10000.0,
+    )
+    model = llama.Model(args)
+    if doubled:
+        model.update(tree_map(lambda p: p * 2, model.parameters()))
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def absent(exc: ImportError, what: str) -> Finding:
+    """The finding where the running upstream lacks what a reproduction exercises (``what``: "this mlx-vlm has
+    no X"); an ImportError from anything else is raised."""
+    if not upstream_missing(exc):
+        raise exc
+    return Finding(False, f"{what}: nothing to fix")
+
+
+def left_padded_attention(queries: Any, keys: Any, values: Any, left_padding: Any, scale: float) -> Any:
+    """Attention with each row's first ``left_padding`` key slots masked: how a batch decode step attends."""
+    import mlx.core as mx
+
+    mask = mx.arange(keys.shape[-2])[None, None, None, :] >= left_padding[:, None, None, None]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

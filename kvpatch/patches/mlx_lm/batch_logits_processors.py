@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _reproduce
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -52,26 +53,6 @@ def _build(original: Any) -> Any:
             self.logits_processors = [[] if p is None else p for p in processors]
 
     return extend
-
-
-def _tiny_llama() -> Any:
-    import mlx.core as mx
-    from mlx_lm.models import llama
-
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rms_norm_eps=1e-5,
-        vocab_size=128,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 def _ban_last(tokens: Any, logits: Any) -> Any:
@@ -125,7 +106,7 @@ _NONE = "'NoneType' object is not iterable"  # the bug's own error: the joining 
 @PATCH.reproduce
 def reproduce() -> Finding:
     """A request without processors joins one with processors mid-prefill: batched tokens == each alone."""
-    model = _tiny_llama()
+    model = _reproduce.tiny_llama(heads=2, kv_heads=1, vocab=128)
     with_processor = (list(range(10, 19)), True)
     without_processor = (list(range(30, 35)), False)
     reference = [run_late_join(model, r, None)[0] for r in (with_processor, without_processor)]

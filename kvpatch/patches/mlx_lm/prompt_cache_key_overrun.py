@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _reproduce
 from kvpatch.patches._prompt_cache import prompt_cache_class
 from kvpatch.record import Expiry, Finding, Patch
 
@@ -86,41 +87,20 @@ def _build_server_module(original: Any) -> Any:
     return _build_insert(original)
 
 
-def _tiny(vocab: int, noise: float = 0.0) -> Any:
-    import mlx.core as mx
-    from mlx.utils import tree_map
-    from mlx_lm.models import llama
-
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rms_norm_eps=1e-5,
-        vocab_size=vocab,
-    )
-    model = llama.Model(args)
-    model.update(tree_map(lambda p: p * 2, model.parameters()))
-    if noise:
-        mx.random.seed(1)
-        model.update(tree_map(lambda p: p + noise * mx.abs(p).mean() * mx.random.normal(p.shape), model.parameters()))
-    mx.eval(model.parameters())
-    return model
-
-
 @PATCH.reproduce
 def reproduce() -> Finding:
     """Do what the server does for a request with a draft model (speculative generation on main + draft
     caches, key = prompt + generated tokens, insert), then look the entry up for the key plus one token:
     the cache and the remainder must cover that prompt exactly."""
     import mlx.core as mx
+    from mlx.utils import tree_map
     from mlx_lm.generate import speculative_generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    main, draft = _tiny(128), _tiny(128, noise=0.05)
+    main, draft = (_reproduce.tiny_llama(heads=2, kv_heads=1, vocab=128, doubled=True) for _ in range(2))
+    mx.random.seed(1)  # the draft: the main model plus noise
+    draft.update(tree_map(lambda p: p + 0.05 * mx.abs(p).mean() * mx.random.normal(p.shape), draft.parameters()))
+    mx.eval(draft.parameters())
     prompt = [5, 9, 2, 33, 17, 21, 8]
     cache = make_prompt_cache(main) + make_prompt_cache(draft)
     key = prompt[:]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _reproduce
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -100,29 +101,6 @@ PATCH.replace("mlx_lm.utils", "speculative_generate_step", optional=True)(_build
 PATCH.replace("mlx_lm.generate", "speculative_generate_step", optional=True)(_build)
 
 
-def _tiny_llama(seed: int) -> Any:
-    import mlx.core as mx
-    from mlx.utils import tree_map
-    from mlx_lm.models import llama
-
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rms_norm_eps=1e-5,
-        vocab_size=128,
-    )
-    model = llama.Model(args)
-    # Doubled weights: the default init is so flat that greedy decoding repeats one token whatever the context.
-    model.update(tree_map(lambda p: p * 2, model.parameters()))
-    mx.eval(model.parameters())
-    return model
-
-
 def _speculative_step() -> Any:
     import importlib
 
@@ -142,7 +120,7 @@ def reproduce() -> Finding:
     from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
     step = _speculative_step()
-    main, draft = _tiny_llama(0), _tiny_llama(1)
+    main, draft = (_reproduce.tiny_llama(seed=s, heads=2, kv_heads=1, vocab=128, doubled=True) for s in (0, 1))
     options = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0, prefill_step_size=4, num_draft_tokens=2)
 
     def run(prompt: list[int], cache: list, n: int) -> list[int]:
