@@ -86,6 +86,16 @@ def dequantized_attention(align: Any = None) -> Any:
     return quantized_scaled_dot_product_attention
 
 
+def routed(original: Any) -> Any:
+    """The replacement of upstream's quantized attention ``original``: itself where mlx computes every layout
+    (CPU, Metal), :func:`dequantized_attention` with ``original``'s mask alignment on CUDA."""
+    import mlx.core as mx
+
+    if not on_cuda(mx):
+        return original
+    return dequantized_attention(upstream_align(original))
+
+
 def upstream_align(function: Any) -> Any:
     """The mask alignment of ``function``'s module (mlx-vlm's ``align_attention_mask_to_scores``), or None."""
     import sys

@@ -1,5 +1,5 @@
 """What reproductions share beyond the fixes: the tolerance of a comparison, the test models, the finding for
-an upstream that lacks what a reproduction exercises, and left-padded attention.
+an upstream that lacks what a reproduction exercises, left-padded attention and mlx-vlm's quantized attentions.
 
 Reproductions run at run time (``kvpatch verify``, ``status --verify``, a background verification), so
 what they need lives here, among the units, and never in kvpatch's test helpers (``kvpatch.testing``
@@ -124,3 +124,21 @@ def left_padded_attention(queries: Any, keys: Any, values: Any, left_padding: An
 
     mask = mx.arange(keys.shape[-2])[None, None, None, :] >= left_padding[:, None, None, None]
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def vlm_quantized_attentions() -> list[tuple[str, Any]]:
+    """mlx-vlm's own modules with a quantized attention (``quantized_scaled_dot_product_attention``): (name,
+    module) for each."""
+    import importlib
+
+    found = []
+    for name in ("mlx_vlm.models.base", "mlx_vlm.models.text_models.base"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            if not upstream_missing(exc):
+                raise
+            continue
+        if hasattr(module, "quantized_scaled_dot_product_attention"):
+            found.append((name, module))
+    return found

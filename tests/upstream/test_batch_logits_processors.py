@@ -7,8 +7,8 @@ import importlib
 import pytest
 
 from kvpatch.gate import Action
-from kvpatch.patches.mlx_lm.batch_logits_processors import PATCH, _ban_last, _tiny_llama, run_late_join
-from kvpatch.testing import import_targets, natural_decision, without
+from kvpatch.patches.mlx_lm.batch_logits_processors import PATCH, _ban_last, run_late_join
+from kvpatch.testing import import_targets, natural_decision, tiny_llama, without
 
 pytest.importorskip("mlx.core")
 
@@ -22,7 +22,7 @@ def model():
     if decision.action is not Action.APPLY:
         pytest.skip(decision.reason)
     import_targets(PATCH)
-    return _tiny_llama()
+    return tiny_llama(heads=2, kv_heads=1, vocab=128)
 
 
 @pytest.mark.parametrize("order", ["processor-first", "processor-joins"])

@@ -12,8 +12,8 @@ import importlib
 
 import pytest
 
-from kvpatch.patches.mlx_lm.speculative_stale_cache import PATCH, _LinkedCacheList, _tiny_llama
-from kvpatch.testing import require_applies, without
+from kvpatch.patches.mlx_lm.speculative_stale_cache import PATCH, _LinkedCacheList
+from kvpatch.testing import require_applies, tiny_llama, without
 
 mx = pytest.importorskip("mlx.core")
 
@@ -65,7 +65,7 @@ def chat(applied, monkeypatch):
     if not mx.metal.is_available():
         # Before 0.28 wired_limit queries Metal unconditionally (RuntimeError on CPU). It only tunes wired memory.
         monkeypatch.setattr(module, "wired_limit", lambda *a, **k: contextlib.nullcontext())
-    main, draft = _tiny_llama(0), _tiny_llama(1)
+    main, draft = (tiny_llama(seed=s, heads=2, kv_heads=1, vocab=128, doubled=True) for s in (0, 1))
     tokenizer = TokenizerWrapper(_Tokenizer())
     options = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0, prefill_step_size=4, num_draft_tokens=2)
 
@@ -116,7 +116,7 @@ def test_without_kv_bits_tokens_are_unchanged(applied):
     from mlx_lm.models.cache import make_prompt_cache
 
     step = _generate_module().speculative_generate_step
-    main, draft = _tiny_llama(0), _tiny_llama(1)
+    main, draft = (tiny_llama(seed=s, heads=2, kv_heads=1, vocab=128, doubled=True) for s in (0, 1))
     prompt = mx.array(list(range(3, 12)))
 
     def tokens():

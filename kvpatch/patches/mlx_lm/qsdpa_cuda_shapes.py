@@ -61,11 +61,7 @@ PATCH = Patch(
 
 @PATCH.replace("mlx_lm.models.base", "quantized_scaled_dot_product_attention")
 def _build(original: Any) -> Any:
-    import mlx.core as mx
-
-    if not _cuda.on_cuda(mx):
-        return original  # CPU and Metal compute every layout: nothing to route
-    return _cuda.dequantized_attention(_cuda.upstream_align(original))
+    return _cuda.routed(original)
 
 
 @PATCH.reproduce

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import datetime as _dt
 
-from kvpatch.patches import _arrays
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.patches import _arrays, _reproduce
+from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     id="vlm-arrays-mask-lengths",
@@ -61,9 +61,7 @@ def reproduce() -> Finding:
     try:
         import mlx_vlm.models.cache  # noqa: F401
     except ImportError as exc:
-        if not upstream_missing(exc):
-            raise
-        return Finding(False, "this mlx-vlm has no mlx_vlm.models.cache: nothing to fix")
+        return _reproduce.absent(exc, "this mlx-vlm has no mlx_vlm.models.cache")
     cls = _arrays.vlm_own_arrays_cache()
     if cls is None:
         return Finding(False, "this mlx-vlm has no ArraysCache of its own (mlx-lm's class: arrays-mask-lengths)")

@@ -25,8 +25,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _rows
-from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
+from kvpatch.patches import _reproduce, _rows
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="batch-quantized-extend",
@@ -69,9 +69,7 @@ def reproduce() -> Finding:
     try:
         from mlx_vlm.models.cache import BatchQuantizedKVCache
     except ImportError as exc:
-        if not upstream_missing(exc):
-            raise
-        return Finding(False, "this mlx-vlm has no BatchQuantizedKVCache: nothing to fix")
+        return _reproduce.absent(exc, "this mlx-vlm has no BatchQuantizedKVCache")
 
     mx.random.seed(0)
     H, D, T, group_size, bits = 2, 32, 5, 32, 4

@@ -34,7 +34,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
+from kvpatch.patches import _reproduce
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="batch-quantized-prepare",
@@ -116,9 +117,7 @@ def reproduce() -> Finding:
     try:
         from mlx_vlm.models.cache import BatchQuantizedKVCache
     except ImportError as exc:
-        if not upstream_missing(exc):
-            raise
-        return Finding(False, "this mlx-vlm has no BatchQuantizedKVCache: nothing to fix")
+        return _reproduce.absent(exc, "this mlx-vlm has no BatchQuantizedKVCache")
 
     mx.random.seed(0)
     heads, dim, group_size, bits, width = 2, 32, 32, 8, 4

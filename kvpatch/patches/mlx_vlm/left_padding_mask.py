@@ -26,7 +26,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
+from kvpatch.patches import _reproduce
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="left-padding-mask",
@@ -67,9 +68,7 @@ def reproduce() -> Finding:
         from mlx_vlm.models.cache import BatchQuantizedKVCache
         from mlx_vlm.turboquant import BatchTurboQuantKVCache
     except ImportError as exc:
-        if not upstream_missing(exc):
-            raise
-        return Finding(False, "this mlx-vlm has no BatchQuantizedKVCache / BatchTurboQuantKVCache: nothing to fix")
+        return _reproduce.absent(exc, "this mlx-vlm has no BatchQuantizedKVCache / BatchTurboQuantKVCache")
 
     mx.random.seed(0)
     H, D, T = 2, 32, 4

@@ -27,7 +27,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.patches import _reproduce
+from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     id="pooling-mask-offset",
@@ -85,9 +86,7 @@ def reproduce() -> Finding:
     try:
         from mlx_vlm.models.cache import BatchPoolingCache
     except ImportError as exc:
-        if not upstream_missing(exc):
-            raise
-        return Finding(False, "this mlx-vlm has no BatchPoolingCache: nothing to fix")
+        return _reproduce.absent(exc, "this mlx-vlm has no BatchPoolingCache")
     as_int, as_array, rule = chunked_masks(BatchPoolingCache)
     got = as_int.reshape(len(rule), -1).tolist()
     counts = [sum(row) for row in got]

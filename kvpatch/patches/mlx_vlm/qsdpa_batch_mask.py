@@ -46,8 +46,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _qsdpa
-from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
+from kvpatch.patches import _qsdpa, _reproduce
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="vlm-qsdpa-batch-mask",
@@ -66,8 +66,6 @@ PATCH = Patch(
         review_by=_dt.date(2027, 6, 1),
     ),
 )
-
-_MODULES = ("mlx_vlm.models.base", "mlx_vlm.models.text_models.base")
 
 
 @PATCH.replace("mlx_vlm.models.base", "quantized_scaled_dot_product_attention")
@@ -117,20 +115,9 @@ def _case(module: Any, batch: int, n_kv_heads: int, additive: bool) -> str | Non
 def reproduce() -> Finding:
     """Quantized GQA attention under a per-row left-padding mask, against a float32 reference: the silent
     case (B == n_kv_heads) with a boolean and an additive mask, and B != n_kv_heads (3 rows / 1 KV head)."""
-    import importlib
-
     import mlx.core as mx
 
-    modules = []
-    for name in _MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as exc:
-            if not upstream_missing(exc):
-                raise
-            continue
-        if hasattr(module, "quantized_scaled_dot_product_attention"):
-            modules.append((name, module))
+    modules = _reproduce.vlm_quantized_attentions()
     if not modules:
         return Finding(False, "this mlx-vlm has no quantized attention of its own: nothing to fix")
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _cuda
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.patches import _cuda, _reproduce
+from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     id="vlm-qsdpa-cuda-shapes",
@@ -46,35 +46,20 @@ PATCH = Patch(
     ),
 )
 
-_MODULES = ("mlx_vlm.models.base", "mlx_vlm.models.text_models.base")
-
 
 @PATCH.replace("mlx_vlm.models.base", "quantized_scaled_dot_product_attention")
 @PATCH.replace("mlx_vlm.models.text_models.base", "quantized_scaled_dot_product_attention", optional=True)
 def _build(original: Any) -> Any:
-    import mlx.core as mx
-
-    if not _cuda.on_cuda(mx):
-        return original  # CPU and Metal compute every layout: nothing to route
-    return _cuda.dequantized_attention(_cuda.upstream_align(original))
+    return _cuda.routed(original)
 
 
 @PATCH.reproduce
 def reproduce() -> Finding:
     """mlx-vlm's quantized attention (each copy) on cache-like quantized keys/values, GQA and MHA, on CUDA."""
-    import importlib
-
-    findings = []
-    for name in _MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as exc:
-            if not upstream_missing(exc):
-                raise
-            continue
-        function = getattr(module, "quantized_scaled_dot_product_attention", None)
-        if function is not None:
-            findings.append(_cuda.check(function, name))
+    findings = [
+        _cuda.check(module.quantized_scaled_dot_product_attention, name)
+        for name, module in _reproduce.vlm_quantized_attentions()
+    ]
     if not findings:
         return Finding(False, "this mlx-vlm has no quantized attention of its own: nothing to fix")
     for bug in ("skipped", "inconclusive", "present"):

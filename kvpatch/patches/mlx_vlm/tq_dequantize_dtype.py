@@ -28,7 +28,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch, upstream_missing
+from kvpatch.patches import _reproduce
+from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     id="tq-dequantize-dtype",
@@ -96,9 +97,7 @@ def reproduce() -> Finding:
     try:
         from mlx_vlm import turboquant
     except ImportError as exc:
-        if not upstream_missing(exc):
-            raise
-        return Finding(False, "this mlx-vlm has no TurboQuant caches: nothing to fix")
+        return _reproduce.absent(exc, "this mlx-vlm has no TurboQuant caches")
 
     mx.random.seed(0)
     H, D = 2, 32

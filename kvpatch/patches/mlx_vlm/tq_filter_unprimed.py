@@ -25,7 +25,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
+from kvpatch.patches import _reproduce
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="tq-filter-unprimed",
@@ -71,9 +72,7 @@ def reproduce() -> Finding:
     try:
         from mlx_vlm.turboquant import BatchTurboQuantKVCache
     except ImportError as exc:
-        if not upstream_missing(exc):
-            raise
-        return Finding(False, "this mlx-vlm has no BatchTurboQuantKVCache: nothing to fix")
+        return _reproduce.absent(exc, "this mlx-vlm has no BatchTurboQuantKVCache")
 
     mx.random.seed(0)
     H, D, T, bits = 2, 32, 5, 4

@@ -40,7 +40,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
+from kvpatch.patches import _reproduce
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="tq-prefix-snapshot",
@@ -130,9 +131,7 @@ def reproduce() -> Finding:
     try:
         from mlx_vlm.turboquant import BatchTurboQuantKVCache, TurboQuantKVCache
     except ImportError as exc:
-        if not upstream_missing(exc):
-            raise
-        return Finding(False, "this mlx-vlm has no BatchTurboQuantKVCache: nothing to fix")
+        return _reproduce.absent(exc, "this mlx-vlm has no BatchTurboQuantKVCache")
     if not hasattr(BatchTurboQuantKVCache, "prefix_cache_reserve"):
         return Finding(False, "this mlx-vlm has no packed prefix-cache contract on TurboQuant caches: nothing to fix")
 
