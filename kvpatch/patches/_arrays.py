@@ -12,8 +12,10 @@ Not a patch unit (units live in the distribution folders). Imports mlx lazily.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
+from kvpatch.patches import _reproduce
 from kvpatch.patches._lazy import graph_edges
 from kvpatch.record import Finding, own_class
 
@@ -34,6 +36,19 @@ def vlm_own_arrays_cache() -> Any:
     import mlx_vlm.models.cache as vlm_cache
 
     return own_class(vlm_cache, "ArraysCache")
+
+
+def on_vlm_own_class(check: Callable[[Any], Finding], lm_twin: str) -> Finding:
+    """``check`` run on mlx-vlm's own ArraysCache class; where there is none (mlx-lm's class, checked by
+    ``lm_twin``, or no ``mlx_vlm.models.cache``) nothing to fix."""
+    try:
+        import mlx_vlm.models.cache  # noqa: F401
+    except ImportError as exc:
+        return _reproduce.absent(exc, "this mlx-vlm has no mlx_vlm.models.cache")
+    cls = vlm_own_arrays_cache()
+    if cls is None:
+        return Finding(False, f"this mlx-vlm has no ArraysCache of its own (mlx-lm's class: {lm_twin})")
+    return check(cls)
 
 
 def deferred_metadata(name: str) -> property:

@@ -1,13 +1,18 @@
 """Shared by batch-quantized-extend (V02) and empty-tq-rows (V03): one bug in two batch caches.
 
 When one side of ``extend`` has no keys yet, upstream keeps only the other side's packed rows while
-``offset`` / ``left_padding`` count both. :func:`fill_missing_rows` adds the empty side's rows back (as
-zeros, which its left padding masks). Not a patch unit (units live in the distribution folders).
+``offset`` / ``left_padding`` count both. :func:`filling_rows` adds the empty side's rows back (as
+zeros, which its left padding masks); :func:`check_extend` is the reproduction of both. Not a patch unit
+(units live in the distribution folders).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from kvpatch.patches import _reproduce
+from kvpatch.record import Finding, symptom
 
 
 def rows(state: Any) -> int | None:
@@ -44,6 +49,71 @@ def fill_missing_rows(cache: Any, self_was_empty: bool, n_self: int, n_other: in
         before, after = (missing, 0) if self_was_empty else (0, missing)
         cache.keys = pad_rows(cache.keys, before, after)
         cache.values = pad_rows(cache.values, before, after)
+
+
+def filling_rows(original: Any) -> Any:
+    """Upstream's ``extend`` (``original``) followed by :func:`fill_missing_rows` when exactly one side was empty."""
+
+    def extend(self: Any, other: Any) -> Any:
+        self_empty = self.keys is None
+        other_empty = other.keys is None
+        n_self = self.offset.shape[0]
+        n_other = other.offset.shape[0]
+        result = original(self, other)
+        if self_empty != other_empty and self.keys is not None:
+            fill_missing_rows(self, self_empty, n_self, n_other)
+        return result
+
+    return extend
+
+
+def check_extend(new_cache: Callable[[], Any], dequantize: Callable[[Any, Any, Any], Any]) -> Finding:
+    """Merge a prefilled and an empty batch cache (both orders), decode one token, and compare each row's
+    attention output with the same row decoded in a cache of its own.
+
+    ``new_cache()`` makes an empty one-row cache (2 heads, head dim 32); ``dequantize(cache, keys, values)``
+    turns what its ``update_and_fetch`` returns into float keys and values.
+    """
+    import mlx.core as mx
+
+    mx.random.seed(0)
+    H, D, T = 2, 32, 5
+    scale = D**-0.5
+    prompt_k, prompt_v = mx.random.normal((1, H, T, D)), mx.random.normal((1, H, T, D))
+    step_k, step_v = mx.random.normal((2, H, 1, D)), mx.random.normal((2, H, 1, D))
+    queries = mx.random.normal((2, H, 1, D))
+
+    def made(prefilled: bool) -> Any:
+        cache = new_cache()
+        if prefilled:
+            cache.update_and_fetch(prompt_k, prompt_v)
+        return cache
+
+    def attend(cache: Any, keys: Any, values: Any, q: Any) -> Any:
+        k, v = dequantize(cache, *cache.update_and_fetch(keys, values))
+        return _reproduce.left_padded_attention(q, k, v, cache.left_padding, scale)
+
+    problems = []
+    for order in ("full.extend(empty)", "empty.extend(full)"):
+        full, empty = made(True), made(False)
+        merged, other, p_full, p_empty = (full, empty, 0, 1) if order[0] == "f" else (empty, full, 1, 0)
+        try:
+            merged.extend(other)
+            out = attend(merged, step_k, step_v, queries)
+            mx.eval(out)
+        except ValueError as exc:  # the bug's own error: the empty side's rows are missing from the join
+            problems.append(f"{order}: decode raises ValueError: {symptom(exc, 'Cannot broadcast')}")
+            continue
+        # references: each row decoded alone, with the same step input and query as its batch row
+        err = 0.0
+        for prefilled, p in ((True, p_full), (False, p_empty)):
+            ref = attend(made(prefilled), step_k[p : p + 1], step_v[p : p + 1], queries[p : p + 1])
+            err = max(err, mx.abs(out[p] - ref[0]).max().item())
+        if err > 1e-4:
+            problems.append(f"{order}: merged decode differs from per-row decode by {err:.3g}")
+    if problems:
+        return Finding(True, "; ".join(problems))
+    return Finding(False, "both orders: merged decode equals per-row decode (max error <= 1e-4)")
 
 
 def zero_length_like(cache: Any, like: Any) -> None:

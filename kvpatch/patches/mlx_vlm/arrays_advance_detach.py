@@ -33,7 +33,7 @@ import datetime as _dt
 import sys
 from typing import Any
 
-from kvpatch.patches import _arrays, _reproduce
+from kvpatch.patches import _arrays
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -82,11 +82,4 @@ def _flush() -> None:
 @PATCH.reproduce
 def reproduce() -> Finding:
     """mlx-vlm's own ArraysCache advanced 200 steps with only its states evaluated (see ``_arrays``)."""
-    try:
-        import mlx_vlm.models.cache  # noqa: F401
-    except ImportError as exc:
-        return _reproduce.absent(exc, "this mlx-vlm has no mlx_vlm.models.cache")
-    cls = _arrays.vlm_own_arrays_cache()
-    if cls is None:
-        return Finding(False, "this mlx-vlm has no ArraysCache of its own (mlx-lm's class: arrays-advance-detach)")
-    return _arrays.advance_growth(cls)
+    return _arrays.on_vlm_own_class(_arrays.advance_growth, "arrays-advance-detach")

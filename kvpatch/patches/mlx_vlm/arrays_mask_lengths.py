@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import datetime as _dt
 
-from kvpatch.patches import _arrays, _reproduce
+from kvpatch.patches import _arrays
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -58,11 +58,4 @@ PATCH.replace("mlx_vlm.models.cache", "ArraysCache.make_mask")(_arrays.combined_
 @PATCH.reproduce
 def reproduce() -> Finding:
     """A left- and right-padded prefill chunk's mask on mlx-vlm's own class (see ``_arrays``)."""
-    try:
-        import mlx_vlm.models.cache  # noqa: F401
-    except ImportError as exc:
-        return _reproduce.absent(exc, "this mlx-vlm has no mlx_vlm.models.cache")
-    cls = _arrays.vlm_own_arrays_cache()
-    if cls is None:
-        return Finding(False, "this mlx-vlm has no ArraysCache of its own (mlx-lm's class: arrays-mask-lengths)")
-    return _arrays.mask_drops_lengths(cls)
+    return _arrays.on_vlm_own_class(_arrays.mask_drops_lengths, "arrays-mask-lengths")

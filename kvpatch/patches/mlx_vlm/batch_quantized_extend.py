@@ -26,7 +26,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _reproduce, _rows
-from kvpatch.record import Expiry, Finding, Patch, symptom
+from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     id="batch-quantized-extend",
@@ -47,23 +47,12 @@ PATCH = Patch(
 
 @PATCH.replace("mlx_vlm.models.cache", "BatchQuantizedKVCache.extend")
 def _build(original: Any) -> Any:
-    def extend(self: Any, other: Any) -> Any:
-        self_empty = self.keys is None
-        other_empty = other.keys is None
-        n_self = self.offset.shape[0]
-        n_other = other.offset.shape[0]
-        result = original(self, other)
-        if self_empty != other_empty and self.keys is not None:
-            _rows.fill_missing_rows(self, self_empty, n_self, n_other)
-        return result
-
-    return extend
+    return _rows.filling_rows(original)
 
 
 @PATCH.reproduce
 def reproduce() -> Finding:
-    """Merge a prefilled and an empty batch quantized cache (both orders), decode one token, and compare
-    each row's attention output with the same row decoded in a cache of its own."""
+    """Merge a prefilled and an empty batch quantized cache (both orders) and decode (``_rows.check_extend``)."""
     import mlx.core as mx
 
     try:
@@ -71,44 +60,9 @@ def reproduce() -> Finding:
     except ImportError as exc:
         return _reproduce.absent(exc, "this mlx-vlm has no BatchQuantizedKVCache")
 
-    mx.random.seed(0)
-    H, D, T, group_size, bits = 2, 32, 5, 32, 4
-    scale = D**-0.5
-    prompt_k, prompt_v = mx.random.normal((1, H, T, D)), mx.random.normal((1, H, T, D))
-    step_k, step_v = mx.random.normal((2, H, 1, D)), mx.random.normal((2, H, 1, D))
-    queries = mx.random.normal((2, H, 1, D))
+    group_size, bits = 32, 4
 
-    def new_cache(prefilled: bool) -> Any:
-        cache = BatchQuantizedKVCache([0], group_size=group_size, bits=bits)
-        if prefilled:
-            cache.update_and_fetch(prompt_k, prompt_v)
-        return cache
+    def dequantize(cache: Any, qk: Any, qv: Any) -> tuple[Any, Any]:
+        return tuple(mx.dequantize(*q, group_size=group_size, bits=bits) for q in (qk, qv))
 
-    def attend(cache: Any, keys: Any, values: Any, q: Any) -> Any:
-        qk, qv = cache.update_and_fetch(keys, values)
-        k = mx.dequantize(*qk, group_size=group_size, bits=bits)
-        v = mx.dequantize(*qv, group_size=group_size, bits=bits)
-        mask = mx.arange(k.shape[-2])[None, None, None, :] >= cache.left_padding[:, None, None, None]
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-
-    problems = []
-    for order in ("full.extend(empty)", "empty.extend(full)"):
-        full, empty = new_cache(True), new_cache(False)
-        merged, other, p_full, p_empty = (full, empty, 0, 1) if order[0] == "f" else (empty, full, 1, 0)
-        try:
-            merged.extend(other)
-            out = attend(merged, step_k, step_v, queries)
-            mx.eval(out)
-        except ValueError as exc:  # the bug's own error: the empty side's rows are missing from the join
-            problems.append(f"{order}: decode raises ValueError: {symptom(exc, 'Cannot broadcast')}")
-            continue
-        # references: each row decoded alone, with the same step input and query as its batch row
-        err = 0.0
-        for prefilled, p in ((True, p_full), (False, p_empty)):
-            ref = attend(new_cache(prefilled), step_k[p : p + 1], step_v[p : p + 1], queries[p : p + 1])
-            err = max(err, mx.abs(out[p] - ref[0]).max().item())
-        if err > 1e-4:
-            problems.append(f"{order}: merged decode differs from per-row decode by {err:.3g}")
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(False, "both orders: merged decode equals per-row decode (max error <= 1e-4)")
+    return _rows.check_extend(lambda: BatchQuantizedKVCache([0], group_size=group_size, bits=bits), dequantize)

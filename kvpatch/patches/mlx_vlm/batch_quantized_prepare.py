@@ -135,9 +135,7 @@ def reproduce() -> Finding:
         qk, qv = cache.update_and_fetch(step_k, step_v)
         k = mx.dequantize(*qk, group_size=group_size, bits=bits)
         v = mx.dequantize(*qv, group_size=group_size, bits=bits)
-        mask = mx.arange(k.shape[-2])[None, None, None, :] >= cache.left_padding[:, None, None, None]
-        out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=dim**-0.5, mask=mask)
-        return k, v, out
+        return k, v, _reproduce.left_padded_attention(queries, k, v, cache.left_padding, dim**-0.5)
 
     reference = BatchQuantizedKVCache([width - n for n in lengths], group_size=group_size, bits=bits)
     reference.update_and_fetch(left_k, left_v)

@@ -82,9 +82,7 @@ def reproduce() -> Finding:
     def attend(cache: Any, keys: Any, values: Any) -> Any:
         ks, vs = cache.update_and_fetch(keys, values)
         k, v = cache.dequantize(ks, vs)
-        lp = cache.left_padding
-        mask = mx.arange(k.shape[-2])[None, None, None, :] >= lp[:, None, None, None]
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
+        return _reproduce.left_padded_attention(q, k, v, cache.left_padding, D**-0.5)
 
     filtered = BatchTurboQuantKVCache([3, 0, 2], bits=bits)
     filtered.filter(mx.array([0, 2]))

@@ -143,8 +143,7 @@ def reproduce() -> Finding:
 
     def decode(cache: Any) -> Any:
         k, v = cache.dequantize(*cache.update_and_fetch(*step))
-        mask = mx.arange(k.shape[-2])[None, None, None, :] >= cache.left_padding[:, None, None, None]
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=mask)
+        return _reproduce.left_padded_attention(q, k, v, cache.left_padding, D**-0.5)
 
     def batch() -> Any:
         cache = BatchTurboQuantKVCache([2, 0], bits=bits)

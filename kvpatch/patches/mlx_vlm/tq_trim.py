@@ -178,8 +178,7 @@ def reproduce() -> Finding:
     def decode(cache: Any) -> Any:
         ks, vs = cache.update_and_fetch(step_k, step_v)
         k, v = cache.dequantize(ks, vs)
-        mask = mx.arange(k.shape[-2])[None, None, None, :] >= lp[:, None, None, None]
-        return mx.fast.scaled_dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=D**-0.5, mask=mask)
+        return _reproduce.left_padded_attention(q, k.astype(q.dtype), v.astype(q.dtype), lp, D**-0.5)
 
     problems = []
     rolled = BatchTurboQuantKVCache(left_padding, bits=bits)
