@@ -4,28 +4,20 @@ per-row float decode, per-head masks, and no mlx-vlm module keeps the unpatched 
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import pytest
 
 import kvpatch
-from kvpatch.patches.mlx_vlm.qsdpa_batch_mask import _MODULES, PATCH
+from kvpatch.patches._reproduce import vlm_quantized_attentions
+from kvpatch.patches.mlx_vlm.qsdpa_batch_mask import PATCH
 from kvpatch.testing import without
 
 pytestmark = pytest.mark.requires_patch(PATCH.id, needed=True)
 
 
 def _modules():
-    found = []
-    for name in _MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "quantized_scaled_dot_product_attention"):
-            found.append(module)
-    return found
+    return [module for _, module in vlm_quantized_attentions()]
 
 
 def _batched_vs_rows(module, left_padding, n_kv_heads, n_q_heads=4, dim=64, prompt=6):
