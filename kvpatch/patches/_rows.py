@@ -116,6 +116,20 @@ def check_extend(new_cache: Callable[[], Any], dequantize: Callable[[Any, Any, A
     return Finding(False, "both orders: merged decode equals per-row decode (max error <= 1e-4)")
 
 
+def stand_in_empty_side(cache: Any, other: Any) -> Any:
+    """Before ``cache.extend(other)`` with exactly one side empty: give the empty side zero-length keys/values
+    like the other's (:func:`zero_length_like`). Returns the ``other`` to pass on: a copy when it is the empty
+    side, so the caller's cache is left as it was."""
+    import copy
+
+    if other.keys is None:
+        other = copy.copy(other)
+        zero_length_like(other, cache)
+    elif cache.keys is None:
+        zero_length_like(cache, other)
+    return other
+
+
 def zero_length_like(cache: Any, like: Any) -> None:
     """Give an empty batch cache zero-length keys/values in ``like``'s dtype, heads and head dims.
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 
-def cap_shift_at_written(original: Any) -> Any:
+def cap_shift_at_written(original: Any, refresh: Any = None) -> Any:
     """A builder: ``filter`` that gives back what the original shifted beyond the written slots.
 
     If the original left ``_idx`` below 0 it dropped more leading slots than had been written; the
     excess goes back into ``left_padding`` and ``_idx`` becomes 0, which is the state a shift capped at
     ``_idx`` gives (mlx-vlm 0.7.8's fix): nothing written, every kept row keeps its own padding.
     ``_idx`` is a Python int in every class this is used on, so the check costs no host sync; when it
-    is >= 0 (every primed cache with consistent padding) nothing is changed.
+    is >= 0 (every primed cache with consistent padding) nothing is changed. ``refresh(cache)``, where given,
+    runs after a change (a class that derives state from ``_idx`` / ``left_padding``).
     """
 
     def filter(self: Any, batch_indices: Any) -> Any:
@@ -28,6 +29,8 @@ def cap_shift_at_written(original: Any) -> Any:
             excess = -self._idx
             self._idx = 0
             self.left_padding = self.left_padding + excess
+            if refresh is not None:
+                refresh(self)
         return result
 
     return filter

@@ -51,23 +51,14 @@ PATCH = Patch(
 
 
 def _build(original: Any) -> Any:
-    import copy
-
     import mlx.core as mx
-
-    stand_in = _rows.zero_length_like
 
     def extend(self: Any, other: Any) -> Any:
         if self.keys is None and other.keys is None:
             self.offset = mx.concatenate([self.offset, other.offset])
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             return None
-        if other.keys is None:
-            other = copy.copy(other)
-            stand_in(other, self)
-        elif self.keys is None:
-            stand_in(self, other)
-        return original(self, other)
+        return original(self, _rows.stand_in_empty_side(self, other))
 
     return extend
 

@@ -47,18 +47,12 @@ PATCH = Patch(
 
 
 def _build(original: Any) -> Any:
-    import copy
-
-    stand_in = _rows.zero_length_like
-
     def extend(self: Any, other: Any) -> Any:
         if (self.keys is None) == (other.keys is None):
             return original(self, other)
-        if other.keys is None:
-            other = copy.copy(other)
-            stand_in(other, self)
-            return original(self, other)
-        stand_in(self, other)
+        if self.keys is not None:
+            return original(self, _rows.stand_in_empty_side(self, other))
+        _rows.stand_in_empty_side(self, other)
         try:
             return original(self, other)
         except BaseException:

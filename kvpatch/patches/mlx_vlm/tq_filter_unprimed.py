@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _reproduce
+from kvpatch.patches import _reproduce, _unprimed
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -50,17 +50,7 @@ def _build(original: Any) -> Any:
 
     refresh = getattr(BatchTurboQuantKVCache, "_refresh_fused_attention_eligibility", None)  # 0.7.0+
 
-    def filter(self: Any, batch_indices: Any) -> Any:
-        result = original(self, batch_indices)
-        if self._idx < 0:
-            excess = -self._idx
-            self._idx = 0
-            self.left_padding = self.left_padding + excess
-            if refresh is not None:
-                refresh(self)
-        return result
-
-    return filter
+    return _unprimed.cap_shift_at_written(original, refresh)
 
 
 @PATCH.reproduce
