@@ -33,7 +33,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches._prompt_cache import prompt_cache_class
+from kvpatch.patches import _prompt_cache
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -67,16 +67,7 @@ def _build_fetch(original: Any) -> Any:
     return fetch_nearest_cache
 
 
-@PATCH.replace("mlx_lm.models.cache", "LRUPromptCache.fetch_nearest_cache", optional=True)
-def _build_cache_module(original: Any) -> Any:
-    return _build_fetch(original)
-
-
-@PATCH.replace("mlx_lm.server", "LRUPromptCache.fetch_nearest_cache", optional=True)
-def _build_server_module(original: Any) -> Any:
-    if getattr(original, "__module__", None) != "mlx_lm.server":
-        return original  # the class lives in mlx_lm.models.cache (0.31.2+): patched there
-    return _build_fetch(original)
+_prompt_cache.replace_method(PATCH, "fetch_nearest_cache", _build_fetch)
 
 
 @PATCH.reproduce
@@ -93,7 +84,7 @@ def reproduce() -> Finding:
         kv = mx.random.normal((1, 2, len(tokens), 8), key=mx.random.key(i))
         c.update_and_fetch(kv, kv + 1)
         layers.append(c)
-    lru = prompt_cache_class()()
+    lru = _prompt_cache.prompt_cache_class()()
     lru.insert_cache("model", tokens[:], layers)
     cache, rest = lru.fetch_nearest_cache("model", tokens[:])
     if cache is None:

@@ -31,8 +31,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _reproduce
-from kvpatch.patches._prompt_cache import prompt_cache_class
+from kvpatch.patches import _prompt_cache, _reproduce
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -75,16 +74,7 @@ def _build_insert(original: Any) -> Any:
     return insert_cache
 
 
-@PATCH.replace("mlx_lm.models.cache", "LRUPromptCache.insert_cache", optional=True)
-def _build_cache_module(original: Any) -> Any:
-    return _build_insert(original)
-
-
-@PATCH.replace("mlx_lm.server", "LRUPromptCache.insert_cache", optional=True)
-def _build_server_module(original: Any) -> Any:
-    if getattr(original, "__module__", None) != "mlx_lm.server":
-        return original  # the class lives in mlx_lm.models.cache (0.31.2+): patched there
-    return _build_insert(original)
+_prompt_cache.replace_method(PATCH, "insert_cache", _build_insert)
 
 
 @PATCH.reproduce
@@ -108,7 +98,7 @@ def reproduce() -> Finding:
         mx.array(prompt), main, draft, num_draft_tokens=3, max_tokens=8, prompt_cache=cache
     ):
         key.append(int(token))
-    lru = prompt_cache_class()()
+    lru = _prompt_cache.prompt_cache_class()()
     lru.insert_cache("model", key[:], cache)
     found, rest = lru.fetch_nearest_cache("model", [*key, 40])
     if found is None:
