@@ -11,13 +11,14 @@ Not a patch unit (units live in the distribution folders). Imports mlx lazily.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from kvpatch.patches import _reproduce
 from kvpatch.patches._lazy import graph_edges
-from kvpatch.record import Finding, own_class
+from kvpatch.record import Finding, Patch, own_class
 
 #: Deferred metadata lives in the cache's ``__dict__`` beside upstream's attribute, which keeps the array a writer
 #: last stored (the *base*): PENDING + name holds ``(base, total)``, the Python sum of the ``N`` advanced since that
@@ -36,6 +37,18 @@ def vlm_own_arrays_cache() -> Any:
     import mlx_vlm.models.cache as vlm_cache
 
     return own_class(vlm_cache, "ArraysCache")
+
+
+def _deferred_attribute(name: str, _: None) -> property:
+    return deferred_metadata(name)
+
+
+def declare_deferred(patch: Patch, module: str) -> None:
+    """Declare ``patch``'s fix on ``module``'s ArraysCache: :func:`deferred_metadata` for ``left_padding`` and
+    ``lengths``, :func:`defer_advance` around ``advance``."""
+    for name in _METADATA:
+        patch.add(module, f"ArraysCache.{name}")(functools.partial(_deferred_attribute, name))
+    patch.replace(module, "ArraysCache.advance")(defer_advance)
 
 
 def on_vlm_own_class(check: Callable[[Any], Finding], lm_twin: str) -> Finding:

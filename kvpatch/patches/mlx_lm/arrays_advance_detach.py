@@ -83,19 +83,7 @@ PATCH = Patch(
 )
 
 
-@PATCH.add("mlx_lm.models.cache", "ArraysCache.left_padding")
-def _left_padding(_: Any) -> Any:
-    return _arrays.deferred_metadata("left_padding")
-
-
-@PATCH.add("mlx_lm.models.cache", "ArraysCache.lengths")
-def _lengths(_: Any) -> Any:
-    return _arrays.deferred_metadata("lengths")
-
-
-@PATCH.replace("mlx_lm.models.cache", "ArraysCache.advance")
-def _build(original: Any) -> Any:
-    return _arrays.defer_advance(original)
+_arrays.declare_deferred(PATCH, "mlx_lm.models.cache")
 
 
 @PATCH.replace("mlx_lm.models.cache", "ArraysCache.__reduce_ex__", optional=True)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import sys
-from typing import Any
 
 from kvpatch.patches import _arrays
 from kvpatch.record import Expiry, Finding, Patch
@@ -55,17 +54,7 @@ PATCH = Patch(
 )
 
 
-@PATCH.add("mlx_vlm.models.cache", "ArraysCache.left_padding")
-def _left_padding(_: Any) -> Any:
-    return _arrays.deferred_metadata("left_padding")
-
-
-@PATCH.add("mlx_vlm.models.cache", "ArraysCache.lengths")
-def _lengths(_: Any) -> Any:
-    return _arrays.deferred_metadata("lengths")
-
-
-PATCH.replace("mlx_vlm.models.cache", "ArraysCache.advance")(_arrays.defer_advance)
+_arrays.declare_deferred(PATCH, "mlx_vlm.models.cache")
 # optional: upstream's class inherits object's, which has no source to fingerprint
 PATCH.replace("mlx_vlm.models.cache", "ArraysCache.__reduce_ex__", optional=True)(_arrays.pickle_upstream_values)
 
