@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from kvpatch.record import Finding
+
 #: The offset-detach family ties lazy cache metadata into the graph once every EVERY steps, not every step: the
 #: pending chain then holds at most EVERY steps' updates (5 graph edges each), whatever the number of steps,
 #: and the per-call cost of the tie (one graph node, ~3 us of CPU time) is paid once per EVERY calls. 10 keeps
@@ -48,6 +50,14 @@ def graph_edges(array: Any) -> int:
     buf = io.StringIO()
     mx.export_to_dot(buf, array)
     return buf.getvalue().count("->")
+
+
+def growth_finding(detail: str, edges: dict[int, tuple[int, int]]) -> Finding:
+    """The verdict on two metadata arrays' graph edges measured after 20 and 200 steps (``edges[steps]``): the
+    bug is present when either graph grew between the two (unbounded)."""
+    if edges[200][0] > edges[20][0] or edges[200][1] > edges[20][1]:
+        return Finding(True, f"{detail} (unbounded)")
+    return Finding(False, f"{detail} (bounded)")
 
 
 class ClassValue(property):
