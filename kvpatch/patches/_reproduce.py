@@ -8,6 +8,7 @@ re-exports it for the tests).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvpatch.record import Finding, upstream_missing
@@ -142,3 +143,18 @@ def vlm_quantized_attentions() -> list[tuple[str, Any]]:
         if hasattr(module, "quantized_scaled_dot_product_attention"):
             found.append((name, module))
     return found
+
+
+def on_turboquant_metal(measure: Callable[[], Finding], kernel: str, path: str) -> Finding:
+    """``measure()`` where mlx-vlm's TurboQuant Metal kernels can run; elsewhere a skip: the ``kernel`` runs only on
+    an Apple GPU, so this backend always takes the correct ``path``."""
+    from mlx_vlm import turboquant
+
+    if not turboquant._metal_available():
+        return Finding(
+            False,
+            "not measured",
+            skipped=f"Metal-only bug: {kernel} only on an Apple GPU (mlx reports no Metal device here), so this "
+            f"backend always takes the correct {path}",
+        )
+    return measure()

@@ -36,7 +36,6 @@ fix upstream's arithmetic, which this path does not use.
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Any
 
 from kvpatch.patches import _cuda
 from kvpatch.record import Expiry, Finding, Patch
@@ -59,9 +58,7 @@ PATCH = Patch(
 )
 
 
-@PATCH.replace("mlx_lm.models.base", "quantized_scaled_dot_product_attention")
-def _build(original: Any) -> Any:
-    return _cuda.routed(original)
+PATCH.replace("mlx_lm.models.base", "quantized_scaled_dot_product_attention")(_cuda.routed)
 
 
 @PATCH.reproduce

@@ -45,9 +45,7 @@ PATCH = Patch(
 )
 
 
-@PATCH.replace("mlx_vlm.models.cache", "BatchQuantizedKVCache.extend")
-def _build(original: Any) -> Any:
-    return _rows.filling_rows(original)
+PATCH.replace("mlx_vlm.models.cache", "BatchQuantizedKVCache.extend")(_rows.filling_rows)
 
 
 @PATCH.reproduce

@@ -24,7 +24,6 @@ path does not use).
 from __future__ import annotations
 
 import datetime as _dt
-from typing import Any
 
 from kvpatch.patches import _cuda, _reproduce
 from kvpatch.record import Expiry, Finding, Patch
@@ -47,10 +46,8 @@ PATCH = Patch(
 )
 
 
-@PATCH.replace("mlx_vlm.models.base", "quantized_scaled_dot_product_attention")
-@PATCH.replace("mlx_vlm.models.text_models.base", "quantized_scaled_dot_product_attention", optional=True)
-def _build(original: Any) -> Any:
-    return _cuda.routed(original)
+PATCH.replace("mlx_vlm.models.text_models.base", "quantized_scaled_dot_product_attention", optional=True)(_cuda.routed)
+PATCH.replace("mlx_vlm.models.base", "quantized_scaled_dot_product_attention")(_cuda.routed)
 
 
 @PATCH.reproduce

@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _reproduce
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -87,13 +88,4 @@ def measure() -> Finding:
 
 @PATCH.reproduce
 def reproduce() -> Finding:
-    from mlx_vlm import turboquant
-
-    if not turboquant._metal_available():
-        return Finding(
-            False,
-            "not measured",
-            skipped="Metal-only bug: the fused K/V quantize kernel exists only on an Apple GPU (mlx reports no "
-            "Metal device here), so this backend always takes the correct non-fused path",
-        )
-    return measure()
+    return _reproduce.on_turboquant_metal(measure, "the fused K/V quantize kernel exists", "non-fused path")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _reproduce
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -113,13 +114,4 @@ def measure() -> Finding:
 
 @PATCH.reproduce
 def reproduce() -> Finding:
-    from mlx_vlm import turboquant
-
-    if not turboquant._metal_available():
-        return Finding(
-            False,
-            "not measured",
-            skipped="Metal-only bug: the one-query value kernels run only on an Apple GPU (mlx reports no Metal "
-            "device here), so this backend always takes the correct einsum path",
-        )
-    return measure()
+    return _reproduce.on_turboquant_metal(measure, "the one-query value kernels run", "einsum path")
