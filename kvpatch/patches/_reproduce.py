@@ -79,12 +79,21 @@ def tiny_pixtral_language_model(*, head_dim: int, heads: int = 4, kv_heads: int 
 
 
 def tiny_llama(
-    *, seed: int = 0, heads: int = 4, kv_heads: int = 2, vocab: int = 64, dtype: object = None, doubled: bool = False
+    *,
+    seed: int = 0,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 64,
+    dtype: object = None,
+    doubled: bool = False,
+    noise: float = 0.0,
 ) -> Any:
     """A random-weight mlx-lm llama (hidden 64, 2 layers): the mlx-lm test model. No downloads.
 
     ``doubled`` doubles every weight: the default init is so flat that greedy decoding repeats one token whatever
-    the context, which generation reproductions cannot tell apart from a correct run.
+    the context, which generation reproductions cannot tell apart from a correct run. ``noise`` then adds that
+    fraction of each weight's mean magnitude as noise (seeded ``seed + 1``): a draft model that agrees with the
+    noiseless one on some tokens and not on others (one from another seed agrees on none).
     """
     import mlx.core as mx
     from mlx.utils import tree_map
@@ -105,6 +114,9 @@ def tiny_llama(
     model = llama.Model(args)
     if doubled:
         model.update(tree_map(lambda p: p * 2, model.parameters()))
+    if noise:
+        mx.random.seed(seed + 1)
+        model.update(tree_map(lambda p: p + noise * mx.abs(p).mean() * mx.random.normal(p.shape), model.parameters()))
     if dtype is not None:
         model.set_dtype(dtype)
     mx.eval(model.parameters())

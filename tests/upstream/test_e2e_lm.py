@@ -32,7 +32,7 @@ import inspect
 import pytest
 
 from kvpatch import get_engine  # importing kvpatch installs the patches before mlx-lm is imported
-from kvpatch.testing import same_greedy
+from kvpatch.testing import same_greedy, tiny_llama
 
 mx = pytest.importorskip("mlx.core")
 
@@ -79,40 +79,6 @@ class _Tokenizer:
         return self.get_vocab().get(token)
 
 
-def _tiny_llama(seed: int):
-    from mlx.utils import tree_map
-    from mlx_lm.models import llama
-
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-    )
-    model = llama.Model(args)
-    # Doubled weights: the default init is so flat that greedy decoding repeats one token whatever the context.
-    model.update(tree_map(lambda p: p * 2, model.parameters()))
-    mx.eval(model.parameters())
-    return model
-
-
-def _tiny_draft():
-    """The main llama with 5% noise on every weight: like a distilled draft, it agrees with the main model on
-    some tokens and not on others (a draft from another seed agrees on none)."""
-    from mlx.utils import tree_map
-
-    model = _tiny_llama(0)
-    mx.random.seed(1)
-    model.update(tree_map(lambda p: p + 0.05 * mx.abs(p).mean() * mx.random.normal(p.shape), model.parameters()))
-    mx.eval(model.parameters())
-    return model
-
-
 def _tokens(seed: int, *lengths: int) -> list[list[int]]:
     mx.random.seed(seed)
     return [mx.random.randint(0, VOCAB, (n,)).tolist() for n in lengths]
@@ -132,8 +98,8 @@ class _Lm:
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         self.module = module
-        self.main = _tiny_llama(0)
-        self.draft = _tiny_draft()
+        self.main = tiny_llama(heads=2, kv_heads=1, vocab=VOCAB, doubled=True)
+        self.draft = tiny_llama(heads=2, kv_heads=1, vocab=VOCAB, doubled=True, noise=0.05)
         self.tokenizer = TokenizerWrapper(_Tokenizer())
 
     def stream(self, prompt, n, cache=None, draft=False, **options):
