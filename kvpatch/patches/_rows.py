@@ -130,6 +130,65 @@ def stand_in_empty_side(cache: Any, other: Any) -> Any:
     return other
 
 
+#: How the bug's join fails when an empty side's keys are None.
+_NONE = "'NoneType' object"
+
+
+def check_join(makers: list[tuple[str, Callable[[int], Any]]], dtypes: list[Any]) -> tuple[list[str], float]:
+    """Join a 2-row cache and an empty 1-row cache both ways, for each ``(name, make(rows))`` and dtype, and decode
+    one more token: the joined cache must keep a row per entry and the input dtype, and each row's attention
+    output must equal that row's own attention (full rows: their 5 old keys plus the new one; the empty row: the
+    new key only). Returns the problems and the largest per-row attention error.
+
+    The reproduction of batch-extend-empty and vlm-batch-extend-dtype (an empty side's stand-ins).
+    """
+    import mlx.core as mx
+
+    mx.random.seed(0)
+    H, D = 2, 8
+    base = [mx.random.normal(shape) for shape in [(2, H, 5, D)] * 2 + [(3, H, 1, D)] * 3]
+
+    def attend(q: Any, keys: Any, values: Any, mask: Any = None) -> Any:
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask).astype(mx.float32)
+
+    problems: list[str] = []
+    worst = 0.0
+    for dtype in dtypes:
+        k, v, q_new, k_new, v_new = (a.astype(dtype) for a in base)
+        for name, make in makers:
+            for empty_first in (False, True):
+                full, empty = make(2), make(1)
+                full.update_and_fetch(k, v)
+                a, b = (empty, full) if empty_first else (full, empty)
+                label = f"{name} {dtype}: {'empty.extend(full)' if empty_first else 'full.extend(empty)'}"
+                order = [2, 0, 1] if empty_first else [0, 1, 2]  # joined position -> source row (2: the empty one)
+                try:
+                    a.extend(b)
+                    if a.keys.dtype != dtype or a.values.dtype != dtype:
+                        problems.append(f"{label}: keys/values come back {a.keys.dtype}/{a.values.dtype}")
+                    sizes = (a.keys.shape[0], a.offset.shape[0], a.left_padding.shape[0])
+                    if sizes != (3, 3, 3):
+                        problems.append(f"{label}: rows of (keys, offset, left_padding) = {sizes}, expected 3 each")
+                        continue
+                    mask = a.make_mask(1, return_array=True)
+                    src = mx.array(order)
+                    keys, values = a.update_and_fetch(k_new[src], v_new[src])
+                    out = attend(q_new[src], keys, values, mask)
+                except AttributeError as exc:  # the bug's own error: an empty side's keys are None
+                    problems.append(f"{label} raises AttributeError: {symptom(exc, _NONE)}")
+                    continue
+                errs = []
+                for r in range(2):
+                    kk = mx.concatenate([k[r : r + 1], k_new[r : r + 1]], axis=2)
+                    vv = mx.concatenate([v[r : r + 1], v_new[r : r + 1]], axis=2)
+                    errs.append(mx.abs(out[order.index(r)] - attend(q_new[r : r + 1], kk, vv)[0]).max().item())
+                errs.append(mx.abs(out[order.index(2)] - attend(q_new[2:], k_new[2:], v_new[2:])[0]).max().item())
+                worst = max(worst, *errs)
+                if max(errs) > 1e-2:
+                    problems.append(f"{label}: per-row attention error {max(errs):.3g} after the join")
+    return problems, worst
+
+
 def zero_length_like(cache: Any, like: Any) -> None:
     """Give an empty batch cache zero-length keys/values in ``like``'s dtype, heads and head dims.
 

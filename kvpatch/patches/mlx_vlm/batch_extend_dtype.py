@@ -28,7 +28,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _rows
-from kvpatch.record import Expiry, Finding, Patch, symptom
+from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     id="vlm-batch-extend-dtype",
@@ -67,17 +67,10 @@ PATCH.replace("mlx_vlm.models.cache", "BatchKVCache.extend")(_build)
 PATCH.replace("mlx_vlm.models.cache", "BatchRotatingKVCache.extend")(_build)
 
 
-_NONE = "'NoneType' object"  # an empty side's keys are None (the bug's twin in older code)
-
-
 @PATCH.reproduce
 def reproduce() -> Finding:
-    """Join a 2-row cache and an empty 1-row cache both ways, in bfloat16 and float16, with both classes.
-
-    The joined cache must keep the input dtype, and after one more decoded token each row's attention output
-    must equal that row's own attention (full rows: their 5 old keys plus the new one; the empty row: the new
-    key only).
-    """
+    """Join a 2-row cache and an empty 1-row cache both ways, in bfloat16 and float16, with both classes
+    (``_rows.check_join``)."""
     import mlx.core as mx
     from mlx_vlm.models import cache as C
 
@@ -87,47 +80,11 @@ def reproduce() -> Finding:
             "mlx-vlm re-exports mlx-lm's BatchKVCache here",
             skipped="mlx-vlm < 0.6.4 has no batch caches of its own (mlx-lm's are covered by batch-extend-empty)",
         )
-    mx.random.seed(0)
-    H, D = 2, 8
-    base = [mx.random.normal(shape) for shape in [(2, H, 5, D)] * 2 + [(3, H, 1, D)] * 3]
-
-    def attend(q, keys, values, mask=None):
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask).astype(mx.float32)
-
     makers = [
         ("BatchKVCache", lambda n: C.BatchKVCache([0] * n)),
         ("BatchRotatingKVCache", lambda n: C.BatchRotatingKVCache(16, [0] * n)),
     ]
-    problems, worst = [], 0.0
-    for dtype in (mx.bfloat16, mx.float16):
-        k, v, q_new, k_new, v_new = (a.astype(dtype) for a in base)
-        for name, make in makers:
-            for empty_first in (False, True):
-                full, empty = make(2), make(1)
-                full.update_and_fetch(k, v)
-                a, b = (empty, full) if empty_first else (full, empty)
-                label = f"{name} {dtype}: {'empty.extend(full)' if empty_first else 'full.extend(empty)'}"
-                order = [2, 0, 1] if empty_first else [0, 1, 2]  # joined position -> source row (2: the empty one)
-                try:
-                    a.extend(b)
-                    if a.keys.dtype != dtype or a.values.dtype != dtype:
-                        problems.append(f"{label}: keys/values come back {a.keys.dtype}/{a.values.dtype}")
-                    mask = a.make_mask(1, return_array=True)
-                    src = mx.array(order)
-                    keys, values = a.update_and_fetch(k_new[src], v_new[src])
-                    out = attend(q_new[src], keys, values, mask)
-                except AttributeError as exc:  # an empty side's keys are None (the bug's twin in older code)
-                    problems.append(f"{label} raises AttributeError: {symptom(exc, _NONE)}")
-                    continue
-                errs = []
-                for r in range(2):
-                    kk = mx.concatenate([k[r : r + 1], k_new[r : r + 1]], axis=2)
-                    vv = mx.concatenate([v[r : r + 1], v_new[r : r + 1]], axis=2)
-                    errs.append(mx.abs(out[order.index(r)] - attend(q_new[r : r + 1], kk, vv)[0]).max().item())
-                errs.append(mx.abs(out[order.index(2)] - attend(q_new[2:], k_new[2:], v_new[2:])[0]).max().item())
-                worst = max(worst, *errs)
-                if max(errs) > 1e-2:
-                    problems.append(f"{label}: per-row attention error {max(errs):.3g} after the join")
+    problems, worst = _rows.check_join(makers, [mx.bfloat16, mx.float16])
     if problems:
         return Finding(True, "; ".join(problems))
     return Finding(
