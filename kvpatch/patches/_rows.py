@@ -1,9 +1,13 @@
-"""Shared by batch-quantized-extend (V02) and empty-tq-rows (V03): one bug in two batch caches.
+"""A batch ``extend`` with an empty side: the fixes and reproductions shared by two pairs of units.
 
-When one side of ``extend`` has no keys yet, upstream keeps only the other side's packed rows while
-``offset`` / ``left_padding`` count both. :func:`filling_rows` adds the empty side's rows back (as
-zeros, which its left padding masks); :func:`check_extend` is the reproduction of both. Not a patch unit
-(units live in the distribution folders).
+* batch-quantized-extend (V02) and empty-tq-rows (V03): upstream keeps only the other side's packed rows while
+  ``offset`` / ``left_padding`` count both. :func:`filling_rows` adds the empty side's rows back (as zeros, which
+  its left padding masks); :func:`check_extend` reproduces it.
+* batch-extend-empty (mlx-lm, D2+F1) and vlm-batch-extend-dtype (mlx-vlm's copy): upstream pads the empty side
+  from float32 placeholders. :func:`stand_in_empty_side` gives it zero-length keys/values like the other side's;
+  :func:`check_join` reproduces it.
+
+Not a patch unit (units live in the distribution folders).
 """
 
 from __future__ import annotations
