@@ -1,13 +1,20 @@
-"""glm4v-batch-positions beyond its reproduction: a tiny glm4v_moe GLM4VModel over left-padded batches of several
-shapes gives each row what it gives alone (prefill and decode), with ``position_ids`` left to the model; given
-``position_ids`` or an integer offset, the model gets exactly what it got before."""
+"""glm4v-batch-positions beyond its reproduction: a tiny glm4v_moe GLM4VModel, and a fresh LanguageModel, over
+left-padded batches of several shapes give each row what it gives alone (prefill and decode), with ``position_ids``
+left to the model; given ``position_ids``, an integer offset or rope state already held, the model gets exactly what
+it got before."""
 
 from __future__ import annotations
 
 import contextlib
 
 import pytest
-from kvpatch.patches.glm4v_batch_positions import PATCH, batched_vs_alone, tiny_model
+from kvpatch.patches.glm4v_batch_positions import (
+    PATCH,
+    batched_vs_alone,
+    language_batched_vs_alone,
+    tiny_language_model,
+    tiny_model,
+)
 
 from kvpatch.testing import require_affected, without
 
@@ -36,4 +43,29 @@ def test_given_positions_and_int_offsets_are_upstreams():
             given = model(tokens, cache=[BatchKVCache([0, 0]) for _ in model.layers], position_ids=positions)
             single = model(tokens[:1], cache=[KVCache() for _ in model.layers])
             results.append((given.tolist(), single.tolist()))
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("lengths", [(5, 9), (7, 3, 6), (2, 8)])
+def test_fresh_language_model_rows_equal_each_row_alone(lengths):
+    errors = language_batched_vs_alone(tiny_language_model(), lengths, steps=3)
+    assert max(errors) <= 1e-4, errors
+
+
+def test_language_model_with_rope_state_or_given_positions_is_upstreams():
+    """Rope deltas held on the model (any earlier request) or ``position_ids`` given: upstream's own branches run."""
+    import mlx.core as mx
+    from mlx_vlm.models.cache import BatchKVCache
+
+    model = tiny_language_model()
+    tokens = mx.random.randint(1, 60, (2, 5), key=mx.random.key(3))
+    positions = mx.broadcast_to(mx.arange(5)[None, None], (3, 2, 5))
+    results = []
+    for patched in (True, False):
+        with without(PATCH.id) if not patched else contextlib.nullcontext():
+            model._rope_deltas, model._position_ids = mx.array([[2], [0]]), None
+            held = model(tokens, cache=[BatchKVCache([1, 0]) for _ in model.layers]).logits
+            model._rope_deltas = None
+            given = model(tokens, cache=[BatchKVCache([1, 0]) for _ in model.layers], position_ids=positions).logits
+            results.append((held.tolist(), given.tolist()))
     assert results[0] == results[1]
