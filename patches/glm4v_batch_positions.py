@@ -35,10 +35,12 @@ Fix: deltas in front of the originals. ``GLM4VModel.__call__``: when ``position_
 ``offset`` is a per-row array, the positions are built per row, ``offset[:, None] + arange(L)`` repeated over the 3
 mRoPE sections (the ``(3, B, L)`` layout ``LanguageModel`` passes), and handed to the original; each row then gets the
 positions it has alone (its left padding at negative positions, masked). ``LanguageModel.__call__``: in the state
-above (no ``position_ids``, ``pixel_values`` or ``rope_deltas`` given, none held on the model) with a per-row offset,
-the same per-row positions are handed to the original: what its own per-row branch computes with zero ``rope_deltas``
-(a text prompt's, as ``get_rope_index`` returns them without a mask). Anything else goes to the originals as it is.
-Lazy, no host synchronisation; one check per forward pass (not per layer).
+above (no ``position_ids`` or ``pixel_values`` given, no rope state held) with a per-row cache offset, the model is
+given the zero ``rope_deltas`` a text prompt's ``get_rope_index`` returns (the state upstream's own call leaves
+behind) before the original runs, so the original takes its per-row branch for this call and the next ones:
+``offset + rope_deltas + arange(L)``, a ``rope_deltas`` argument (as the generator passes in decode) taking precedence
+as upstream has it. Anything else goes to the originals as it is. Lazy, no host synchronisation; one check per
+forward pass (not per layer).
 """
 
 from __future__ import annotations
@@ -94,19 +96,18 @@ def _build(original: Any) -> Any:
 def _build_language(original: Any) -> Any:
     import mlx.core as mx
 
-    positions = _mrope.row_positions(mx)
+    array, zeros, int32 = mx.array, mx.zeros, mx.int32
 
     def __call__(self: Any, inputs: Any, inputs_embeds: Any = None, mask: Any = None, cache: Any = None, **kwargs: Any):
-        if (
-            self._rope_deltas is None
-            and self._position_ids is None
-            and cache
-            and cache[0] is not None
-            and kwargs.get("position_ids") is None
-            and kwargs.get("pixel_values") is None
-            and kwargs.get("rope_deltas") is None
-        ):
-            kwargs["position_ids"] = positions(cache[0].offset, inputs.shape[1])
+        if self._rope_deltas is None and self._position_ids is None and cache and cache[0] is not None:
+            offset = cache[0].offset
+            if (
+                isinstance(offset, array)
+                and offset.size > 1
+                and kwargs.get("position_ids") is None
+                and kwargs.get("pixel_values") is None
+            ):
+                self._rope_deltas = zeros((inputs.shape[0], 1), dtype=int32)
         return original(self, inputs, inputs_embeds, mask, cache, **kwargs)
 
     return __call__

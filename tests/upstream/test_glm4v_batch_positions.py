@@ -69,3 +69,38 @@ def test_language_model_with_rope_state_or_given_positions_is_upstreams():
             given = model(tokens, cache=[BatchKVCache([1, 0]) for _ in model.layers], position_ids=positions).logits
             results.append((held.tolist(), given.tolist()))
     assert results[0] == results[1]
+
+
+def test_mlx_vlm_batch_generator_first_batch_rows_equal_each_row_alone():
+    """mlx-vlm's own BatchGenerator (its server's and batch_generate's path) on a fresh model: a left-padded text batch
+    first, then each row alone; every generated token's log-probability must match."""
+    try:
+        from mlx_vlm.generate.ar import BatchGenerator
+        from mlx_vlm.utils import StoppingCriteria
+    except ImportError:
+        pytest.skip("this mlx-vlm has no mlx_vlm.generate.ar.BatchGenerator")
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    model = tiny_language_model()
+    prompts = [[5, 17, 3, 44, 9], [8, 1, 30, 22, 7, 41, 13, 2, 50]]
+
+    def generate(batch: list[list[int]]) -> list[list[float]]:
+        model._position_ids = None  # what glm4v_moe's Model.get_input_embeddings does for a text prompt
+        tokenizer = SimpleNamespace(stopping_criteria=StoppingCriteria([], None))
+        gen = BatchGenerator(model, tokenizer, max_tokens=4, prefill_step_size=None)
+        embeds = [{"inputs_embeds": model.model.embed_tokens(mx.array([p]))} for p in batch]
+        uids = gen.insert(batch, max_tokens=4, prompt_kwargs=embeds)
+        out: dict[int, list[float]] = {uid: [] for uid in uids}
+        while any(len(v) < 4 for v in out.values()):
+            responses = gen.next()
+            for r in responses[1] if isinstance(responses, tuple) else responses:
+                out[r.uid].append(float(r.token_logprob))
+        gen.close()
+        return [out[uid] for uid in uids]
+
+    batched = generate(prompts)
+    alone = [generate([p])[0] for p in prompts]
+    worst = max(abs(a - b) for row, ref in zip(batched, alone, strict=True) for a, b in zip(row, ref, strict=True))
+    assert worst <= 1e-4, (batched, alone)
