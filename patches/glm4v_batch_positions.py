@@ -140,27 +140,29 @@ def tiny_model() -> Any:
 
 def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 2) -> list[float]:
     """Each row of a left-padded batch (``BatchKVCache`` per layer, ``position_ids`` left to the model) against
-    the row alone (``KVCache``): the largest difference of the hidden states over prefill and ``steps`` decode
-    steps, per row."""
+    the row alone (``KVCache``): the largest difference of the last position's output (a ``GLM4VModel``'s hidden
+    states, a ``LanguageModel``'s logits) over prefill and ``steps`` decode steps, per row. A ``LanguageModel``
+    starts each run holding no rope state, as a fresh model does (and no mask: what mlx-vlm's batch generator
+    passes for a text prompt)."""
     import mlx.core as mx
     from mlx_vlm.models.cache import BatchKVCache, KVCache
 
-    longest = max(lengths)
+    def run(tokens: list[Any], cache: list[Any]) -> list[Any]:
+        if hasattr(model, "_rope_deltas"):
+            model._rope_deltas = model._position_ids = None
+        return [getattr(out, "logits", out)[:, -1] for out in (model(t, cache=cache) for t in tokens)]
+
+    longest, layers = max(lengths), len(model.layers)
     keys = mx.random.split(mx.random.key(1), len(lengths) + 1)
     prompts = [mx.random.randint(1, 60, (1, n), key=keys[i]) for i, n in enumerate(lengths)]
     decode = mx.random.randint(1, 60, (steps, len(lengths), 1), key=keys[-1])
-    layers = len(model.layers)
-    alone = []
-    for row, prompt in enumerate(prompts):
-        cache = [KVCache() for _ in range(layers)]
-        outs = [model(prompt, cache=cache)[:, -1]]
-        outs += [model(decode[s, row : row + 1], cache=cache)[:, -1] for s in range(steps)]
-        alone.append(outs)
+    alone = [
+        run([prompt, *(decode[s, row : row + 1] for s in range(steps))], [KVCache() for _ in range(layers)])
+        for row, prompt in enumerate(prompts)
+    ]
     padding = [longest - n for n in lengths]
     batch = mx.concatenate([mx.pad(p, [(0, 0), (pad, 0)]) for p, pad in zip(prompts, padding, strict=True)])
-    cache = [BatchKVCache(padding) for _ in range(layers)]
-    outs = [model(batch, cache=cache)[:, -1]]
-    outs += [model(decode[s], cache=cache)[:, -1] for s in range(steps)]
+    outs = run([batch, *decode], [BatchKVCache(padding) for _ in range(layers)])
     return [
         max(float(mx.abs(outs[s][row] - alone[row][s][0]).max()) for s in range(steps + 1))
         for row in range(len(lengths))
@@ -184,40 +186,6 @@ def tiny_language_model() -> Any:
     return model
 
 
-def language_batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 3) -> list[float]:
-    """A fresh ``LanguageModel`` (no rope state held) over a left-padded batch (``BatchKVCache`` per layer, no
-    positions, no mask: what mlx-vlm's batch generator passes for text) against each row alone: the largest
-    difference of the last position's logits over prefill and ``steps`` decode steps, per row."""
-    import mlx.core as mx
-    from mlx_vlm.models.cache import BatchKVCache, KVCache
-
-    def fresh() -> None:
-        model._rope_deltas = model._position_ids = None
-
-    longest, layers = max(lengths), len(model.layers)
-    keys = mx.random.split(mx.random.key(1), len(lengths) + 1)
-    prompts = [mx.random.randint(1, 60, (1, n), key=keys[i]) for i, n in enumerate(lengths)]
-    decode = mx.random.randint(1, 60, (steps, len(lengths), 1), key=keys[-1])
-    alone = []
-    for row, prompt in enumerate(prompts):
-        fresh()
-        cache = [KVCache() for _ in range(layers)]
-        outs = [model(prompt, cache=cache).logits[:, -1]]
-        outs += [model(decode[s, row : row + 1], cache=cache).logits[:, -1] for s in range(steps)]
-        alone.append(outs)
-    fresh()
-    padding = [longest - n for n in lengths]
-    batch = mx.concatenate([mx.pad(p, [(0, 0), (pad, 0)]) for p, pad in zip(prompts, padding, strict=True)])
-    cache = [BatchKVCache(padding) for _ in range(layers)]
-    outs = [model(batch, cache=cache).logits[:, -1]]
-    outs += [model(decode[s], cache=cache).logits[:, -1] for s in range(steps)]
-    fresh()
-    return [
-        max(float(mx.abs(outs[s][row] - alone[row][s][0]).max()) for s in range(steps + 1))
-        for row in range(len(lengths))
-    ]
-
-
 @PATCH.reproduce
 def reproduce() -> Finding:
     """A tiny glm4v_moe GLM4VModel, then a fresh LanguageModel, over a left-padded batch with per-row cache offsets,
@@ -235,7 +203,7 @@ def reproduce() -> Finding:
         return Finding(True, f"GLM4VModel with a batch cache (array offset) raises TypeError: {text}")
     if max(errors) > 1e-4:
         return Finding(True, f"batched rows differ from each row alone by {errors}")
-    language = language_batched_vs_alone(tiny_language_model())
+    language = batched_vs_alone(tiny_language_model(), steps=3)
     if max(language) > 1e-4:
         return Finding(True, f"a fresh LanguageModel's left-padded rows differ from each row alone by {language}")
     return Finding(False, f"batched rows equal each row alone (max differences {errors}; LanguageModel {language})")

@@ -11,7 +11,6 @@ import pytest
 from kvpatch.patches.glm4v_batch_positions import (
     PATCH,
     batched_vs_alone,
-    language_batched_vs_alone,
     tiny_language_model,
     tiny_model,
 )
@@ -48,7 +47,7 @@ def test_given_positions_and_int_offsets_are_upstreams():
 
 @pytest.mark.parametrize("lengths", [(5, 9), (7, 3, 6), (2, 8)])
 def test_fresh_language_model_rows_equal_each_row_alone(lengths):
-    errors = language_batched_vs_alone(tiny_language_model(), lengths, steps=3)
+    errors = batched_vs_alone(tiny_language_model(), lengths, steps=3)
     assert max(errors) <= 1e-4, errors
 
 
