@@ -23,9 +23,10 @@ def _in_range():
     require_affected(PATCH)
 
 
-@pytest.mark.parametrize("lengths", [(5, 9), (7, 3, 6), (4, 4)])
-def test_batched_rows_equal_each_row_alone(lengths):
-    errors = batched_vs_alone(tiny_model(), lengths, steps=3)
+@pytest.mark.parametrize("build", [tiny_model, tiny_language_model], ids=["GLM4VModel", "fresh-LanguageModel"])
+@pytest.mark.parametrize("lengths", [(5, 9), (7, 3, 6), (2, 8)])
+def test_batched_rows_equal_each_row_alone(build, lengths):
+    errors = batched_vs_alone(build(), lengths, steps=3)
     assert max(errors) <= 1e-4, errors
 
 
@@ -43,12 +44,6 @@ def test_given_positions_and_int_offsets_are_upstreams():
             single = model(tokens[:1], cache=[KVCache() for _ in model.layers])
             results.append((given.tolist(), single.tolist()))
     assert results[0] == results[1]
-
-
-@pytest.mark.parametrize("lengths", [(5, 9), (7, 3, 6), (2, 8)])
-def test_fresh_language_model_rows_equal_each_row_alone(lengths):
-    errors = batched_vs_alone(tiny_language_model(), lengths, steps=3)
-    assert max(errors) <= 1e-4, errors
 
 
 def test_language_model_with_rope_state_or_given_positions_is_upstreams():
