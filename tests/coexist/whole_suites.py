@@ -109,10 +109,13 @@ def _load(out: Path, way: str) -> dict[str, str]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def table(out: Path) -> None:
-    done = json.loads((out / "done.json").read_text()) if (out / "done.json").is_file() else []
+def table(outs: list[Path]) -> None:
+    done = {f for out in outs if (out / "done.json").is_file() for f in json.loads((out / "done.json").read_text())}
     print(f"{len(done)} files done")
-    results = {way: _load(out, way) for way in WAYS}
+    results: dict[str, dict[str, str]] = {way: {} for way in WAYS}
+    for out in outs:
+        for way in WAYS:
+            results[way].update(_load(out, way))
     for way, what in WAYS.items():
         counts: dict[str, int] = {}
         for outcome in results[way].values():
@@ -135,11 +138,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=180, help="seconds per test (pytest-timeout)")
     parser.add_argument("--chunk-timeout", type=int, default=600, help="seconds per chunk and way")
     parser.add_argument("--overlap-first", action="store_true", help="the cache-related files first")
+    parser.add_argument("--reverse", action="store_true", help="the files in reverse order (a second runner)")
     parser.add_argument("--table", action="store_true", help="print the counts so far and exit")
+    parser.add_argument("--also", type=Path, action="append", default=[], help="with --table: another run's OUT")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.table:
-        table(args.out)
+        table([args.out, *args.also])
         return 0
     tree = sdist_tree(args.server, installed(args.server) or "")
     files = sorted(str(p.relative_to(tree)) for p in (tree / "tests").rglob("test_*.py"))
@@ -148,7 +153,7 @@ def main() -> int:
         files = first + [f for f in files if f not in first]
     done_path = args.out / "done.json"
     done = json.loads(done_path.read_text()) if done_path.is_file() else []
-    todo = [f for f in files if f not in done]
+    todo = [f for f in (reversed(files) if args.reverse else files) if f not in done]
     print(f"{args.server}: {len(files)} files, {len(todo)} to run", flush=True)
     for start in range(0, len(todo), args.chunk):
         chunk = todo[start : start + args.chunk]
@@ -159,7 +164,7 @@ def main() -> int:
         done += chunk
         done_path.write_text(json.dumps(done))
         print(f"{len(done)}/{len(files)} files", flush=True)
-    table(args.out)
+    table([args.out])
     return 0
 
 
