@@ -138,6 +138,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=180, help="seconds per test (pytest-timeout)")
     parser.add_argument("--chunk-timeout", type=int, default=600, help="seconds per chunk and way")
     parser.add_argument("--overlap-first", action="store_true", help="the cache-related files first")
+    parser.add_argument("--file", action="append", default=[], help="run only these test files (repeatable)")
     parser.add_argument("--reverse", action="store_true", help="the files in reverse order (a second runner)")
     parser.add_argument("--table", action="store_true", help="print the counts so far and exit")
     parser.add_argument("--also", type=Path, action="append", default=[], help="with --table: another run's OUT")
@@ -148,6 +149,8 @@ def main() -> int:
         return 0
     tree = sdist_tree(args.server, installed(args.server) or "")
     files = sorted(str(p.relative_to(tree)) for p in (tree / "tests").rglob("test_*.py"))
+    if args.file:
+        files = [f for f in files if f in args.file]
     if args.overlap_first:
         first = overlapping_files(tree)
         files = first + [f for f in files if f not in first]
