@@ -11,6 +11,9 @@ back), on a tiny random-weight llama (hidden 64, 2 layers, CPU or Metal, whateve
    the machine lets two identical runs differ.
 3. ``mlx_lm.generate.BatchGenerator`` with 4 rows (BatchKVCache), with ``max_kv_size`` where the
    release supports it (BatchRotatingKVCache), and on a tiny hybrid LFM2 (ArraysCache.advance).
+4. Where mlx-vlm has them, decode steps of a left-padded 2-row batch through a tiny random ``LanguageModel`` of
+   qwen3_5 (``Qwen3_5Attention.__call__``: qwen35-batch-positions) and glm4v_moe (``GLM4VModel.__call__``:
+   glm4v-batch-positions), with the batch caches of mlx-vlm's own batch generator (``probe_batch_models.py``).
 
 Patched and unpatched runs alternate (``scripts/_bench.py``); rounds are added until the 95% confidence
 interval of the ratio patched / unpatched is narrower than ``--width`` (default 2%), from ``--rounds`` up to
@@ -159,6 +162,31 @@ def _batch_generator(model: Any, tokens: int, max_kv_size: int | None = None) ->
     return run
 
 
+def _vlm_decode(name: str, tokens: int) -> Callable[[], int]:
+    """Prefill a left-padded 2-row batch, then ``tokens`` decode steps (logits evaluated each step)."""
+    import mlx.core as mx
+    from probe_batch_models import batch_caches, tiny
+
+    mx.random.seed(0)
+    model = tiny(name, 8)
+    mx.eval(model.parameters())
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    longest = max(len(p) for p in prompts)
+    batch = mx.array([[0] * (longest - len(p)) + p for p in prompts])
+    step = mx.array([[3], [4]])
+
+    def run() -> int:
+        for attribute in ("_position_ids", "_rope_deltas"):  # the last prompt's positions, kept on the model
+            setattr(model, attribute, None)
+        cache = batch_caches(model, [longest - len(p) for p in prompts])
+        mx.eval(model(batch, cache=cache).logits)
+        for _ in range(tokens):
+            mx.eval(model(step, cache=cache).logits)
+        return tokens * len(prompts)
+
+    return run
+
+
 def compare(label: str, run: Callable[[], int], patch_ids: list[str], args: Any, unit: str = "tok/s") -> None:
     """Alternate patched and unpatched runs until the ratio's 95% interval is narrower than ``args.width``;
     print both sides' median throughput and the ratio with its interval, by the wall clock and per CPU-second."""
@@ -217,6 +245,8 @@ def main() -> int:
     import mlx_lm
     import mlx_lm.generate  # imports the cache module, so the engine installs its patches
 
+    vlm_models = [name for name in ("qwen3_5", "glm4v_moe") if _importable(f"mlx_vlm.models.{name}.language")]
+
     engine = kvpatch.get_engine()
     ids = hot_path_ids(engine, args.patch)
     print(f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, device {mx.default_device()}")
@@ -244,7 +274,20 @@ def main() -> int:
     if importlib.util.find_spec("mlx_lm.models.lfm2") is not None:
         run = _batch_generator(_tiny_lfm2(), args.tokens)
         compare("BatchGenerator (4 rows, LFM2 hybrid)", run, ids, args)
+    for name in vlm_models:
+        compare(f"mlx-vlm {name} LanguageModel decode (2 rows)", _vlm_decode(name, args.tokens), ids, args)
     return 0
+
+
+def _importable(module: str) -> bool:
+    """Imports ``module`` (so the engine installs the patches on it) if its distribution is here."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception:  # absent, or (mlx-vlm 0.6.0-0.6.3's qwen3_5) a Metal kernel built at import without Metal
+        return False
+    return True
 
 
 if __name__ == "__main__":

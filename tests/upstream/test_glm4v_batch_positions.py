@@ -1,6 +1,7 @@
-"""glm4v-batch-positions beyond its reproduction: a tiny glm4v_moe GLM4VModel over left-padded batches of several
-shapes gives each row what it gives alone (prefill and decode), with ``position_ids`` left to the model; given
-``position_ids`` or an integer offset, the model gets exactly what it got before."""
+"""glm4v-batch-positions beyond its reproduction: a tiny glm4v_moe GLM4VModel, and a fresh LanguageModel, over
+left-padded batches of several shapes give each row what it gives alone (prefill and decode), with ``position_ids``
+left to the model; given ``position_ids``, an integer offset or rope state already held, the model gets exactly what
+it got before."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import contextlib
 
 import pytest
 
-from kvpatch.patches.mlx_vlm.glm4v_batch_positions import PATCH, batched_vs_alone, tiny_model
+from kvpatch.patches.mlx_vlm.glm4v_batch_positions import PATCH, batched_vs_alone, tiny_language_model, tiny_model
 from kvpatch.testing import require_affected, without
 
 
@@ -17,9 +18,10 @@ def _in_range():
     require_affected(PATCH)
 
 
-@pytest.mark.parametrize("lengths", [(5, 9), (7, 3, 6), (4, 4)])
-def test_batched_rows_equal_each_row_alone(lengths):
-    errors = batched_vs_alone(tiny_model(), lengths, steps=3)
+@pytest.mark.parametrize("build", [tiny_model, tiny_language_model], ids=["GLM4VModel", "fresh-LanguageModel"])
+@pytest.mark.parametrize("lengths", [(5, 9), (7, 3, 6), (2, 8)])
+def test_batched_rows_equal_each_row_alone(build, lengths):
+    errors = batched_vs_alone(build(), lengths, steps=3)
     assert max(errors) <= 1e-4, errors
 
 
@@ -37,3 +39,57 @@ def test_given_positions_and_int_offsets_are_upstreams():
             single = model(tokens[:1], cache=[KVCache() for _ in model.layers])
             results.append((given.tolist(), single.tolist()))
     assert results[0] == results[1]
+
+
+def test_language_model_with_rope_state_or_given_positions_is_upstreams():
+    """Rope deltas held on the model (any earlier request) or ``position_ids`` given: upstream's own branches run."""
+    import mlx.core as mx
+    from mlx_vlm.models.cache import BatchKVCache
+
+    model = tiny_language_model()
+    tokens = mx.random.randint(1, 60, (2, 5), key=mx.random.key(3))
+    positions = mx.broadcast_to(mx.arange(5)[None, None], (3, 2, 5))
+    results = []
+    for patched in (True, False):
+        with without(PATCH.id) if not patched else contextlib.nullcontext():
+            model._rope_deltas, model._position_ids = mx.array([[2], [0]]), None
+            held = model(tokens, cache=[BatchKVCache([1, 0]) for _ in model.layers]).logits
+            model._rope_deltas = None
+            given = model(tokens, cache=[BatchKVCache([1, 0]) for _ in model.layers], position_ids=positions).logits
+            results.append((held.tolist(), given.tolist()))
+    assert results[0] == results[1]
+
+
+def test_mlx_vlm_batch_generator_first_batch_rows_equal_each_row_alone():
+    """mlx-vlm's own BatchGenerator (its server's and batch_generate's path) on a fresh model: a left-padded text batch
+    first, then each row alone; every generated token's log-probability must match."""
+    try:
+        from mlx_vlm.generate.ar import BatchGenerator
+        from mlx_vlm.utils import StoppingCriteria
+    except ImportError:
+        pytest.skip("this mlx-vlm has no mlx_vlm.generate.ar.BatchGenerator")
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    model = tiny_language_model()
+    prompts = [[5, 17, 3, 44, 9], [8, 1, 30, 22, 7, 41, 13, 2, 50]]
+
+    def generate(batch: list[list[int]]) -> list[list[float]]:
+        model._position_ids = None  # what glm4v_moe's Model.get_input_embeddings does for a text prompt
+        tokenizer = SimpleNamespace(stopping_criteria=StoppingCriteria([], None))
+        gen = BatchGenerator(model, tokenizer, max_tokens=4, prefill_step_size=None)
+        embeds = [{"inputs_embeds": model.model.embed_tokens(mx.array([p]))} for p in batch]
+        uids = gen.insert(batch, max_tokens=4, prompt_kwargs=embeds)
+        out: dict[int, list[float]] = {uid: [] for uid in uids}
+        while any(len(v) < 4 for v in out.values()):
+            responses = gen.next()
+            for r in responses[1] if isinstance(responses, tuple) else responses:
+                out[r.uid].append(float(r.token_logprob))
+        gen.close()
+        return [out[uid] for uid in uids]
+
+    batched = generate(prompts)
+    alone = [generate([p])[0] for p in prompts]
+    worst = max(abs(a - b) for row, ref in zip(batched, alone, strict=True) for a, b in zip(row, ref, strict=True))
+    assert worst <= 1e-4, (batched, alone)

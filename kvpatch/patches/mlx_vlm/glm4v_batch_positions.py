@@ -1,4 +1,5 @@
-"""glm4v-batch-positions: mlx-vlm's ``GLM4VModel.__call__`` (glm4v_moe) assumes an integer cache offset.
+"""glm4v-batch-positions: mlx-vlm's glm4v_moe ``GLM4VModel.__call__`` assumes an integer cache offset, and a fresh
+``LanguageModel`` positions left-padded rows' prefill and decode inconsistently.
 
 Broken: ``mlx_vlm.models.glm4v_moe.language.GLM4VModel.__call__``, given no ``position_ids``, computes them as
 ``mx.arange(cache[0].offset, cache[0].offset + L)``. With a batch cache (``BatchKVCache``, whose ``offset`` is a
@@ -16,11 +17,30 @@ the padded row still differs from the row alone by 1.6 (batching this model ther
 Upstream: not reported, not fixed as of 0.7.10 (``LanguageModel`` of the same file builds per-row positions from
 ``cache_offsets`` in its decode path; ``GLM4VModel`` was not given the same).
 
-Fix: a delta in front of the original: when ``position_ids`` is None and the first cache's ``offset`` is a
-per-row array, the positions are built per row, ``offset[:, None] + arange(L)`` repeated over the 3 mRoPE
-sections (the ``(3, B, L)`` layout ``LanguageModel`` passes), and handed to the original; each row then gets the
-positions it has alone (its left padding at negative positions, masked). Anything else goes to the original as it
-is. Lazy, no host synchronisation; one check per forward pass (not per layer).
+Also broken, on the path mlx-vlm's own ``BatchGenerator`` takes (its server and ``batch_generate``):
+``LanguageModel.__call__`` given no ``position_ids`` builds a left-padded batch's prefill positions with
+``get_rope_index`` whenever the model holds no ``_rope_deltas`` (a fresh model, or the first text request after an
+image request reset them): without an attention mask those are ``arange(L)`` over the padded row (pads included),
+with a 2-D mask they exclude the pads but the ``rope_deltas`` they return (``-padding``) are then added to the cache
+offset, which already excludes them. Either way a padded row's decode positions disagree with its prefill ones.
+Measured (Linux, mlx[cpu], 0.7.10; a tiny random glm4v_moe ``LanguageModel``, prompts of 5 and 9 tokens, a fresh
+model, ``BatchKVCache`` per layer, no positions and no mask, as the generator passes for text): the padded row's
+decode logits differ from the row alone by 0.11, 0.14, 0.21 over three steps (``scripts/probe_batch_models.py``;
+0.14 in this unit's reproduction; prefill and the unpadded row exact), the same on 0.5.0 and 0.6.4, and the same
+with a 2-D mask; through ``BatchGenerator`` itself the padded row's first decode token log-probability is -3.1038
+against -3.1614 alone. Once ``_rope_deltas`` is set (any earlier text request) the same call takes upstream's per-row
+branch (``offset + rope_deltas``) and is exact.
+
+Fix: deltas in front of the originals. ``GLM4VModel.__call__``: when ``position_ids`` is None and the first cache's
+``offset`` is a per-row array, the positions are built per row, ``offset[:, None] + arange(L)`` repeated over the 3
+mRoPE sections (the ``(3, B, L)`` layout ``LanguageModel`` passes), and handed to the original; each row then gets the
+positions it has alone (its left padding at negative positions, masked). ``LanguageModel.__call__``: in the state
+above (no ``position_ids`` or ``pixel_values`` given, no rope state held) with a per-row cache offset, the model is
+given the zero ``rope_deltas`` a text prompt's ``get_rope_index`` returns (the state upstream's own call leaves
+behind) before the original runs, so the original takes its per-row branch for this call and the next ones:
+``offset + rope_deltas + arange(L)``, a ``rope_deltas`` argument (as the generator passes in decode) taking precedence
+as upstream has it. Anything else goes to the originals as it is. Lazy, no host synchronisation; one check per
+forward pass (not per layer).
 """
 
 from __future__ import annotations
@@ -33,16 +53,17 @@ from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
     id="glm4v-batch-positions",
-    summary="glm4v_moe GLM4VModel builds position_ids with mx.arange(cache.offset): batch caches raise TypeError",
+    summary="glm4v_moe GLM4VModel builds position_ids with mx.arange(cache.offset): batch caches raise TypeError; "
+    "a fresh LanguageModel gives left-padded rows prefill positions their decode disagrees with",
     distribution="mlx-vlm",
     affected=">=0.5.0,<=0.7.10",
     checked_through="0.7.10",
-    reference="not reported upstream (mlx_vlm/models/glm4v_moe/language.py, GLM4VModel.__call__; "
-    "vllm-mlx patches it in vllm_mlx/patches/glm4v_moe_mllm.py)",
+    reference="not reported upstream (mlx_vlm/models/glm4v_moe/language.py, GLM4VModel.__call__ and "
+    "LanguageModel.__call__; vllm-mlx patches GLM4VModel in vllm_mlx/patches/glm4v_moe_mllm.py)",
     catalogue="issue 29 item 5",
     hot_path=True,
     expiry=Expiry(
-        "retire when mlx-vlm's GLM4VModel builds per-row position_ids for an array cache offset",
+        "retire when mlx-vlm's GLM4VModel and LanguageModel build per-row position_ids for an array cache offset",
         review_by=_dt.date(2027, 3, 1),
     ),
 )
@@ -66,6 +87,27 @@ def _build(original: Any) -> Any:
             length = (inputs if inputs_embeds is None else inputs_embeds).shape[1]
             position_ids = positions(cache[0].offset, length)
         return original(self, inputs, inputs_embeds, cache, mask, position_ids)
+
+    return __call__
+
+
+@PATCH.replace("mlx_vlm.models.glm4v_moe.language", "LanguageModel.__call__")
+def _build_language(original: Any) -> Any:
+    import mlx.core as mx
+
+    array, zeros, int32 = mx.array, mx.zeros, mx.int32
+
+    def __call__(self: Any, inputs: Any, inputs_embeds: Any = None, mask: Any = None, cache: Any = None, **kwargs: Any):
+        if self._rope_deltas is None and self._position_ids is None and cache and cache[0] is not None:
+            offset = cache[0].offset
+            if (
+                isinstance(offset, array)
+                and offset.size > 1
+                and kwargs.get("position_ids") is None
+                and kwargs.get("pixel_values") is None
+            ):
+                self._rope_deltas = zeros((inputs.shape[0], 1), dtype=int32)
+        return original(self, inputs, inputs_embeds, mask, cache, **kwargs)
 
     return __call__
 
@@ -97,36 +139,56 @@ def tiny_model() -> Any:
 
 def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 2) -> list[float]:
     """Each row of a left-padded batch (``BatchKVCache`` per layer, ``position_ids`` left to the model) against
-    the row alone (``KVCache``): the largest difference of the hidden states over prefill and ``steps`` decode
-    steps, per row."""
+    the row alone (``KVCache``): the largest difference of the last position's output (a ``GLM4VModel``'s hidden
+    states, a ``LanguageModel``'s logits) over prefill and ``steps`` decode steps, per row. A ``LanguageModel``
+    starts each run holding no rope state, as a fresh model does (and no mask: what mlx-vlm's batch generator
+    passes for a text prompt)."""
     import mlx.core as mx
     from mlx_vlm.models.cache import BatchKVCache, KVCache
 
-    longest = max(lengths)
+    def run(tokens: list[Any], cache: list[Any]) -> list[Any]:
+        if hasattr(model, "_rope_deltas"):
+            model._rope_deltas = model._position_ids = None
+        return [getattr(out, "logits", out)[:, -1] for out in (model(t, cache=cache) for t in tokens)]
+
+    longest, layers = max(lengths), len(model.layers)
     keys = mx.random.split(mx.random.key(1), len(lengths) + 1)
     prompts = [mx.random.randint(1, 60, (1, n), key=keys[i]) for i, n in enumerate(lengths)]
     decode = mx.random.randint(1, 60, (steps, len(lengths), 1), key=keys[-1])
-    layers = len(model.layers)
-    alone = []
-    for row, prompt in enumerate(prompts):
-        cache = [KVCache() for _ in range(layers)]
-        outs = [model(prompt, cache=cache)[:, -1]]
-        outs += [model(decode[s, row : row + 1], cache=cache)[:, -1] for s in range(steps)]
-        alone.append(outs)
+    alone = [
+        run([prompt, *(decode[s, row : row + 1] for s in range(steps))], [KVCache() for _ in range(layers)])
+        for row, prompt in enumerate(prompts)
+    ]
     padding = [longest - n for n in lengths]
     batch = mx.concatenate([mx.pad(p, [(0, 0), (pad, 0)]) for p, pad in zip(prompts, padding, strict=True)])
-    cache = [BatchKVCache(padding) for _ in range(layers)]
-    outs = [model(batch, cache=cache)[:, -1]]
-    outs += [model(decode[s], cache=cache)[:, -1] for s in range(steps)]
+    outs = run([batch, *decode], [BatchKVCache(padding) for _ in range(layers)])
     return [
         max(float(mx.abs(outs[s][row] - alone[row][s][0]).max()) for s in range(steps + 1))
         for row in range(len(lengths))
     ]
 
 
+def tiny_language_model() -> Any:
+    """A tiny random glm4v_moe ``LanguageModel`` (:func:`tiny_config`; the vision fields ``get_rope_index`` reads)."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+    from mlx_vlm.models.glm4v_moe.language import LanguageModel
+
+    vision = SimpleNamespace(
+        vision_config=SimpleNamespace(spatial_merge_size=2), image_token_id=61, video_token_id=62,
+        vision_start_token_id=63,
+    )  # fmt: skip
+    mx.random.seed(0)
+    model = LanguageModel(tiny_config(), vision)
+    mx.eval(model.parameters())
+    return model
+
+
 @PATCH.reproduce
 def reproduce() -> Finding:
-    """A tiny glm4v_moe GLM4VModel over a left-padded batch with per-row cache offsets, against each row alone."""
+    """A tiny glm4v_moe GLM4VModel, then a fresh LanguageModel, over a left-padded batch with per-row cache offsets,
+    against each row alone."""
     try:
         model = tiny_model()
     except ImportError as exc:
@@ -140,4 +202,7 @@ def reproduce() -> Finding:
         return Finding(True, f"GLM4VModel with a batch cache (array offset) raises TypeError: {text}")
     if max(errors) > 1e-4:
         return Finding(True, f"batched rows differ from each row alone by {errors}")
-    return Finding(False, f"batched rows equal each row alone (max differences {errors})")
+    language = batched_vs_alone(tiny_language_model(), steps=3)
+    if max(language) > 1e-4:
+        return Finding(True, f"a fresh LanguageModel's left-padded rows differ from each row alone by {language}")
+    return Finding(False, f"batched rows equal each row alone (max differences {errors}; LanguageModel {language})")

@@ -20,6 +20,16 @@ do. vllm-mlx's replacement uses the largest offset for every row, one position c
 
 Upstream: 7267aff2 (#1313, 0.6.3) is upstream's partial fix (see above); not fixed as of 0.7.10.
 
+Not in this patch, upstream's contract: ``LanguageModel.__call__`` given a left-padded batch with neither
+``position_ids`` nor a 2-D ``attention_mask`` computes the prompt's mRoPE positions over the padded row (pads
+included; its own derivation of a mask from ``cache.left_padding`` runs only when the cache offset is not a per-row
+array of several rows, and a batch cache's is), while decode positions come from the row's offset (pads excluded).
+Measured on 0.7.10 (the tiny model of :func:`tiny_config` as a ``LanguageModel``, prompts of 5 and 9 tokens, 3
+decode steps): the padded row's decode logits differ from the row alone by 0.079, 0.082, 0.045 without either; 0.0
+with the 2-D ``attention_mask``; 0.0 through mlx-vlm's own ``BatchGenerator``, which passes each row's
+``position_ids`` from ``get_input_embeddings``. As with Hugging Face's ``get_rope_index``, a padded batch needs the
+mask or the positions.
+
 Fix: a delta in front of the original: when ``position_ids`` is None and the cache's ``offset`` is a per-row array,
 each row's positions are ``offset[:, None] + arange(L)`` (``_mrope.row_positions``; the pad slots get negative
 positions, masked) and handed to the original, which then takes its given-positions path. Each row gets the
