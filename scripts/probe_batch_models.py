@@ -11,10 +11,10 @@ largest difference of the last position's logits per row and step (prefill, then
 
 Models: ``gemma4`` (sliding window ``--window``), ``qwen3_5``, ``glm4v_moe``. Gemma 4 prints zeros on 0.5.0, 0.6.4
 and 0.7.10 (its masks are built per layer type from that type's cache, so a sliding layer's mask is as long as its
-keys, also when a chunk is longer than the window). ``qwen3_5`` and ``glm4v_moe`` print non-zero decode
-differences for the padded row: their ``LanguageModel`` computes the prompt's mRoPE positions over the padded row
-(pads included) when it is given no 2-D attention mask, and the decode positions from the row's cache offset (pads
-excluded).
+keys, also when a chunk is longer than the window). ``qwen3_5`` prints non-zero decode
+differences for the padded row when given neither ``position_ids`` nor a 2-D attention mask (upstream's contract:
+its prompt positions then count the pads); ``glm4v_moe`` prints zeros with kvpatch on (``glm4v-batch-positions``)
+and non-zero differences with ``KVPATCH_DISABLE=glm4v-batch-positions``.
 """
 
 from __future__ import annotations
