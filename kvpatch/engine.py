@@ -407,13 +407,10 @@ class Engine:
         found = None if measurer.remeasure() else verdicts.lookup(verdict_key)
         by = measurer.measuring()
         if found is None and by is not None:
-            if patch.id in measurer.MEASURING:
-                return  # a hook fired by this very measurement (importing the targets): the outer call decides
-            measurer.MEASURING.add(patch.id)
-            try:
+            with measurer.measuring_patch(patch.id) as first:
+                if not first:
+                    return  # a hook fired by this very measurement (importing the targets): the outer call decides
                 st.measurement = self.measure(patch, install=True)
-            finally:
-                measurer.MEASURING.discard(patch.id)
             found = verdicts.verdict_of(st.measurement.before, st.measurement.after, by=by)
             verdicts.store(verdict_key, patch, found, self.upstream)
         if found is None:

@@ -20,10 +20,10 @@ from . import config, verdicts
 from . import store as _store
 
 __all__ = [
-    "MEASURING",
     "background_start",
     "measuring",
     "measuring_as",
+    "measuring_patch",
     "record_attempt",
     "remeasure",
     "request_verification",
@@ -36,7 +36,7 @@ _measuring: str | None = None
 _remeasure = False
 _requested: str | None = None
 #: Ids of the patches being measured now (a hook fired by importing their targets must not start a second run).
-MEASURING: set[str] = set()
+_patches: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -51,6 +51,20 @@ def measuring_as(by: str, *, remeasure: bool = False) -> Iterator[None]:
         yield
     finally:
         _measuring, _remeasure = saved
+
+
+@contextlib.contextmanager
+def measuring_patch(patch_id: str) -> Iterator[bool]:
+    """Mark ``patch_id`` as being measured for the block; yields False when it is already (a hook fired by the
+    measurement's own imports), and then marks nothing."""
+    if patch_id in _patches:
+        yield False
+        return
+    _patches.add(patch_id)
+    try:
+        yield True
+    finally:
+        _patches.discard(patch_id)
 
 
 def measuring() -> str | None:
