@@ -1,6 +1,8 @@
 """A server's whole test suite three ways, by hand (issue 29's closing note): not a test, a tool.
 
-Run inside the server's coexist bucket::
+Run inside the server's coexist bucket, from an environment that has pytest-timeout (and pytest-asyncio for
+Rapid-MLX, whose tests are async) beside kvpatch, e.g. a throwaway venv with ``pip install . pytest
+pytest-timeout pytest-asyncio``::
 
     nice -n 19 .venv/bin/python scripts/in_bucket.py coexist-vllm-mlx -- \\
         python tests/coexist/whole_suites.py vllm-mlx --out /tmp/whole-vllm
