@@ -43,6 +43,8 @@ else:
 
 JOBS = int(os.environ.get("KVPATCH_MATRIX_JOBS", "2"))
 LAYER_JOBS = 4
+#: Each started bucket's work folder (its pytest.log holds the bucket's whole output).
+WORKDIRS: dict[str, Path] = {}
 #: _run_bucket's exit code when the bucket's layers could not be built (pytest's own codes are 0-5).
 BUILD_FAILED = 99
 
@@ -65,7 +67,10 @@ def _run_bucket(bucket: Bucket, workdir: Path) -> tuple[int, str, float]:
         text=True,
         timeout=1800,
     )
-    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
+    output = proc.stdout + proc.stderr
+    # the whole output stays beside the bucket's work folder: a failure's message shows only its first lines
+    (workdir / "pytest.log").write_text(output, encoding="utf-8")
+    return proc.returncode, output, time.monotonic() - started
 
 
 def _say(config: pytest.Config, text: str) -> None:
@@ -118,7 +123,8 @@ def start(config: pytest.Config, names: list[str], base: Path) -> None:
             builders.submit(_prefetch, req)
         config.add_cleanup(lambda: builders.shutdown(wait=True, cancel_futures=True))
     pool = ThreadPoolExecutor(max_workers=JOBS)
-    config.stash[_RUNS] = {b.name: pool.submit(_run_bucket, b, base / b.name) for b in chosen}
+    WORKDIRS.update({b.name: base / b.name for b in chosen})
+    config.stash[_RUNS] = {b.name: pool.submit(_run_bucket, b, WORKDIRS[b.name]) for b in chosen}
     config.add_cleanup(lambda: pool.shutdown(wait=True, cancel_futures=True))
 
 
@@ -153,4 +159,11 @@ def test_bucket(bucket, bucket_runs, request):
         # an offline host (no package index) can only run buckets whose layers are cached; under CI this fails
         missing = [req for req in bucket.requirements if not is_cached(req)]
         skip_if_no_index(output, f"bucket {bucket.name} (layers not cached: {', '.join(missing) or 'none'})")
-    assert code == 0, f"bucket {bucket.name} failed (exit {code}):\n{tail}"
+    if code != 0:
+        # the first failures, not only the last ones: a bucket where every patch test fails shows what went first
+        lines = output.strip().splitlines()
+        first = [line for line in lines if line.startswith(("FAILED ", "ERROR "))][:20]
+        log = WORKDIRS[bucket.name] / "pytest.log"
+        pytest.fail(
+            f"bucket {bucket.name} failed (exit {code}); whole output: {log}\n" + "\n".join(first) + f"\n{tail}"
+        )
