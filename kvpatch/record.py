@@ -211,11 +211,6 @@ class Patch:
         if self.fixed_in is None and self.checked_through is None:
             raise RecordError(f"{self.id}: an unfixed bug needs checked_through (the newest release measured)")
 
-    @property
-    def specifier(self) -> SpecifierSet:
-        """``affected`` as a ``packaging`` SpecifierSet (the maintenance tools' name for :attr:`range`)."""
-        return self.range
-
     def _register(self, target: Target) -> Callable[[Builder], Builder]:
         if target in self.builders:
             raise RecordError(f"{self.id}: target {target.path} declared twice")

@@ -126,7 +126,7 @@ def module_path(root: Path, module: str) -> Path | None:
 
 
 def releases_in(patch: Patch, available: list[Version]) -> list[str]:
-    return [str(v) for v in available if patch.specifier.contains(v, prereleases=False)]
+    return [str(v) for v in available if patch.range.contains(v, prereleases=False)]
 
 
 def index_versions(distribution: str) -> list[Version]:

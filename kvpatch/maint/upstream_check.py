@@ -119,7 +119,7 @@ class Agreement:
 
 
 def _lower_bounds(patch: Patch) -> list[str]:
-    return [str(s) for s in patch.specifier if s.operator in (">=", ">", "==", "~=")]
+    return [str(s) for s in patch.range if s.operator in (">=", ">", "==", "~=")]
 
 
 def _range_through(patch: Patch, last: str) -> str:
@@ -131,7 +131,7 @@ def _range_before(patch: Patch, fixed: str) -> str:
 
 
 def _below(patch: Patch, version: Version) -> bool:
-    return any(s.operator in (">=", ">") and not s.contains(version, prereleases=True) for s in patch.specifier)
+    return any(s.operator in (">=", ">") and not s.contains(version, prereleases=True) for s in patch.range)
 
 
 def expectation(patch: Patch, release: str) -> Expect:
@@ -143,7 +143,7 @@ def expectation(patch: Patch, release: str) -> Expect:
     if fixed is not None and version >= fixed:
         # The fixing release itself (or a post/local build of it) must be clean; later ones are past the range.
         return Expect.ABSENT if version.release == fixed.release else Expect.NOT_RELEVANT
-    if patch.specifier.contains(version, prereleases=True):
+    if patch.range.contains(version, prereleases=True):
         if fixed is None and patch.checked_through and version > Version(patch.checked_through):
             return Expect.NEWER
         return Expect.NEEDED
@@ -961,7 +961,7 @@ def _bisect(planner: Planner, patch: Patch, release: str, options: Options) -> s
         }
     )
     if lo is None:
-        candidates = [v for v in candidates if patch.specifier.contains(v, prereleases=True)]
+        candidates = [v for v in candidates if patch.range.contains(v, prereleases=True)]
     first = str(hi)
     while candidates:
         mid = candidates[len(candidates) // 2]

@@ -23,7 +23,7 @@ def _in_range_releases(patch) -> list[str]:
     found = set()
     for bucket in BUCKETS:
         version = bucket.version(patch.distribution)
-        if version and patch.specifier.contains(version, prereleases=True):
+        if version and patch.range.contains(version, prereleases=True):
             found.add(version)
     return sorted(found)
 
