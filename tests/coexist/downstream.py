@@ -97,16 +97,22 @@ def overlapping_files(tree: Path) -> list[str]:
     return out
 
 
+def pytest_command(files: list[str], xml: Path) -> list[str]:
+    """pytest over a server's test files from its tree, writing a junit report to ``xml`` (every runner of a
+    server's suite starts from this one command line)."""
+    return [
+        sys.executable, "-m", "pytest", *files, "-p", "no:cacheprovider", "-p", "no:randomly",
+        "--continue-on-collection-errors", f"--junitxml={xml}", "-o", "junit_family=xunit2",
+    ]  # fmt: skip
+
+
 def run_tests(tree: Path, files: list[str], env: dict[str, str], timeout: int = 3000) -> dict[str, str]:
     """``{test id: passed|failed|error|skipped}`` for ``files`` run with pytest from ``tree``."""
     with tempfile.TemporaryDirectory(prefix="kvpatch-junit-") as tmp:
         xml = Path(tmp) / "junit.xml"
         subprocess.run(
-            [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-             "--continue-on-collection-errors",
-             f"--junitxml={xml}", "-o", "junit_family=xunit2"],
-            cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
+            [*pytest_command(files, xml), "-q"], cwd=tree, env=env, capture_output=True, text=True, timeout=timeout
+        )
         if not xml.is_file():
             raise AssertionError(f"pytest wrote no report for {files}")
         return _outcomes(xml)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from coexist_support import installed  # noqa: E402
-from downstream import _outcomes, overlapping_files, sdist_tree  # noqa: E402
+from downstream import _outcomes, overlapping_files, pytest_command, sdist_tree  # noqa: E402
 from server_fixes import off_environ  # noqa: E402
 from support import child_env  # noqa: E402
 
@@ -75,10 +75,8 @@ def run_chunk(tree: Path, files: list[str], way: str, args: argparse.Namespace, 
         with tempfile.TemporaryDirectory(prefix="kvpatch-whole-") as tmp:
             xml, log = Path(tmp) / "junit.xml", Path(tmp) / "log"
             cmd = [
-                sys.executable, "-m", "pytest", *files, "-v", "-p", "no:cacheprovider", "-p", "no:randomly",
-                "--continue-on-collection-errors", f"--timeout={args.timeout}", "--timeout-method=signal",
-                f"--junitxml={xml}", "-o", "junit_family=xunit2", *SERVER_OPTIONS[server],
-                *[f"--deselect={d}" for d in deselect],
+                *pytest_command(files, xml), "-v", f"--timeout={args.timeout}", "--timeout-method=signal",
+                *SERVER_OPTIONS[server], *[f"--deselect={d}" for d in deselect],
             ]  # fmt: skip
             with log.open("w") as fh:
                 proc = subprocess.Popen(cmd, cwd=tree, env=_environ(way), stdout=fh, stderr=subprocess.STDOUT,
