@@ -30,7 +30,8 @@ def expected() -> dict[str, Any]:
     reg = registry.load()
     if reg.broken:
         raise RuntimeError(f"units that do not load: {reg.broken}")
-    return {"units": registry.entries(reg.patches)}
+    patches = sorted(reg.patches, key=lambda p: p.module)
+    return {"units": {p.module: {name: getattr(p, name) for name in registry.INDEXED} for p in patches}}
 
 
 def render(data: dict[str, Any]) -> str:

@@ -3,7 +3,6 @@ that can apply; it must say what the units say, and a stub must decide as its re
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -51,8 +50,8 @@ def test_stub_holds_the_indexed_fields_only_and_resolves_to_its_record():
 
 
 def test_index_not_matching_the_units_is_not_used(monkeypatch):
-    names = registry._unit_names(importlib.import_module("kvpatch.patches"))
-    monkeypatch.setattr(registry, "_unit_names", lambda package: [*names, f"{registry.PACKAGE}.new_unit"])
+    names = registry._unit_names()
+    monkeypatch.setattr(registry, "_unit_names", lambda: [*names, f"{registry.PACKAGE}.new_unit"])
     assert registry.index() is None
 
 
