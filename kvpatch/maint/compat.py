@@ -41,12 +41,12 @@ _ACTION_TEXT = {
 }
 
 
-
 def fixed_text(p: Patch) -> str:
     """The table's "fixed in" cell: the release (and commit), else how far it was checked."""
     if p.fixed_in:
         return p.fixed_in + (f" ({p.fixed_commit})" if p.fixed_commit else "")
     return f"not fixed as of {p.checked_through}" if p.checked_through else "not fixed"
+
 
 def _pin_decision(patch: Patch, commit: str, version: str) -> str:
     upstream = Upstream(patch.distribution, version, Source(kind="vcs", url="git", vcs="git", commit=commit))
