@@ -1,8 +1,8 @@
 """A bounded prompt cache per call, as mlx-lm's ``BatchGenerator._make_new_cache`` bounds it (0.31.2, 0.31.3): every
-full-attention ``KVCache`` of the model's layout becomes a ``RotatingKVCache(max_size=max_kv_size)``, without flipping
-``make_prompt_cache``'s documented behaviour for the whole process (the opt-in ``max-kv-size-ignored`` does that).
-Unlike it, a ``CacheList``'s ``KVCache`` children are bounded too, and ``keep`` is 0 for a model without
-``make_cache``. Any other cache (rotating, arrays, chunked, quantized, ``KVCache`` subclasses) stays as it is.
+full-attention ``KVCache`` becomes a ``RotatingKVCache(max_size=max_kv_size)``, without changing
+``make_prompt_cache`` for the whole process (the opt-in ``max-kv-size-ignored`` does that). Unlike it, a
+``CacheList``'s ``KVCache`` children are bounded too, and ``keep`` is 0 for a model without ``make_cache``. Any
+other cache (rotating, arrays, chunked, quantized, ``KVCache`` subclasses) stays as it is.
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ def bound_layout(caches: list[Any], max_kv_size: int, keep: int = 0) -> list[Any
     """:func:`bounded_prompt_cache` for a layout of empty caches the caller has just built (CacheList layers are
     bounded in place); a populated cache is refused."""
     _check(max_kv_size, keep)
-    rotating = {}  # KVCache class -> the RotatingKVCache of the same origin
-    for name in _ORIGINS:
-        module = sys.modules.get(name)
-        if module is None and name == _ORIGINS[0]:
-            module = importlib.import_module(name)
-        if module is not None and hasattr(module, "KVCache") and hasattr(module, "RotatingKVCache"):
-            rotating[module.KVCache] = module.RotatingKVCache
+    importlib.import_module(_ORIGINS[0])  # mlx-vlm's caches only where mlx-vlm is loaded already
+    origins: list[Any] = [sys.modules.get(name) for name in _ORIGINS]
+    # KVCache class -> the RotatingKVCache of the same origin
+    rotating = {
+        m.KVCache: m.RotatingKVCache for m in origins if hasattr(m, "KVCache") and hasattr(m, "RotatingKVCache")
+    }
 
     def bound(cache: Any) -> Any:
         make = rotating.get(type(cache))

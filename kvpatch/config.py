@@ -118,12 +118,9 @@ def _unknown_ids(variable: str, unknown: list[str], known_ids: frozenset[str]) -
     for item in unknown[:_NAMED]:
         close = difflib.get_close_matches(item[:SHOWN], sorted(known_ids), n=1, cutoff=0.6) if len(item) <= 200 else []
         named.append(_shown(item) + (f" (did you mean {close[0]!r}?)" if close else ""))
-    more = f" and {len(unknown) - _NAMED} more" if len(unknown) > _NAMED else ""
-    noun = "id" if len(unknown) == 1 else "ids"
-    return (
-        f"{variable} names unknown patch {noun} {', '.join(named)}{more}; ignored "
-        "(`kvpatch status -v` lists every patch id)"
-    )
+    listed = ", ".join(named) + (f" and {len(unknown) - _NAMED} more" if len(unknown) > _NAMED else "")
+    ids = "id" if len(unknown) == 1 else "ids"
+    return f"{variable} names unknown patch {ids} {listed}; ignored (`kvpatch status -v` lists every patch id)"
 
 
 def _shown(value: str) -> str:

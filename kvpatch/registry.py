@@ -20,7 +20,7 @@ from .record import DISTRIBUTIONS, Patch
 __all__ = ["Registry", "Stub", "index", "load"]
 
 PACKAGE = "kvpatch.patches"
-INDEX = "units.json"
+INDEX = Path(__file__).parent / "data" / "units.json"
 
 
 class Registry:
@@ -110,15 +110,11 @@ class Stub:
 INDEXED = tuple(f.name for f in fields(Stub) if f.name != "module")
 
 
-def index_path() -> Path:
-    return Path(__file__).parent / "data" / INDEX
-
-
 def index() -> list[Stub] | None:
     """A :class:`Stub` per unit, or ``None`` when the index is missing, unreadable or does not list exactly the
     units on disk (then :func:`load` is the way). Never raises."""
     try:
-        units = json.loads(index_path().read_text(encoding="utf-8"))["units"]
+        units = json.loads(INDEX.read_text(encoding="utf-8"))["units"]
         return [Stub(name, **units[name]) for name in units] if sorted(units) == _unit_names() else None
     except Exception:
         return None

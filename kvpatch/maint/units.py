@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="rewrite the index from the units")
     args = parser.parse_args(argv)
     data = expected()
-    text, path = render(data), registry.index_path()
+    text, path = render(data), registry.INDEX
     if args.write:
         path.write_text(text, encoding="utf-8")
         print(f"wrote {path} ({len(data['units'])} units)")

@@ -25,7 +25,7 @@ _SOURCES = (Source(), Source(kind="archive", url="file:///w.whl"), Source(kind="
 
 
 def test_index_says_what_the_units_say():
-    current = registry.index_path().read_text(encoding="utf-8")
+    current = registry.INDEX.read_text(encoding="utf-8")
     assert current == units.render(units.expected()), "stale: run python -m kvpatch.maint.regenerate"
 
 
@@ -83,9 +83,7 @@ def test_activation_imports_only_units_that_can_apply(tmp_path):
 
 @pytest.mark.parametrize("stale", ["missing", "garbage"])
 def test_unusable_index_file_is_not_used(monkeypatch, tmp_path, stale):
-    monkeypatch.setattr(registry, "__file__", str(tmp_path / "x" / "registry.py"))
-    (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "data").mkdir()
+    monkeypatch.setattr(registry, "INDEX", tmp_path / "units.json")
     if stale == "garbage":
-        (tmp_path / "x" / "data" / registry.INDEX).write_text("{not json", encoding="utf-8")
+        registry.INDEX.write_text("{not json", encoding="utf-8")
     assert registry.index() is None
