@@ -1,8 +1,7 @@
-"""Place a git-pinned upstream commit against the commits that fixed or introduced a bug, from the shipped index
-of each upstream's first-parent main line (``kvpatch/data/commits-<dist>.txt``, built by
-``scripts/build_commit_index.py``). Main-line commits are ordered by position; a commit merged from a side branch
-takes the position of its merge. A pin not in the index (too new, a fork, an unmerged branch) is unknown: the
-reproduction decides. Release tags in the file are not read (upstream tags and PyPI wheels disagree in places).
+"""Place a git-pinned upstream commit against a bug's fixing and introducing commits, from the shipped index of
+each upstream's first-parent main line (``kvpatch/data/commits-<dist>.txt``, by ``scripts/build_commit_index.py``):
+a side-branch commit takes its merge's position. A pin not in the index is unknown: the reproduction decides. The
+file's release tags are not read (upstream tags and PyPI wheels disagree in places).
 """
 
 from __future__ import annotations
@@ -13,9 +12,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import resources
 
+from .record import DISTRIBUTIONS
+
 __all__ = ["DISTRIBUTIONS", "MIN_PREFIX", "CommitIndex", "Placement", "load_index", "place"]
 
-DISTRIBUTIONS: tuple[str, ...] = ("mlx-lm", "mlx-vlm")
 MIN_PREFIX = 7  # shortest commit prefix accepted by CommitIndex.resolve
 _HEX = frozenset("0123456789abcdef")
 _FULL = 40  # length of a full (SHA-1) commit id
@@ -47,16 +47,12 @@ class CommitIndex:
                 if sep and key in ("distribution", "head", "generated"):
                     header[key] = value.strip()
             elif line[0] == "+":
-                if not mainline:
-                    raise ValueError("commit index: side commit before any main-line commit")
                 position[line[1 : _FULL + 1]] = len(mainline) - 1
             else:
                 sha, _, rest = line.partition(" ")
                 position[sha] = len(mainline)
                 prs.update((len(mainline), int(word[1:])) for word in rest.split() if word[0] == "#")
                 mainline.append(sha)
-        if not mainline:
-            raise ValueError("commit index: no commits")
         if header.get("head", mainline[-1]) != mainline[-1]:
             raise ValueError(f"commit index: header head {header['head']} is not the last main-line commit")
         generated = datetime.fromisoformat(header["generated"])
@@ -65,9 +61,6 @@ class CommitIndex:
     @functools.cached_property
     def _sorted(self) -> list[str]:
         return sorted(self._position)
-
-    def __len__(self) -> int:
-        return len(self._position)
 
     def resolve(self, commit_or_prefix: str) -> str | None:
         """Full id of an indexed commit, or None (unknown, too short, not hex, or ambiguous)."""
@@ -83,11 +76,6 @@ class CommitIndex:
         if i + 1 < len(ids) and ids[i + 1].startswith(key):
             return None  # ambiguous
         return ids[i]
-
-    def position(self, commit: str) -> int | None:
-        """Main-line position (0 = oldest; a side commit: its merge's), or None if it is not indexed."""
-        full = self.resolve(commit)
-        return None if full is None else self._position[full]
 
     def contains(self, pinned: str, fix_commit: str) -> bool | None:
         """Whether the tree at ``pinned`` contains ``fix_commit`` (None: unknown). A pin on a merged side branch

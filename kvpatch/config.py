@@ -16,17 +16,13 @@ _NAMED = 3  # the most unknown ids one message names
 OFF_VALUES = frozenset(_boot().OFF_VALUES)
 ON_VALUES = frozenset({"", "on", "1", "true", "yes", "enable", "enabled", "auto"})
 
-OFF = "KVPATCH"
-DISABLE = "KVPATCH_DISABLE"
-ENABLE = "KVPATCH_ENABLE"
-ENFORCE = "KVPATCH_ENFORCE"
 VERIFY = "KVPATCH_VERIFY"
 VERDICTS = "KVPATCH_VERDICTS"
 CACHE = "KVPATCH_CACHE"
 VENDORED = "KVPATCH_VENDORED"
 VERIFYING = "KVPATCH_VERIFYING"  # set by kvpatch for a verification process (the background child, ``verify``)
 #: Every variable a user sets (what an import does depends on each: ``kvpatch.settle`` keys on all of them).
-VARIABLES = (OFF, DISABLE, ENABLE, ENFORCE, VERIFY, VERDICTS, CACHE, VENDORED)
+VARIABLES = ("KVPATCH", "KVPATCH_DISABLE", "KVPATCH_ENABLE", "KVPATCH_ENFORCE", VERIFY, VERDICTS, CACHE, VENDORED)
 
 
 @dataclass(frozen=True)
@@ -49,15 +45,16 @@ class Config:
 def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[str] | None = None) -> Config:
     env = _env(environ)
     problems: list[str] = []
+    raw = env.get("KVPATCH", "")
     enabled = not is_off(env)
-    if enabled and env.get(OFF, "").strip().lower() not in ON_VALUES:
-        problems.append(f"KVPATCH={_shown(env.get(OFF, ''))} is not understood (use 'off' or 'on'); kvpatch stays on")
-    disabled, disable_all = _ids(env, DISABLE, known_ids, problems)
-    opted, enable_all = _ids(env, ENABLE, known_ids, problems)
-    enforce = env.get(ENFORCE, "").strip().lower()
-    if enforce not in ON_VALUES | OFF_VALUES:
-        problems.append(f"KVPATCH_ENFORCE={_shown(env.get(ENFORCE, ''))} is not understood (use 1 or 0); not enforcing")
-    enforcing = bool(enforce) and enforce in ON_VALUES
+    if enabled and raw.strip().lower() not in ON_VALUES:
+        problems.append(f"KVPATCH={_shown(raw)} is not understood (use 'off' or 'on'); kvpatch stays on")
+    disabled, disable_all = _ids(env, "KVPATCH_DISABLE", known_ids, problems)
+    opted, enable_all = _ids(env, "KVPATCH_ENABLE", known_ids, problems)
+    raw = env.get("KVPATCH_ENFORCE", "")
+    if raw.strip().lower() not in ON_VALUES | OFF_VALUES:
+        problems.append(f"KVPATCH_ENFORCE={_shown(raw)} is not understood (use 1 or 0); not enforcing")
+    enforcing = raw.strip().lower() in ON_VALUES - {""}
     return Config(enabled, disabled, disable_all, enforcing, tuple(problems), opted, enable_all)
 
 

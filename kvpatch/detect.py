@@ -1,8 +1,6 @@
-"""Which upstream releases are installed, and from where, without importing them: the version from
-``importlib.metadata``, the install source from PEP 610's ``direct_url.json`` (absent for an index install). A
-package that is importable while its metadata gives no version is *installed, version unknown*: the reproduction
-decides. Importability is asked of :class:`~importlib.machinery.PathFinder` directly: nothing is imported and no
-finder on ``sys.meta_path`` is consulted.
+"""Which upstream releases are installed (``importlib.metadata``), and from where (PEP 610's ``direct_url.json``),
+without importing them. Importable without a version in its metadata: *installed, version unknown*, for the
+reproduction. Importability is asked of ``PathFinder`` directly: no finder on ``sys.meta_path`` runs.
 """
 
 from __future__ import annotations
@@ -15,8 +13,7 @@ from importlib.machinery import PathFinder
 
 __all__ = ["NOT_INSTALLED", "Source", "Upstream", "detect", "detect_one", "read_source"]
 
-#: The array library and the two patched distributions, and the module that shows each is importable (``mlx``
-#: is a namespace package).
+#: The array library and the patched distributions: the module that shows each is importable (``mlx`` is a namespace).
 PROBES: dict[str, str] = {"mlx": "mlx.core", "mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
 
 
@@ -125,18 +122,14 @@ def _header_version(text: str | None) -> str | None:
 
 def _importable(name: str) -> str | None:
     """Where the distribution's package would be imported from (a bare namespace directory does not count)."""
-    parts = PROBES.get(name, name.replace("-", "_")).split(".")
+    top, _, sub = PROBES.get(name, name.replace("-", "_")).partition(".")
     try:
-        spec = PathFinder.find_spec(parts[0])
-        for i in range(1, len(parts)):
-            if spec is None or not spec.submodule_search_locations:
-                return None
-            spec = PathFinder.find_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
+        spec = PathFinder.find_spec(top)
+        if sub and spec is not None:
+            spec = PathFinder.find_spec(f"{top}.{sub}", list(spec.submodule_search_locations or []))
     except Exception:
         return None
-    if spec is None or spec.origin is None or spec.origin == "namespace":
-        return None
-    return spec.origin
+    return spec.origin if spec is not None and spec.origin not in (None, "namespace") else None
 
 
 def _err(exc: BaseException) -> str:

@@ -147,8 +147,7 @@ class Patch:
     targets: list[Target] = field(default_factory=list)
     builders: dict[Target, Builder] = field(default_factory=dict, repr=False)
     reproduction: Reproduction | None = field(default=None, repr=False)
-    #: Run after the patch's changes are taken out: state its replacements keep on upstream's objects in a form
-    #: only they read goes back to upstream's form.
+    #: Run after the patch's changes are taken out: state its replacements keep on upstream's objects goes back.
     restore_hooks: list[Callable[[], None]] = field(default_factory=list, repr=False)
     module: str = ""  # the unit's module (filled by the registry)
 

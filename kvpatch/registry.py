@@ -1,7 +1,6 @@
-"""Discover the patch units (``kvpatch.patches.mlx_lm`` / ``mlx_vlm``; underscore modules are shared helpers):
-:func:`load` imports every one; :func:`index` gives a :class:`Stub` per unit from the shipped
-``kvpatch/data/units.json``, so that activation inside the user's ``import mlx_lm`` imports only the units whose
-gate may apply. An index that does not list exactly the units on disk is not used.
+"""The patch units (``kvpatch.patches.mlx_lm`` / ``mlx_vlm``; underscore modules are helpers): :func:`load` imports
+them all; :func:`index` gives a :class:`Stub` per unit from the shipped ``units.json``, so that the user's ``import
+mlx_lm`` imports only the units whose gate may apply. An index that does not list exactly the units on disk is unused.
 """
 
 from __future__ import annotations
