@@ -13,9 +13,6 @@ from typing import Any
 
 __all__ = ["bound_layout", "bounded_prompt_cache"]
 
-#: The modules whose ``KVCache`` is bounded with their own ``RotatingKVCache`` (both cache origins).
-_ORIGINS = ("mlx_lm.models.cache", "mlx_vlm.models.cache")
-
 
 def bounded_prompt_cache(model: Any, max_kv_size: int | None, keep: int = 0) -> list[Any]:
     """The model's prompt cache with every full-attention ``KVCache`` a ``RotatingKVCache`` that never evicts its
@@ -31,8 +28,8 @@ def bound_layout(caches: list[Any], max_kv_size: int, keep: int = 0) -> list[Any
     """:func:`bounded_prompt_cache` for a layout of empty caches the caller has just built (CacheList layers are
     bounded in place); a populated cache is refused."""
     _check(max_kv_size, keep)
-    importlib.import_module(_ORIGINS[0])  # mlx-vlm's caches only where mlx-vlm is loaded already
-    origins: list[Any] = [sys.modules.get(name) for name in _ORIGINS]
+    importlib.import_module("mlx_lm.models.cache")  # mlx-vlm's caches only where mlx-vlm is loaded already
+    origins: list[Any] = [sys.modules.get(f"{top}.models.cache") for top in ("mlx_lm", "mlx_vlm")]
     # KVCache class -> the RotatingKVCache of the same origin
     rotating = {
         m.KVCache: m.RotatingKVCache for m in origins if hasattr(m, "KVCache") and hasattr(m, "RotatingKVCache")

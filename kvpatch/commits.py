@@ -24,8 +24,7 @@ _SHORT = 8  # length of commit ids in human-readable reasons
 
 @dataclass(frozen=True, eq=False)
 class CommitIndex:
-    """Main-line history of one upstream, oldest first. A commit is given as a full id or a unique prefix of at
-    least :data:`MIN_PREFIX` hex characters, in any case."""
+    """Main-line history of one upstream; a commit is a full id or a unique hex prefix of :data:`MIN_PREFIX`+."""
 
     distribution: str
     head: str  # full id of the newest indexed main-line commit
@@ -67,8 +66,6 @@ class CommitIndex:
         key = commit_or_prefix.strip().lower()
         if not MIN_PREFIX <= len(key) <= _FULL or not _HEX.issuperset(key):
             return None
-        if len(key) == _FULL:
-            return key if key in self._position else None
         ids = self._sorted
         i = bisect_left(ids, key)
         if i == len(ids) or not ids[i].startswith(key):
@@ -130,8 +127,7 @@ def place(
     fixed_commit: str | None = None,
     introduced_commit: str | None = None,
 ) -> Placement:
-    """Place ``pinned`` against the commits that fixed and/or introduced a bug (ValueError: no index for the
-    distribution). What the index cannot tell is None, and the reason says the reproduction decides."""
+    """Place ``pinned`` against a bug's fixing and introducing commits; what the index cannot tell is None."""
     index = load_index(distribution)
     dist = index.distribution
     stamp = f"generated {index.generated:%Y-%m-%d} from head {index.head[:7]}"

@@ -43,7 +43,7 @@ class Config:
 
 
 def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[str] | None = None) -> Config:
-    env = _env(environ)
+    env = os.environ if environ is None else environ
     problems: list[str] = []
     raw = env.get("KVPATCH", "")
     enabled = not is_off(env)
@@ -58,13 +58,9 @@ def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[s
     return Config(enabled, disabled, disable_all, enforcing, tuple(problems), opted, enable_all)
 
 
-def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
-    return os.environ if environ is None else environ
-
-
 def is_off(environ: Mapping[str, str] | None = None) -> bool:
     """``KVPATCH=off``: kvpatch does nothing in this process (the bootstrap's one reading of it)."""
-    return bool(_boot().is_off(_env(environ)))
+    return bool(_boot().is_off(environ))
 
 
 def background_verification() -> bool:
@@ -86,7 +82,7 @@ def cache_override() -> str | None:
 
 def vendored(environ: Mapping[str, str] | None = None) -> str:
     """``KVPATCH_VENDORED`` as set, stripped; :func:`kvpatch.vendored.setting` parses it."""
-    return _env(environ).get(VENDORED, "").strip()
+    return (os.environ if environ is None else environ).get(VENDORED, "").strip()
 
 
 def values() -> list[tuple[str, str | None]]:
@@ -96,28 +92,26 @@ def values() -> list[tuple[str, str | None]]:
 def _ids(
     env: Mapping[str, str], variable: str, known_ids: frozenset[str] | None, problems: list[str]
 ) -> tuple[frozenset[str], bool]:
-    """The ids a comma-separated variable names, and whether it says ``*``; unknown ids go to ``problems``."""
+    """The ids a comma-separated variable names, and whether it says ``*``. Unknown ids make one message in
+    ``problems``: the first few, each with its closest known id."""
     names = dict.fromkeys(item.strip().lower() for item in env.get(variable, "").split(","))
     ids = [name for name in names if name not in ("", "*")]
-    if known_ids is not None:
-        unknown = [name for name in ids if name not in known_ids]
-        if unknown:
-            problems.append(_unknown_ids(variable, unknown, known_ids))
+    if known_ids is not None and (unknown := [name for name in ids if name not in known_ids]):
+        import difflib
+
+        named = []
+        for item in unknown[:_NAMED]:
+            close = (
+                difflib.get_close_matches(item[:SHOWN], sorted(known_ids), n=1, cutoff=0.6) if len(item) <= 200 else []
+            )
+            named.append(_shown(item) + (f" (did you mean {close[0]!r}?)" if close else ""))
+        listed = ", ".join(named) + (f" and {len(unknown) - _NAMED} more" if len(unknown) > _NAMED else "")
+        noun = "id" if len(unknown) == 1 else "ids"
+        problems.append(
+            f"{variable} names unknown patch {noun} {listed}; ignored (`kvpatch status -v` lists every patch id)"
+        )
         ids = [name for name in ids if name in known_ids]
     return frozenset(ids), "*" in names
-
-
-def _unknown_ids(variable: str, unknown: list[str], known_ids: frozenset[str]) -> str:
-    """One message for every unknown id in ``variable``: the first few, each with its closest match."""
-    import difflib
-
-    named = []
-    for item in unknown[:_NAMED]:
-        close = difflib.get_close_matches(item[:SHOWN], sorted(known_ids), n=1, cutoff=0.6) if len(item) <= 200 else []
-        named.append(_shown(item) + (f" (did you mean {close[0]!r}?)" if close else ""))
-    listed = ", ".join(named) + (f" and {len(unknown) - _NAMED} more" if len(unknown) > _NAMED else "")
-    ids = "id" if len(unknown) == 1 else "ids"
-    return f"{variable} names unknown patch {ids} {listed}; ignored (`kvpatch status -v` lists every patch id)"
 
 
 def _shown(value: str) -> str:

@@ -59,14 +59,12 @@ def read_source(text: str | None) -> Source:
     if not isinstance(data, dict) or not isinstance(data.get("url"), str):
         return Source(kind="unknown", error="direct_url.json has no 'url'")
     url = data["url"]
-    vcs_info = data.get("vcs_info")
-    if isinstance(vcs_info, dict):
+    if isinstance(vcs_info := data.get("vcs_info"), dict):
         commit = vcs_info.get("commit_id")
         if commit is not None and not (isinstance(commit, str) and re.fullmatch("[0-9a-fA-F]{4,64}", commit)):
             return Source(kind="unknown", url=url, error=f"vcs_info.commit_id {commit!r} is not a hex id")
         return Source("vcs", url, str(vcs_info.get("vcs") or "git"), commit.lower() if commit else None)
-    dir_info = data.get("dir_info")
-    if isinstance(dir_info, dict):
+    if isinstance(dir_info := data.get("dir_info"), dict):
         return Source(kind="editable" if dir_info.get("editable") else "directory", url=url)
     if isinstance(data.get("archive_info"), dict):
         return Source(kind="archive", url=url)
@@ -110,8 +108,7 @@ def detect_one(name: str) -> Upstream:
 
 
 def _header_version(text: str | None) -> str | None:
-    """The ``Version:`` header, reading the headers only (``dist.version`` parses the long description too, most
-    of detection's time)."""
+    """The ``Version:`` header (``dist.version`` parses the long description too: most of detection's time)."""
     for line in (text or "").splitlines():
         if not line.strip():
             break  # the headers end at the first blank line

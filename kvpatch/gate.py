@@ -50,11 +50,8 @@ def decide(patch: Patch | Stub, upstream: Upstream, config: Config) -> Decision:
         return Decision(Action.NOT_INSTALLED, f"{patch.distribution} is not installed")
     decision = _decide_installed(patch, upstream)
     if patch.opt_in and decision.action in (Action.APPLY, Action.VERIFY) and not config.is_opted_in(patch.id):
-        return Decision(
-            Action.OPT_IN,
-            f"{decision.reason}; this patch changes documented upstream behaviour, so it is off unless asked for: "
-            f"KVPATCH_ENABLE={patch.id}",
-        )
+        why = "this patch changes documented upstream behaviour, so it is off unless asked for"
+        return Decision(Action.OPT_IN, f"{decision.reason}; {why}: KVPATCH_ENABLE={patch.id}")
     return decision
 
 

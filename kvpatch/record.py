@@ -99,14 +99,12 @@ class Expiry:
 
 
 def upstream_missing(exc: ImportError) -> bool:
-    """True when ``exc`` is about an mlx-lm / mlx-vlm module or name (a missing third-party dependency must not
-    pass for an absent bug)."""
+    """True when ``exc`` is about mlx-lm / mlx-vlm, not a missing third-party dependency (that is no absent bug)."""
     return (getattr(exc, "name", None) or "").split(".")[0] in DISTRIBUTIONS.values()
 
 
 def borrowed(obj: Any, import_name: str) -> bool:
-    """True when ``obj`` is a class of the other upstream distribution (mlx-vlm 0.6.3 and older re-export
-    mlx-lm's batch caches and ``ArraysCache``)."""
+    """True when ``obj`` is the other upstream's class (mlx-vlm <= 0.6.3 re-exports mlx-lm's batch caches)."""
     top = str(getattr(obj, "__module__", "")).split(".", 1)[0]
     return isinstance(obj, type) and top != import_name and top in DISTRIBUTIONS.values()
 

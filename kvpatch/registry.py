@@ -36,23 +36,18 @@ class Registry:
 
 
 def _unit(name: str) -> Patch:
-    """Import the unit ``name`` (a full module name) and return its checked record."""
     patch = importlib.import_module(name).PATCH
-    if not isinstance(patch, Patch):
-        raise TypeError(f"{name}.PATCH is {type(patch).__name__}, not a Patch")
-    if patch.reproduction is None:
-        raise TypeError(f"{name}: patch {patch.id} has no reproduction")
+    if not isinstance(patch, Patch) or patch.reproduction is None:
+        raise TypeError(f"{name}.PATCH is not a Patch with a reproduction")
     patch.module = name
     return patch
 
 
 def _unit_names() -> list[str]:
-    """The unit modules in the distribution folders, sorted."""
-    root = Path(__file__).parent / "patches"
     return sorted(
         f"{PACKAGE}.{folder}.{info.name}"
         for folder in DISTRIBUTIONS.values()
-        for info in pkgutil.iter_modules([str(root / folder)])
+        for info in pkgutil.iter_modules([str(Path(__file__).parent / "patches" / folder)])
         if info.name[0] != "_"
     )
 
@@ -110,8 +105,7 @@ INDEXED = tuple(f.name for f in fields(Stub) if f.name != "module")
 
 
 def index() -> list[Stub] | None:
-    """A :class:`Stub` per unit, or ``None`` when the index is missing, unreadable or does not list exactly the
-    units on disk (then :func:`load` is the way). Never raises."""
+    """A :class:`Stub` per unit; ``None`` (never raises) where the index is unusable or not exactly the units."""
     try:
         units = json.loads(INDEX.read_text(encoding="utf-8"))["units"]
         return [Stub(name, **units[name]) for name in units] if sorted(units) == _unit_names() else None
