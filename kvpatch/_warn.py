@@ -1,7 +1,6 @@
-"""The one path every kvpatch warning takes: once per key, as :class:`KvpatchWarning`, pointing at the first frame
-outside kvpatch, the import machinery, wrapt and the bootstrap (the user's ``import``). Under ``-W error`` it goes to
-standard error instead, never raised into the host. Each message is also logged at INFO on the ``kvpatch`` logger
-(a ``NullHandler``: logging's last resort prints nothing). Warning filters are never changed.
+"""The one path every kvpatch warning takes: once per key, as :class:`KvpatchWarning` at the user's ``import``
+line; under ``-W error`` on standard error instead, never raised. Each is also logged at INFO on the ``kvpatch``
+logger, whose ``NullHandler`` keeps logging's last resort quiet. Warning filters are never changed.
 """
 
 from __future__ import annotations

@@ -121,25 +121,20 @@ class Placement:
 
 
 def place(
-    distribution: str,
-    pinned: str,
-    *,
-    fixed_commit: str | None = None,
-    introduced_commit: str | None = None,
+    distribution: str, pinned: str, *, fixed_commit: str | None = None, introduced_commit: str | None = None
 ) -> Placement:
     """Place ``pinned`` against a bug's fixing and introducing commits; what the index cannot tell is None."""
     index = load_index(distribution)
-    dist = index.distribution
     stamp = f"generated {index.generated:%Y-%m-%d} from head {index.head[:7]}"
     pin = index.resolve(pinned)
     if pin is None:
-        why = f"commit {pinned.strip()} is not on {dist}'s main line in kvpatch's index ({stamp})"
+        why = f"commit {pinned.strip()} is not on {distribution}'s main line in kvpatch's index ({stamp})"
         return Placement(False, None, None, f"{why}; the reproduction decides")
     fix = index.resolve(fixed_commit) if fixed_commit is not None else None
     intro = index.resolve(introduced_commit) if introduced_commit is not None else None
     for given, full, what in ((fixed_commit, fix, "fix"), (introduced_commit, intro, "bug-introducing commit")):
         if given is not None and full is None:
-            why = f"the {what} {given.strip()} is not in kvpatch's index of {dist} ({stamp})"
+            why = f"the {what} {given.strip()} is not in kvpatch's index of {distribution} ({stamp})"
             return Placement(True, None, None, f"{why}; the reproduction decides")
 
     pin_pos = index._position[pin]
@@ -159,5 +154,5 @@ def place(
     elif clauses:
         reason = f"{subject} is " + " and ".join(clauses)
     else:  # nothing to place against (the gate then reads the version the checkout declares)
-        reason = f"{subject} is on {dist}'s main line at position {pin_pos}"
+        reason = f"{subject} is on {distribution}'s main line at position {pin_pos}"
     return Placement(True, fixed, introduced, reason)

@@ -5,6 +5,7 @@ reproduction. Importability is asked of ``PathFinder`` directly: no finder on ``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -21,8 +22,7 @@ PROBES: dict[str, str] = {"mlx": "mlx.core", "mlx-lm": "mlx_lm", "mlx-vlm": "mlx
 class Source:
     """Where a distribution was installed from (PEP 610)."""
 
-    #: ``index`` (no direct_url.json), ``vcs``, ``editable``, ``directory``, ``archive``, ``unknown`` (direct_url.json
-    #: unusable, or no metadata at all) or ``none`` (not installed).
+    #: index (no direct_url.json), vcs, editable, directory, archive, unknown (unusable, no metadata), none (absent)
     kind: str = "index"
     url: str | None = None
     vcs: str | None = None
@@ -93,10 +93,8 @@ def detect_one(name: str) -> Upstream:
             source = read_source(dist.read_text("direct_url.json"))
         except Exception as exc:
             source = Source(kind="unknown", error=f"direct_url.json unreadable: {_err(exc)}")
-        try:
+        with contextlib.suppress(Exception):
             location = str(dist.locate_file(""))
-        except Exception:
-            pass
     if version is not None:
         return Upstream(name, version, source, location)
     where = _importable(name)

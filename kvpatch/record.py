@@ -58,8 +58,8 @@ class Bug(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Finding:
-    """What a reproduction observed. Only the bug's own symptom (:func:`symptom`) is ``present``; any other error
-    says nothing about the bug: it is *inconclusive*."""
+    """What a reproduction observed: only the bug's own symptom (:func:`symptom`) is ``present``, any other error
+    ``inconclusive``."""
 
     present: bool
     detail: str = ""

@@ -29,10 +29,9 @@ class Registry:
         self.by_id = {p.id: p for p in patches}
 
     def get(self, patch_id: str) -> Patch:
-        try:
-            return self.by_id[patch_id]
-        except KeyError:
-            raise KeyError(f"no patch {patch_id!r}; known: {', '.join(sorted(self.by_id))}") from None
+        if patch_id not in self.by_id:
+            raise KeyError(f"no patch {patch_id!r}; known: {', '.join(sorted(self.by_id))}")
+        return self.by_id[patch_id]
 
 
 def _unit(name: str) -> Patch:
