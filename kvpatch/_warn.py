@@ -1,10 +1,6 @@
-"""The one path every kvpatch warning takes: once per key, as :class:`KvpatchWarning`, never raised into the host.
-
-The warning points at the first frame outside kvpatch, the import machinery, wrapt and the bootstrap (the user's
-``import`` line). Under ``-W error`` ``warnings.warn`` raises, so the message goes to standard error instead. Each
-message is also logged at INFO on the ``kvpatch`` logger (a ``NullHandler``: logging's last resort prints
-nothing). The bootstrap's hooks, which cannot import kvpatch, warn through here once it is loaded. Standard
-library only; warning filters are never changed.
+"""The one path every kvpatch warning takes: once per key, as :class:`KvpatchWarning` at the user's ``import``
+line; under ``-W error`` on standard error instead, never raised. Each is also logged at INFO on the ``kvpatch``
+logger, whose ``NullHandler`` keeps logging's last resort quiet. Warning filters are never changed.
 """
 
 from __future__ import annotations
@@ -31,28 +27,16 @@ class KvpatchWarning(UserWarning):
     """Something about kvpatch's patches needs attention (only ever warned, never raised)."""
 
 
-def _shorten(text: str, limit: int = _MAX) -> str:
-    """``text`` cut to ``limit`` characters, saying how much was cut."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... [{len(text) - limit} more characters]"
-
-
-def _internal(filename: str) -> bool:
-    return (
-        filename.startswith(_PACKAGE_DIR)
-        or filename.startswith("<frozen importlib")
-        or "importlib" in filename
-        or os.path.basename(filename) in ("_kvpatch_boot.py", "_kvpatch_hooks.py")
-        or f"{os.sep}wrapt{os.sep}" in filename
-    )
-
-
 def _stacklevel() -> int:
     """The ``stacklevel`` (relative to :func:`emit`'s ``warnings.warn`` call) of the first outside frame."""
     frame = sys._getframe(1)  # emit
     level = 1
-    while frame is not None and _internal(frame.f_code.co_filename):
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+        or "importlib" in frame.f_code.co_filename
+        or os.path.basename(frame.f_code.co_filename) in ("_kvpatch_boot.py", "_kvpatch_hooks.py")
+        or f"{os.sep}wrapt{os.sep}" in frame.f_code.co_filename
+    ):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level if frame is not None else 1
@@ -61,7 +45,8 @@ def _stacklevel() -> int:
 def emit(message: str, *, key: str | None = None) -> bool:
     """Warn once per ``key`` (default: the message). Never raises. True if it was emitted now."""
     try:
-        message = _shorten(message)
+        if len(message) > _MAX:
+            message = f"{message[:_MAX]}... [{len(message) - _MAX} more characters]"
         key = key or message
         with _emitted_lock:
             if key in _emitted:
@@ -71,10 +56,7 @@ def emit(message: str, *, key: str | None = None) -> bool:
         try:
             warnings.warn(message, KvpatchWarning, stacklevel=_stacklevel())
         except Exception:  # -W error made it an exception: say it on stderr instead, never raise
-            try:
-                sys.stderr.write(f"kvpatch: {message}\n")
-            except Exception:
-                pass
+            sys.stderr.write(f"kvpatch: {message}\n")
         return True
-    except Exception:  # pragma: no cover - nothing in here may reach the host
+    except Exception:  # nothing in here may reach the host (a failing stderr included)
         return False

@@ -1,8 +1,8 @@
 """A bounded prompt cache per call, as mlx-lm's ``BatchGenerator._make_new_cache`` bounds it (0.31.2, 0.31.3): every
-full-attention ``KVCache`` of the model's layout becomes a ``RotatingKVCache(max_size=max_kv_size)``, without flipping
-``make_prompt_cache``'s documented behaviour for the whole process (the opt-in ``max-kv-size-ignored`` does that).
-Unlike it, a ``CacheList``'s ``KVCache`` children are bounded too, and ``keep`` is 0 for a model without
-``make_cache``. Any other cache (rotating, arrays, chunked, quantized, ``KVCache`` subclasses) stays as it is.
+full-attention ``KVCache`` becomes a ``RotatingKVCache(max_size=max_kv_size)``, without changing
+``make_prompt_cache`` for the whole process (the opt-in ``max-kv-size-ignored`` does that). Unlike it, a
+``CacheList``'s ``KVCache`` children are bounded too, and ``keep`` is 0 for a model without ``make_cache``. Any
+other cache (rotating, arrays, chunked, quantized, ``KVCache`` subclasses) stays as it is.
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ import sys
 from typing import Any
 
 __all__ = ["bound_layout", "bounded_prompt_cache"]
-
-#: The modules whose ``KVCache`` is bounded with their own ``RotatingKVCache`` (both cache origins).
-_ORIGINS = ("mlx_lm.models.cache", "mlx_vlm.models.cache")
 
 
 def bounded_prompt_cache(model: Any, max_kv_size: int | None, keep: int = 0) -> list[Any]:
@@ -31,13 +28,12 @@ def bound_layout(caches: list[Any], max_kv_size: int, keep: int = 0) -> list[Any
     """:func:`bounded_prompt_cache` for a layout of empty caches the caller has just built (CacheList layers are
     bounded in place); a populated cache is refused."""
     _check(max_kv_size, keep)
-    rotating = {}  # KVCache class -> the RotatingKVCache of the same origin
-    for name in _ORIGINS:
-        module = sys.modules.get(name)
-        if module is None and name == _ORIGINS[0]:
-            module = importlib.import_module(name)
-        if module is not None and hasattr(module, "KVCache") and hasattr(module, "RotatingKVCache"):
-            rotating[module.KVCache] = module.RotatingKVCache
+    importlib.import_module("mlx_lm.models.cache")  # mlx-vlm's caches only where mlx-vlm is loaded already
+    origins: list[Any] = [sys.modules.get(f"{top}.models.cache") for top in ("mlx_lm", "mlx_vlm")]
+    # KVCache class -> the RotatingKVCache of the same origin
+    rotating = {
+        m.KVCache: m.RotatingKVCache for m in origins if hasattr(m, "KVCache") and hasattr(m, "RotatingKVCache")
+    }
 
     def bound(cache: Any) -> Any:
         make = rotating.get(type(cache))

@@ -1,11 +1,7 @@
-"""Place a git-pinned upstream commit against the commits that fixed or introduced a bug.
-
-A PEP 610 pin's version number says little, so the gate asks whether the pin contains the fix. The answer
-comes from the shipped index of each upstream's first-parent main line (``kvpatch/data/commits-<dist>.txt``,
-built by ``scripts/build_commit_index.py``): main-line commits are ordered by position, and a commit merged
-from a side branch takes the position of the merge that brought it in. A pin not in the index (too new, a
-fork, an unmerged branch) is unknown: the reproduction decides. The file's release tags are not read (upstream
-tags and PyPI wheels disagree in places).
+"""Place a git-pinned upstream commit against a bug's fixing and introducing commits, from the shipped index of
+each upstream's first-parent main line (``kvpatch/data/commits-<dist>.txt``, by ``scripts/build_commit_index.py``):
+a side-branch commit takes its merge's position. A pin not in the index is unknown: the reproduction decides. The
+file's release tags are not read (upstream tags and PyPI wheels disagree in places).
 """
 
 from __future__ import annotations
@@ -16,9 +12,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import resources
 
+from .record import DISTRIBUTIONS
+
 __all__ = ["DISTRIBUTIONS", "MIN_PREFIX", "CommitIndex", "Placement", "load_index", "place"]
 
-DISTRIBUTIONS: tuple[str, ...] = ("mlx-lm", "mlx-vlm")
 MIN_PREFIX = 7  # shortest commit prefix accepted by CommitIndex.resolve
 _HEX = frozenset("0123456789abcdef")
 _FULL = 40  # length of a full (SHA-1) commit id
@@ -27,8 +24,7 @@ _SHORT = 8  # length of commit ids in human-readable reasons
 
 @dataclass(frozen=True, eq=False)
 class CommitIndex:
-    """Main-line history of one upstream, oldest first. A commit is given as a full id or a unique prefix of at
-    least :data:`MIN_PREFIX` hex characters, in any case."""
+    """Main-line history of one upstream; a commit is a full id or a unique hex prefix of :data:`MIN_PREFIX`+."""
 
     distribution: str
     head: str  # full id of the newest indexed main-line commit
@@ -44,55 +40,32 @@ class CommitIndex:
         mainline: list[str] = []
         position: dict[str, int] = {}
         prs: dict[int, int] = {}
-        pos = -1
-        for line in text.splitlines():
-            if not line:
-                continue
-            first = line[0]
-            if first == "+":
-                if pos < 0:
-                    raise ValueError("commit index: side commit before any main-line commit")
-                position[line[1 : _FULL + 1]] = pos
-            elif first == "#":
+        for line in filter(None, text.splitlines()):
+            if line[0] == "#":
                 key, sep, value = line[2:].partition(": ")
                 if sep and key in ("distribution", "head", "generated"):
                     header[key] = value.strip()
+            elif line[0] == "+":
+                position[line[1 : _FULL + 1]] = len(mainline) - 1
             else:
                 sha, _, rest = line.partition(" ")
-                pos += 1
+                position[sha] = len(mainline)
+                prs.update((len(mainline), int(word[1:])) for word in rest.split() if word[0] == "#")
                 mainline.append(sha)
-                position[sha] = pos
-                for word in rest.split():
-                    if word[0] == "#":
-                        prs[pos] = int(word[1:])
-        if not mainline:
-            raise ValueError("commit index: no commits")
-        head = header.get("head", mainline[-1])
-        if head != mainline[-1]:
-            raise ValueError(f"commit index: header head {head} is not the last main-line commit {mainline[-1]}")
-        return cls(
-            distribution=header.get("distribution", distribution),
-            head=head,
-            generated=datetime.fromisoformat(header["generated"]),
-            mainline=tuple(mainline),
-            _position=position,
-            _prs=prs,
-        )
+        if header.get("head", mainline[-1]) != mainline[-1]:
+            raise ValueError(f"commit index: header head {header['head']} is not the last main-line commit")
+        generated = datetime.fromisoformat(header["generated"])
+        return cls(header.get("distribution", distribution), mainline[-1], generated, tuple(mainline), position, prs)
 
     @functools.cached_property
     def _sorted(self) -> list[str]:
         return sorted(self._position)
-
-    def __len__(self) -> int:
-        return len(self._position)
 
     def resolve(self, commit_or_prefix: str) -> str | None:
         """Full id of an indexed commit, or None (unknown, too short, not hex, or ambiguous)."""
         key = commit_or_prefix.strip().lower()
         if not MIN_PREFIX <= len(key) <= _FULL or not _HEX.issuperset(key):
             return None
-        if len(key) == _FULL:
-            return key if key in self._position else None
         ids = self._sorted
         i = bisect_left(ids, key)
         if i == len(ids) or not ids[i].startswith(key):
@@ -100,11 +73,6 @@ class CommitIndex:
         if i + 1 < len(ids) and ids[i + 1].startswith(key):
             return None  # ambiguous
         return ids[i]
-
-    def position(self, commit: str) -> int | None:
-        """Main-line position (0 = oldest; a side commit: its merge's), or None if it is not indexed."""
-        full = self.resolve(commit)
-        return None if full is None else self._position[full]
 
     def contains(self, pinned: str, fix_commit: str) -> bool | None:
         """Whether the tree at ``pinned`` contains ``fix_commit`` (None: unknown). A pin on a merged side branch
@@ -128,12 +96,9 @@ class CommitIndex:
         if full is None:
             return commit.strip()
         pos = self._position[full]
-        pr = self._prs.get(pos)
-        merge = self.mainline[pos]
-        if merge != full:
-            via = f", #{pr}" if pr is not None else ""
-            return f"{full[:_SHORT]} (merged by {merge[:_SHORT]}{via})"
-        return f"{full[:_SHORT]} (#{pr})" if pr is not None else full[:_SHORT]
+        notes = [f"merged by {self.mainline[pos][:_SHORT]}"] if self.mainline[pos] != full else []
+        notes += [f"#{self._prs[pos]}"] if pos in self._prs else []
+        return f"{full[:_SHORT]} ({', '.join(notes)})" if notes else full[:_SHORT]
 
 
 @functools.lru_cache(maxsize=len(DISTRIBUTIONS))
@@ -156,55 +121,32 @@ class Placement:
 
 
 def place(
-    distribution: str,
-    pinned: str,
-    *,
-    fixed_commit: str | None = None,
-    introduced_commit: str | None = None,
+    distribution: str, pinned: str, *, fixed_commit: str | None = None, introduced_commit: str | None = None
 ) -> Placement:
-    """Place ``pinned`` against the commits that fixed and/or introduced a bug (ValueError: no index for the
-    distribution). What the index cannot tell is None, and the reason says the reproduction decides."""
+    """Place ``pinned`` against a bug's fixing and introducing commits; what the index cannot tell is None."""
     index = load_index(distribution)
-    dist = index.distribution
+    stamp = f"generated {index.generated:%Y-%m-%d} from head {index.head[:7]}"
     pin = index.resolve(pinned)
+    if pin is None:
+        why = f"commit {pinned.strip()} is not on {distribution}'s main line in kvpatch's index ({stamp})"
+        return Placement(False, None, None, f"{why}; the reproduction decides")
     fix = index.resolve(fixed_commit) if fixed_commit is not None else None
     intro = index.resolve(introduced_commit) if introduced_commit is not None else None
-    pin_pos = index.position(pin) if pin is not None else None
-    on_mainline = pin_pos is not None and index.mainline[pin_pos] == pin
-
-    stamp = f"generated {index.generated:%Y-%m-%d} from head {index.head[:7]}"
-    if pin is None or pin_pos is None:
-        return Placement(
-            False,
-            None,
-            None,
-            f"commit {pinned.strip()} is not on {dist}'s main line in kvpatch's index ({stamp}); "
-            "the reproduction decides",
-        )
     for given, full, what in ((fixed_commit, fix, "fix"), (introduced_commit, intro, "bug-introducing commit")):
         if given is not None and full is None:
-            return Placement(
-                True,
-                None,
-                None,
-                f"the {what} {given.strip()} is not in kvpatch's index of {dist} ({stamp}); the reproduction decides",
-            )
+            why = f"the {what} {given.strip()} is not in kvpatch's index of {distribution} ({stamp})"
+            return Placement(True, None, None, f"{why}; the reproduction decides")
 
+    pin_pos = index._position[pin]
     fixed = index.contains(pin, fix) if fix is not None else None
     introduced = index.contains(pin, intro) if intro is not None else None
-    subject = f"pinned commit {index.describe(pin) if not on_mainline else pin[:_SHORT]}"
-
+    subject = f"pinned commit {pin[:_SHORT] if index.mainline[pin_pos] == pin else index.describe(pin)}"
     clauses: list[str] = []
-    if intro is not None:
-        if introduced is True:
-            clauses.append(f"at or after the bug's introduction in {index.describe(intro)}")
-        elif introduced is False:
-            clauses.append(f"before the bug was introduced in {index.describe(intro)}")
-    if fix is not None and introduced is not False:
-        if fixed is True:
-            clauses.append(f"at or after the fix {index.describe(fix)}")
-        elif fixed is False:
-            clauses.append(f"before the fix {index.describe(fix)}")
+    if intro is not None and introduced is not None:
+        when = "at or after the bug's introduction in" if introduced else "before the bug was introduced in"
+        clauses.append(f"{when} {index.describe(intro)}")
+    if fix is not None and fixed is not None and introduced is not False:
+        clauses.append(f"{'at or after' if fixed else 'before'} the fix {index.describe(fix)}")
     undecided = (fix is not None and fixed is None) or (intro is not None and introduced is None)
     if undecided and introduced is not False and fixed is not True:
         targets = " / ".join(index.describe(c) for c in (intro, fix) if c is not None)
@@ -212,5 +154,5 @@ def place(
     elif clauses:
         reason = f"{subject} is " + " and ".join(clauses)
     else:  # nothing to place against (the gate then reads the version the checkout declares)
-        reason = f"{subject} is on {dist}'s main line at position {pin_pos}"
+        reason = f"{subject} is on {distribution}'s main line at position {pin_pos}"
     return Placement(True, fixed, introduced, reason)

@@ -1,24 +1,20 @@
-"""Which upstream releases are installed, and from where, without importing them.
-
-Versions come from ``importlib.metadata``, the install source from PEP 610's ``direct_url.json`` (absent for an
-index install). A package that is importable while its metadata gives no version is *installed, version unknown*
-and left to the reproduction; importability is asked of :class:`~importlib.machinery.PathFinder` directly, so
-nothing is imported and no finder on ``sys.meta_path`` is consulted.
+"""Which upstream releases are installed (``importlib.metadata``), and from where (PEP 610's ``direct_url.json``),
+without importing them. Importable without a version in its metadata: *installed, version unknown*, for the
+reproduction. Importability is asked of ``PathFinder`` directly: no finder on ``sys.meta_path`` runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from dataclasses import dataclass
 from importlib import metadata
 from importlib.machinery import PathFinder
 
 __all__ = ["NOT_INSTALLED", "Source", "Upstream", "detect", "detect_one", "read_source"]
 
-#: The array library and the two patched distributions.
-WATCHED = ("mlx", "mlx-lm", "mlx-vlm")
-
-#: The module that shows a distribution is importable (``mlx`` is a namespace package).
+#: The array library and the patched distributions: the module that shows each is importable (``mlx`` is a namespace).
 PROBES: dict[str, str] = {"mlx": "mlx.core", "mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
 
 
@@ -26,25 +22,12 @@ PROBES: dict[str, str] = {"mlx": "mlx.core", "mlx-lm": "mlx_lm", "mlx-vlm": "mlx
 class Source:
     """Where a distribution was installed from (PEP 610)."""
 
-    #: ``index`` (no direct_url.json), ``vcs``, ``editable``, ``directory``, ``archive``, ``unknown`` (direct_url.json
-    #: unusable, or no metadata at all) or ``none`` (not installed).
+    #: index (no direct_url.json), vcs, editable, directory, archive, unknown (unusable, no metadata), none (absent)
     kind: str = "index"
     url: str | None = None
     vcs: str | None = None
     commit: str | None = None
     error: str | None = None  # why, when ``kind == "unknown"``
-
-    def describe(self) -> str:
-        if self.kind == "none":
-            return "not installed"
-        if self.kind == "index":
-            return "package index"
-        if self.kind == "vcs":
-            rev = f"@{self.commit[:12]}" if self.commit else ""
-            return f"{self.vcs or 'vcs'} {self.url}{rev}"
-        if self.kind == "unknown":
-            return f"unknown source ({self.error})"
-        return f"{self.kind} {self.url}"
 
 
 NOT_INSTALLED = Source(kind="none")
@@ -64,17 +47,6 @@ class Upstream:
     def installed(self) -> bool:
         return self.version is not None or self.version_unknown is not None
 
-    @property
-    def commit(self) -> str | None:
-        return self.source.commit
-
-    def describe(self) -> str:
-        if not self.installed:
-            return "not installed"
-        if self.version is None:
-            return f"installed, version unknown ({self.version_unknown})"
-        return f"{self.version} ({self.source.describe()})"
-
 
 def read_source(text: str | None) -> Source:
     """Parse the text of a ``direct_url.json`` (``None``: the file is absent)."""
@@ -87,69 +59,42 @@ def read_source(text: str | None) -> Source:
     if not isinstance(data, dict) or not isinstance(data.get("url"), str):
         return Source(kind="unknown", error="direct_url.json has no 'url'")
     url = data["url"]
-    vcs_info = data.get("vcs_info")
-    if isinstance(vcs_info, dict):
+    if isinstance(vcs_info := data.get("vcs_info"), dict):
         commit = vcs_info.get("commit_id")
-        if commit is not None and not (isinstance(commit, str) and _is_hex(commit)):
+        if commit is not None and not (isinstance(commit, str) and re.fullmatch("[0-9a-fA-F]{4,64}", commit)):
             return Source(kind="unknown", url=url, error=f"vcs_info.commit_id {commit!r} is not a hex id")
-        return Source(
-            kind="vcs",
-            url=url,
-            vcs=str(vcs_info.get("vcs") or "git"),
-            commit=commit.lower() if commit else None,
-        )
-    dir_info = data.get("dir_info")
-    if isinstance(dir_info, dict):
+        return Source("vcs", url, str(vcs_info.get("vcs") or "git"), commit.lower() if commit else None)
+    if isinstance(dir_info := data.get("dir_info"), dict):
         return Source(kind="editable" if dir_info.get("editable") else "directory", url=url)
     if isinstance(data.get("archive_info"), dict):
         return Source(kind="archive", url=url)
     return Source(kind="unknown", url=url, error="direct_url.json has none of vcs_info, dir_info, archive_info")
 
 
-def _is_hex(text: str) -> bool:
-    return 4 <= len(text) <= 64 and all(c in "0123456789abcdefABCDEF" for c in text)
-
-
 def detect_one(name: str) -> Upstream:
-    """Detect one distribution; never raises."""
-    try:
-        return _detect_one(name)
-    except Exception as exc:  # pragma: no cover - each step catches its own errors; a user's import must not break
-        problem = f"detection failed: {_err(exc)}"
-        where = _importable(name)
-        if where is None:
-            return Upstream(name, None, NOT_INSTALLED)
-        return Upstream(name, None, Source(kind="unknown", error=problem), where, version_unknown=problem)
-
-
-def _detect_one(name: str) -> Upstream:
-    dist: metadata.Distribution | None
-    problem = ""
+    """Detect one distribution; never raises (a broken .dist-info must not break the user's program)."""
+    dist: metadata.Distribution | None = None
+    version: str | None = None
+    location: str | None = None
+    problem = "no .dist-info metadata found"
     try:
         dist = metadata.distribution(name)
+        text = dist.read_text("METADATA")
+        version = (_header_version(text) or dist.version or "").strip() or None
     except metadata.PackageNotFoundError:
-        dist, problem = None, "no .dist-info metadata found"
-    except Exception as exc:  # a broken .dist-info must not break the user's program
-        dist, problem = None, f"metadata unreadable: {_err(exc)}"
-    version: str | None = None
-    if dist is not None:
-        try:
-            raw = _header_version(dist) or dist.version
-        except Exception as exc:  # a METADATA that is not UTF-8 raises UnicodeDecodeError here
-            problem = f"METADATA unreadable: {_err(exc)}"
-        else:
-            if isinstance(raw, str) and raw.strip():
-                version = raw.strip()
-            else:
-                problem = _no_version(dist)
-    location: str | None = None
+        pass
+    except Exception as exc:  # a METADATA that is not UTF-8 raises UnicodeDecodeError
+        problem = f"{'METADATA' if dist else 'metadata'} unreadable: {_err(exc)}"
+    else:
+        problem = f"METADATA {'missing' if text is None else 'has no Version' if text.strip() else 'empty'}"
     source = NOT_INSTALLED
     if dist is not None:
-        source = _source(dist)
         try:
+            source = read_source(dist.read_text("direct_url.json"))
+        except Exception as exc:
+            source = Source(kind="unknown", error=f"direct_url.json unreadable: {_err(exc)}")
+        with contextlib.suppress(Exception):
             location = str(dist.locate_file(""))
-        except Exception:
-            location = None
     if version is not None:
         return Upstream(name, version, source, location)
     where = _importable(name)
@@ -160,50 +105,26 @@ def _detect_one(name: str) -> Upstream:
     return Upstream(name, None, source, location or where, version_unknown=problem)
 
 
-def _header_version(dist: metadata.Distribution) -> str | None:
-    """The ``Version:`` header of ``METADATA``, reading the headers only (``dist.version`` parses the long
-    description too, most of detection's time); ``None`` leaves it to ``dist.version``."""
-    text = dist.read_text("METADATA")
+def _header_version(text: str | None) -> str | None:
+    """The ``Version:`` header (``dist.version`` parses the long description too: most of detection's time)."""
     for line in (text or "").splitlines():
         if not line.strip():
-            break  # the headers end at the first blank line; the description follows
+            break  # the headers end at the first blank line
         if line[:8].lower() == "version:":
             return line[8:].strip()
     return None
 
 
-def _source(dist: metadata.Distribution) -> Source:
-    try:
-        text = dist.read_text("direct_url.json")
-    except Exception as exc:
-        return Source(kind="unknown", error=f"direct_url.json unreadable: {_err(exc)}")
-    return read_source(text)
-
-
-def _no_version(dist: metadata.Distribution) -> str:
-    """Why a distribution's metadata gave no version (reading it succeeded already)."""
-    text = dist.read_text("METADATA")
-    if text is None:
-        return "METADATA missing"
-    if not text.strip():
-        return "METADATA empty"
-    return "METADATA has no Version"
-
-
 def _importable(name: str) -> str | None:
     """Where the distribution's package would be imported from (a bare namespace directory does not count)."""
-    parts = PROBES.get(name, name.replace("-", "_")).split(".")
+    top, _, sub = PROBES.get(name, name.replace("-", "_")).partition(".")
     try:
-        spec = PathFinder.find_spec(parts[0])
-        for i in range(1, len(parts)):
-            if spec is None or not spec.submodule_search_locations:
-                return None
-            spec = PathFinder.find_spec(".".join(parts[: i + 1]), list(spec.submodule_search_locations))
+        spec = PathFinder.find_spec(top)
+        if sub and spec is not None:
+            spec = PathFinder.find_spec(f"{top}.{sub}", list(spec.submodule_search_locations or []))
     except Exception:
         return None
-    if spec is None or spec.origin is None or spec.origin == "namespace":
-        return None
-    return spec.origin
+    return spec.origin if spec is not None and spec.origin not in (None, "namespace") else None
 
 
 def _err(exc: BaseException) -> str:
@@ -211,6 +132,6 @@ def _err(exc: BaseException) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def detect(names: tuple[str, ...] = WATCHED) -> dict[str, Upstream]:
-    """Detect every watched distribution (reads metadata only)."""
-    return {name: detect_one(name) for name in names}
+def detect() -> dict[str, Upstream]:
+    """Detect mlx, mlx-lm and mlx-vlm (reads metadata only)."""
+    return {name: detect_one(name) for name in PROBES}

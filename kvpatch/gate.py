@@ -4,7 +4,6 @@ nothing of upstream, so it is tested table-driven."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,7 +14,6 @@ from .detect import Upstream
 from .record import Patch
 
 if TYPE_CHECKING:
-    from .commits import Placement
     from .registry import Stub
 
 __all__ = ["Action", "Decision", "decide"]
@@ -37,21 +35,11 @@ class Decision:
     reason: str
 
 
-Placer = Callable[[str, str, "str | None", "str | None"], "Placement"]
+def _verify(why: str, sep: str = "; ") -> Decision:
+    return Decision(Action.VERIFY, f"{why}{sep}the reproduction decides")
 
 
-def _default_placer(distribution: str, pinned: str, fixed: str | None, introduced: str | None) -> Placement:
-    from .commits import place  # the commit index loads only for a git pin
-
-    return place(distribution, pinned, fixed_commit=fixed, introduced_commit=introduced)
-
-
-def _below(patch: Patch | Stub, version: Version) -> bool:
-    """True when ``version`` fails one of the range's lower bounds."""
-    return any(spec.operator in (">=", ">") and not spec.contains(version, prereleases=True) for spec in patch.range)
-
-
-def decide(patch: Patch | Stub, upstream: Upstream, config: Config, placer: Placer | None = None) -> Decision:
+def decide(patch: Patch | Stub, upstream: Upstream, config: Config) -> Decision:
     """Decide what to do with ``patch`` given the installed ``upstream`` distribution."""
     if not config.enabled:
         return Decision(Action.DISABLED, "kvpatch is off (KVPATCH=off)")
@@ -60,99 +48,72 @@ def decide(patch: Patch | Stub, upstream: Upstream, config: Config, placer: Plac
         return Decision(Action.DISABLED, f"disabled by {how}")
     if not upstream.installed:
         return Decision(Action.NOT_INSTALLED, f"{patch.distribution} is not installed")
-    decision = _decide_installed(patch, upstream, placer)
+    decision = _decide_installed(patch, upstream)
     if patch.opt_in and decision.action in (Action.APPLY, Action.VERIFY) and not config.is_opted_in(patch.id):
-        return Decision(
-            Action.OPT_IN,
-            f"{decision.reason}; this patch changes documented upstream behaviour, so it is off unless asked for: "
-            f"KVPATCH_ENABLE={patch.id}",
-        )
+        why = "this patch changes documented upstream behaviour, so it is off unless asked for"
+        return Decision(Action.OPT_IN, f"{decision.reason}; {why}: KVPATCH_ENABLE={patch.id}")
     return decision
 
 
-def _version_unknown(dist: str, upstream: Upstream) -> Decision:
-    why = upstream.version_unknown or "no version in its metadata"
-    return Decision(Action.VERIFY, f"{dist} is installed, version unknown ({why}): the reproduction decides")
+def _pinned(patch: Patch | Stub, dist: str, commit: str) -> Decision | None:
+    """A git pin placed against the fixing and introducing commits; None: nothing to place against."""
+    from .commits import place  # the commit index loads only for a git pin
+
+    short = commit[:8]
+    try:
+        placement = place(dist, commit, fixed_commit=patch.fixed_commit, introduced_commit=patch.introduced_commit)
+    except Exception as exc:  # a broken index must not stop the user's program
+        return _verify(f"{dist} commit {short}: commit index unusable ({exc})")
+    if not placement.known:
+        return Decision(Action.VERIFY, placement.reason)
+    if placement.fixed:
+        return Decision(Action.NOT_NEEDED, f"pinned {dist} commit {short} contains the fix: {placement.reason}")
+    if placement.introduced is False:
+        return Decision(Action.OUT_OF_RANGE, f"pinned {dist} commit {short} predates the bug: {placement.reason}")
+    if patch.fixed_in and not patch.fixed_commit:
+        why = f"upstream's fix ({patch.fixed_in}) has no public commit to place it against"
+        return _verify(f"{dist} commit {short}: {why}")
+    if (patch.fixed_commit and placement.fixed is None) or (patch.introduced_commit and placement.introduced is None):
+        return Decision(Action.VERIFY, f"{dist} commit {short} cannot be ordered against the fix: {placement.reason}")
+    if patch.fixed_commit or patch.introduced_commit:
+        return Decision(Action.APPLY, f"pinned {dist} commit {short} has the bug: {placement.reason}")
+    return None  # the gate reads the version the checkout declares
 
 
-def _decide_installed(patch: Patch | Stub, upstream: Upstream, placer: Placer | None) -> Decision:
+def _decide_installed(patch: Patch | Stub, upstream: Upstream) -> Decision:
     dist = patch.distribution
     source = upstream.source
-    if upstream.version is None and not (source.kind == "vcs" and source.commit):
-        return _version_unknown(dist, upstream)
-    if source.kind == "unknown":
-        return Decision(Action.VERIFY, f"{dist} install source unknown ({source.error}); the reproduction decides")
-
-    if source.kind == "vcs" and source.commit:
-        short = source.commit[:8]
-        try:
-            placement = (placer or _default_placer)(dist, source.commit, patch.fixed_commit, patch.introduced_commit)
-        except Exception as exc:  # a broken index must not stop the user's program
-            return Decision(
-                Action.VERIFY, f"{dist} commit {short}: commit index unusable ({exc}); the reproduction decides"
-            )
-        if not placement.known:
-            return Decision(Action.VERIFY, placement.reason)
-        if placement.fixed:
-            return Decision(Action.NOT_NEEDED, f"pinned {dist} commit {short} contains the fix: {placement.reason}")
-        if placement.introduced is False:
-            return Decision(Action.OUT_OF_RANGE, f"pinned {dist} commit {short} predates the bug: {placement.reason}")
-        if patch.fixed_in and not patch.fixed_commit:
-            return Decision(
-                Action.VERIFY,
-                f"{dist} commit {short}: upstream's fix ({patch.fixed_in}) has no public commit to place it against; "
-                "the reproduction decides",
-            )
-        if (patch.fixed_commit and placement.fixed is None) or (
-            patch.introduced_commit and placement.introduced is None
-        ):
-            return Decision(
-                Action.VERIFY, f"{dist} commit {short} cannot be ordered against the fix: {placement.reason}"
-            )
-        if patch.fixed_commit or patch.introduced_commit:
-            return Decision(Action.APPLY, f"pinned {dist} commit {short} has the bug: {placement.reason}")
-        # Nothing to place against: fall back to the version the checkout declares.
-
-    if upstream.version is None:  # a git pin the commit index could not place
-        return _version_unknown(dist, upstream)
+    if source.kind == "unknown" and upstream.version is not None:
+        return _verify(f"{dist} install source unknown ({source.error})")
+    decision = _pinned(patch, dist, source.commit) if source.kind == "vcs" and source.commit else None
+    if decision is not None:
+        return decision
+    if upstream.version is None:  # no version in the metadata, or a git pin the commit index could not place
+        why = upstream.version_unknown or "no version in its metadata"
+        return _verify(f"{dist} is installed, version unknown ({why})", ": ")
     try:
         version = Version(upstream.version)
     except InvalidVersion:
-        return Decision(Action.VERIFY, f"{dist} version {upstream.version!r} is not PEP 440; the reproduction decides")
+        return _verify(f"{dist} version {upstream.version!r} is not PEP 440")
 
     where = "" if source.kind in ("index", "vcs") else f" ({source.kind} install: its code may differ from the release)"
-    local = f" (local build {version})" if version.local else ""
     public = Version(version.public)
     fixed = Version(patch.fixed_in) if patch.fixed_in else None
-
     if fixed is not None and where and public.release == fixed.release:
         # A source tree declares the coming release before the fix has necessarily landed in it.
-        return Decision(
-            Action.VERIFY,
-            f"{dist} {version} is the fixing release {patch.fixed_in} as a {source.kind} install; "
-            "the reproduction decides",
-        )
+        return _verify(f"{dist} {version} is the fixing release {patch.fixed_in} as a {source.kind} install")
     if fixed is not None and public >= fixed:
         return Decision(Action.NOT_NEEDED, f"{dist} {version} >= {patch.fixed_in}, which fixed it{where}")
     if fixed is not None and public.release == fixed.release and (public.is_prerelease or public.is_devrelease):
-        return Decision(
-            Action.VERIFY,
-            f"{dist} {version} is a pre-release of {patch.fixed_in} (the fixing release); the reproduction decides",
-        )
+        return _verify(f"{dist} {version} is a pre-release of {patch.fixed_in} (the fixing release)")
     if patch.range.contains(public, prereleases=True):
         if where:
-            return Decision(Action.VERIFY, f"{dist} {version} is in {patch.affected}{where}; the reproduction decides")
+            return _verify(f"{dist} {version} is in {patch.affected}{where}")
+        local = f" (local build {version})" if version.local else ""
         return Decision(Action.APPLY, f"{dist} {version}{local} is in the affected range {patch.affected}")
-    if _below(patch, public):
+    if any(spec.operator in (">=", ">") and not spec.contains(public, prereleases=True) for spec in patch.range):
         return Decision(Action.OUT_OF_RANGE, f"{dist} {version} predates the affected range {patch.affected}")
     if fixed is None:
         through = patch.checked_through or "the last release checked"
-        return Decision(
-            Action.VERIFY,
-            f"{dist} {version} is newer than {through} (not fixed as of then); the reproduction decides",
-        )
-    return Decision(
-        Action.VERIFY,
-        f"{dist} {version} lies between the affected range {patch.affected} and the fix {patch.fixed_in}; "
-        "the reproduction decides",
-    )
+        return _verify(f"{dist} {version} is newer than {through} (not fixed as of then)")
+    return _verify(f"{dist} {version} lies between the affected range {patch.affected} and the fix {patch.fixed_in}")

@@ -1,10 +1,6 @@
-"""Patch records: what a patch is, as plain data plus its fix and its reproduction.
-
-A unit (``kvpatch/patches/mlx_lm``, ``kvpatch/patches/mlx_vlm``) builds one :class:`Patch` and registers one
-*builder* per target (``@PATCH.replace(module, qualname)`` or ``@PATCH.add(...)``: it receives the original, or
-``None``, and returns the replacement, a plain function that runs on every call with no wrapper layer) and one
-*reproduction* (``@PATCH.reproduce``: returns a :class:`Finding`; the regression test, and the judge where the
-facts do not settle it). Nothing here imports mlx, mlx-lm or mlx-vlm.
+"""Patch records: a :class:`Patch` is plain data plus one *builder* per target (``@PATCH.replace`` /
+``@PATCH.add``: original, or ``None``, in, the replacement out, a plain function with no wrapper layer) and one
+*reproduction* (``@PATCH.reproduce``, returning a :class:`Finding`). Nothing here imports mlx, mlx-lm or mlx-vlm.
 """
 
 from __future__ import annotations
@@ -15,23 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
-
-__all__ = [
-    "DISTRIBUTIONS",
-    "Bug",
-    "Expiry",
-    "Finding",
-    "Kind",
-    "Patch",
-    "RecordError",
-    "Target",
-    "borrowed",
-    "own_class",
-    "symptom",
-    "upstream_missing",
-]
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 #: The upstream distributions kvpatch patches, and their import names.
 DISTRIBUTIONS: dict[str, str] = {"mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
@@ -77,8 +58,8 @@ class Bug(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Finding:
-    """What a reproduction observed. Only the bug's own symptom (a wrong value, or the exact error the bug raises:
-    :func:`symptom`) is ``present``; any other error says nothing about the bug: it is *inconclusive*."""
+    """What a reproduction observed: only the bug's own symptom (:func:`symptom`) is ``present``, any other error
+    ``inconclusive``."""
 
     present: bool
     detail: str = ""
@@ -99,54 +80,39 @@ class Finding:
 
 
 def symptom(exc: BaseException, *fragments: str) -> str:
-    """``str(exc)`` when it carries one of ``fragments`` (the bug's own error message); else re-raise ``exc``, so
-    that an unrelated error of the same type makes the finding inconclusive, not "present"::
-
-        except ValueError as exc:
-            return Finding(True, f"extend then decode raises: {symptom(exc, 'Cannot broadcast')}")
-    """
-    text = str(exc)
-    if any(fragment in text for fragment in fragments):
-        return text
+    """``str(exc)`` when it carries one of ``fragments`` (the bug's own message); else re-raise ``exc``: an
+    unrelated error of the same type makes the finding inconclusive, not "present"."""
+    if any(fragment in str(exc) for fragment in fragments):
+        return str(exc)
     raise exc
 
 
 @dataclass(frozen=True)
 class Expiry:
-    """When a patch must go (besides ``Patch.fixed_in``): ``condition`` in words, ``review_by`` the date after
-    which an unfixed patch must be looked at again."""
+    """When a patch must go besides ``Patch.fixed_in``; ``review_by``: when an unfixed patch is looked at again."""
 
     condition: str
     review_by: _dt.date | None = None
 
     def overdue(self, today: _dt.date | None = None) -> bool:
-        if self.review_by is None:
-            return False
-        return (today or _dt.date.today()) > self.review_by
+        return self.review_by is not None and (today or _dt.date.today()) > self.review_by
 
 
 def upstream_missing(exc: ImportError) -> bool:
-    """True when ``exc`` says an mlx-lm / mlx-vlm module or name is absent from this release (not a missing
-    third-party dependency, which must not pass for an absent bug)."""
-    name = getattr(exc, "name", None) or ""
-    return name.split(".")[0] in DISTRIBUTIONS.values()
+    """True when ``exc`` is about mlx-lm / mlx-vlm, not a missing third-party dependency (that is no absent bug)."""
+    return (getattr(exc, "name", None) or "").split(".")[0] in DISTRIBUTIONS.values()
 
 
 def borrowed(obj: Any, import_name: str) -> bool:
-    """True when ``obj`` is a class of another upstream distribution than ``import_name`` (mlx-vlm 0.6.3 and
-    older re-export mlx-lm's batch caches and ``ArraysCache``)."""
-    if not isinstance(obj, type):
-        return False
+    """True when ``obj`` is the other upstream's class (mlx-vlm <= 0.6.3 re-exports mlx-lm's batch caches)."""
     top = str(getattr(obj, "__module__", "")).split(".", 1)[0]
-    return top != import_name and top in DISTRIBUTIONS.values()
+    return isinstance(obj, type) and top != import_name and top in DISTRIBUTIONS.values()
 
 
 def own_class(module: Any, name: str) -> Any:
     """``module``'s class ``name`` where its own distribution defines it, else None (:func:`borrowed`)."""
     cls = getattr(module, name, None)
-    if not isinstance(cls, type) or borrowed(cls, module.__name__.split(".", 1)[0]):
-        return None
-    return cls
+    return cls if isinstance(cls, type) and not borrowed(cls, module.__name__.split(".", 1)[0]) else None
 
 
 Builder = Callable[[Any], Any]
@@ -171,52 +137,40 @@ class Patch:
     hot_path: bool = False  # called per token / per layer per step
     order: int = 100  # several patches on one target: lower installs first (innermost)
     metal_only: bool = False  # the bug cannot be observed off Metal
-    #: The fix changes documented upstream behaviour (a policy): off unless ``KVPATCH_ENABLE`` names it.
-    opt_in: bool = False
-    #: The patch only makes the target compute on a backend (e.g. qsdpa-cuda-shapes): another patch's run without
-    #: its fix keeps it in place, since that reproduction cannot run there without it.
+    opt_in: bool = False  # changes documented upstream behaviour (a policy): off unless ``KVPATCH_ENABLE`` names it
+    #: Only makes the target compute on a backend: another patch's run without its fix keeps it in place.
     enabler: bool = False
-    #: A patch of mlx-vlm's own copies of mlx-lm's classes: a target whose owner is another distribution's class
-    #: (:func:`borrowed`) is declined; that class is the twin patch's.
+    #: Patches mlx-vlm's own copies of mlx-lm's classes: a target owned by a :func:`borrowed` class is declined.
     own_classes_only: bool = False
     targets: list[Target] = field(default_factory=list)
     builders: dict[Target, Builder] = field(default_factory=dict, repr=False)
     reproduction: Reproduction | None = field(default=None, repr=False)
-    #: Called after the patch's changes are taken out: state its replacements keep on upstream's objects in a form
-    #: only they read goes back to upstream's form.
+    #: Run after the patch's changes are taken out: state its replacements keep on upstream's objects goes back.
     restore_hooks: list[Callable[[], None]] = field(default_factory=list, repr=False)
     module: str = ""  # the unit's module (filled by the registry)
 
     def __post_init__(self) -> None:
-        if not self.id or self.id != self.id.strip().lower() or "," in self.id or "*" in self.id:
+        try:
+            self.range: SpecifierSet = SpecifierSet(self.affected)
+            fixed = Version(self.fixed_in) if self.fixed_in is not None else None
+            Version(self.checked_through or "0")
+        except ValueError as exc:  # InvalidSpecifier, InvalidVersion
+            raise RecordError(f"{self.id}: {exc}") from exc
+        if not self.id or self.id != self.id.strip().lower() or any(c in self.id for c in ",*"):
             raise RecordError(f"bad patch id {self.id!r}: use lower-case, no commas or '*'")
         if self.distribution not in DISTRIBUTIONS:
             raise RecordError(f"{self.id}: unknown distribution {self.distribution!r}")
-        try:
-            self.range: SpecifierSet = SpecifierSet(self.affected)
-        except InvalidSpecifier as exc:
-            raise RecordError(f"{self.id}: bad affected range {self.affected!r}: {exc}") from exc
-        for name in ("fixed_in", "checked_through"):
-            value = getattr(self, name)
-            if value is not None:
-                try:
-                    Version(value)
-                except InvalidVersion as exc:
-                    raise RecordError(f"{self.id}: bad {name} {value!r}") from exc
-        if self.fixed_in is not None and self.range.contains(self.fixed_in, prereleases=True):
+        if fixed is not None and self.range.contains(fixed, prereleases=True):
             raise RecordError(f"{self.id}: fixed_in {self.fixed_in} lies inside {self.affected}")
-        if not any(spec.operator in ("<", "<=", "==", "~=", "===") for spec in self.range):
+        if all(spec.operator in (">=", ">", "!=") for spec in self.range):
             # an open range would apply blindly to every future release: newer ones go to the reproduction
             raise RecordError(f"{self.id}: affected range {self.affected!r} has no upper bound")
-        if self.fixed_in is None and self.checked_through is None:
+        if fixed is None and self.checked_through is None:
             raise RecordError(f"{self.id}: an unfixed bug needs checked_through (the newest release measured)")
 
     def _register(self, target: Target) -> Callable[[Builder], Builder]:
-        if target in self.builders:
-            raise RecordError(f"{self.id}: target {target.path} declared twice")
-        package = target.module.split(".", 1)[0]
-        if package not in DISTRIBUTIONS.values():
-            raise RecordError(f"{self.id}: target {target.path} is outside mlx_lm / mlx_vlm")
+        if target in self.builders or target.module.split(".", 1)[0] not in DISTRIBUTIONS.values():
+            raise RecordError(f"{self.id}: target {target.path} is declared twice or outside mlx_lm / mlx_vlm")
 
         def decorate(builder: Builder) -> Builder:
             self.targets.append(target)
@@ -252,12 +206,3 @@ class Patch:
     @property
     def modules(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(t.module for t in self.targets))
-
-    @property
-    def fixed_text(self) -> str:
-        if self.fixed_in:
-            commit = f" ({self.fixed_commit})" if self.fixed_commit else ""
-            return f"{self.fixed_in}{commit}"
-        if self.checked_through:
-            return f"not fixed as of {self.checked_through}"
-        return "not fixed"

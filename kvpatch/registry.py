@@ -1,43 +1,25 @@
-"""Discover the patch units: :func:`load` imports every one (``status``, ``verify``, tests); :func:`index` gives a
-:class:`Stub` per unit from the shipped ``kvpatch/data/units.json``, so that activation inside the user's
-``import mlx_lm`` imports only the units whose gate may apply. An index that does not list exactly the units on
-disk is not used. Units live in one folder per distribution whose release gates them
-(``kvpatch.patches.mlx_lm``, ``kvpatch.patches.mlx_vlm``); underscore modules beside them are shared helpers.
+"""The patch units (``kvpatch.patches.mlx_lm`` / ``mlx_vlm``; underscore modules are helpers): :func:`load` imports
+them all; :func:`index` gives a :class:`Stub` per unit from the shipped ``units.json``, so that the user's ``import
+mlx_lm`` imports only the units whose gate may apply. An index that does not list exactly the units on disk is unused.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import pkgutil
-from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+
+from packaging.specifiers import SpecifierSet
 
 from .record import DISTRIBUTIONS, Patch
-
-if TYPE_CHECKING:
-    from packaging.specifiers import SpecifierSet
 
 __all__ = ["Registry", "Stub", "index", "load"]
 
 PACKAGE = "kvpatch.patches"
-INDEX = "units.json"
-#: The record fields the gate and the engine's ordering read: what the unit index stores.
-INDEXED = (
-    "id",
-    "distribution",
-    "affected",
-    "fixed_in",
-    "fixed_commit",
-    "introduced_commit",
-    "checked_through",
-    "order",
-    "opt_in",
-)
+INDEX = Path(__file__).parent / "data" / "units.json"
 
 
 class Registry:
@@ -47,30 +29,24 @@ class Registry:
         self.by_id = {p.id: p for p in patches}
 
     def get(self, patch_id: str) -> Patch:
-        try:
-            return self.by_id[patch_id]
-        except KeyError:
-            raise KeyError(f"no patch {patch_id!r}; known: {', '.join(sorted(self.by_id))}") from None
+        if patch_id not in self.by_id:
+            raise KeyError(f"no patch {patch_id!r}; known: {', '.join(sorted(self.by_id))}")
+        return self.by_id[patch_id]
 
 
 def _unit(name: str) -> Patch:
-    """Import the unit ``name`` (a full module name) and return its checked record."""
-    module = importlib.import_module(name)
-    patch = module.PATCH
-    if not isinstance(patch, Patch):
-        raise TypeError(f"{name}.PATCH is {type(patch).__name__}, not a Patch")
-    if patch.reproduction is None:
-        raise TypeError(f"{name}: patch {patch.id} has no reproduction")
+    patch = importlib.import_module(name).PATCH
+    if not isinstance(patch, Patch) or patch.reproduction is None:
+        raise TypeError(f"{name}.PATCH is not a Patch with a reproduction")
     patch.module = name
     return patch
 
 
-def _unit_names(package: ModuleType) -> list[str]:
-    """The unit modules in ``package``'s distribution folders (underscore modules are not units), sorted."""
+def _unit_names() -> list[str]:
     return sorted(
         f"{PACKAGE}.{folder}.{info.name}"
         for folder in DISTRIBUTIONS.values()
-        for info in pkgutil.iter_modules([str(Path(root) / folder) for root in package.__path__])
+        for info in pkgutil.iter_modules([str(Path(__file__).parent / "patches" / folder)])
         if info.name[0] != "_"
     )
 
@@ -78,30 +54,25 @@ def _unit_names(package: ModuleType) -> list[str]:
 @lru_cache(maxsize=1)
 def load() -> Registry:
     """Import every patch unit; a unit that fails to import is recorded, never raised."""
-    patches: list[Patch] = []
+    patches: dict[str, Patch] = {}
     broken: dict[str, str] = {}
-    try:
-        package = importlib.import_module(PACKAGE)
-    except Exception as exc:
-        return Registry([], {PACKAGE: f"{type(exc).__name__}: {exc}"})
-    seen: dict[str, str] = {}
-    for name in _unit_names(package):
+    for name in _unit_names():
         try:
             patch = _unit(name)
-            if patch.id in seen:
-                raise ValueError(f"patch id {patch.id!r} is used by {seen[patch.id]} too")
+            if patch.id in patches:
+                raise ValueError(f"patch id {patch.id!r} is used by {patches[patch.id].module} too")
+            patches[patch.id] = patch
         except Exception as exc:
             broken[name] = f"{type(exc).__name__}: {exc}"
-            continue
-        seen[patch.id] = name
-        patches.append(patch)
-    return Registry(patches, broken)
+    return Registry(list(patches.values()), broken)
 
 
+@dataclass(eq=False)
 class Stub:
-    """A patch known from the unit index, its unit not imported: the :data:`INDEXED` fields and what the gate
-    derives from them. The engine swaps it for its record (:meth:`resolve`) before using anything else."""
+    """A patch known from the unit index, its unit not imported: the fields the gate and the engine's ordering
+    read. The engine swaps it for its record (:meth:`resolve`) before using anything else."""
 
+    module: str
     id: str
     distribution: str
     affected: str
@@ -112,17 +83,8 @@ class Stub:
     order: int
     opt_in: bool
 
-    def __init__(self, module: str, fields: dict[str, Any]) -> None:
-        self.module = module
-        for name in INDEXED:
-            setattr(self, name, fields[name])
-        self._record: Patch | None = None
-
     @cached_property
     def range(self) -> SpecifierSet:
-        """What the gate reads (:attr:`kvpatch.record.Patch.range`)."""
-        from packaging.specifiers import SpecifierSet
-
         return SpecifierSet(self.affected)
 
     @property
@@ -130,36 +92,21 @@ class Stub:
         return DISTRIBUTIONS[self.distribution]
 
     def resolve(self) -> Patch:
-        """The unit's record (imported on first use)."""
-        if self._record is None:
-            record = _unit(self.module)
-            if record.id != self.id:
-                raise ValueError(f"{self.module} defines {record.id!r}, the unit index says {self.id!r}")
-            self._record = record
-        return self._record
-
-    def __repr__(self) -> str:
-        return f"Stub({self.id!r}, {self.module})"
+        """The unit's record (its import is cached in ``sys.modules``)."""
+        record = _unit(self.module)
+        if record.id != self.id:
+            raise ValueError(f"{self.module} defines {record.id!r}, the unit index says {self.id!r}")
+        return record
 
 
-def entries(patches: Iterable[Patch]) -> dict[str, dict[str, Any]]:
-    """What ``units.json`` holds for ``patches``: unit module name -> the :data:`INDEXED` fields."""
-    return {p.module: {name: getattr(p, name) for name in INDEXED} for p in sorted(patches, key=lambda p: p.module)}
-
-
-def index_path() -> Path:
-    return Path(__file__).parent / "data" / INDEX
+#: What ``units.json`` holds per unit module.
+INDEXED = tuple(f.name for f in fields(Stub) if f.name != "module")
 
 
 def index() -> list[Stub] | None:
-    """A :class:`Stub` per unit, or ``None`` when the index is missing, unreadable or does not list exactly the
-    units on disk (then :func:`load` is the way). Never raises."""
+    """A :class:`Stub` per unit; ``None`` (never raises) where the index is unusable or not exactly the units."""
     try:
-        package = importlib.import_module(PACKAGE)
-        data = json.loads(index_path().read_text(encoding="utf-8"))
-        units = data["units"]
-        if sorted(units) != _unit_names(package):
-            return None
-        return [Stub(name, fields) for name, fields in units.items()]
+        units = json.loads(INDEX.read_text(encoding="utf-8"))["units"]
+        return [Stub(name, **units[name]) for name in units] if sorted(units) == _unit_names() else None
     except Exception:
         return None

@@ -21,6 +21,14 @@ from kvpatch.commits import CommitIndex, Placement, load_index, place
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = ROOT / "scripts" / "build_commit_index.py"
+
+
+def position(index: CommitIndex, commit: str) -> int | None:
+    """Main-line position (0 = oldest; a side commit: its merge's), or None if ``commit`` is not indexed."""
+    full = index.resolve(commit)
+    return None if full is None else index._position[full]
+
+
 MIRRORS = {
     "mlx-lm": Path("/work/.mirror/ml-explore+mlx-lm/repo"),
     "mlx-vlm": Path("/work/.mirror/Blaizzy+mlx-vlm/repo"),
@@ -79,17 +87,17 @@ def test_fixing_commits(dist: str, short: str, full: str, mainline: bool, merged
     assert index.resolve(short) == full
     assert index.resolve(full) == full
     assert index.resolve(full.upper()) == full
-    container = index.mainline[index.position(short) or 0]
+    container = index.mainline[position(index, short) or 0]
     assert container is not None
     if mainline:
         assert container == full
     else:
         assert merged_by is not None
         assert container.startswith(merged_by)
-    assert index.position(short) == index.position(container)
+    assert position(index, short) == position(index, container)
     assert index.describe(short).endswith(f"#{pr})")
     # Every commit contains itself; the main-line commit before its merge does not.
-    pos = index.position(short)
+    pos = position(index, short)
     assert pos is not None
     assert index.contains(container, short) is True
     if pos > 0:
@@ -105,7 +113,7 @@ def test_pins_in_the_wild(pin: str, has_v01: bool, has_v02: bool) -> None:
 
     full = index.resolve(pin)
     assert full is not None and full.startswith(pin)
-    assert index.mainline[index.position(pin) or 0] == full
+    assert index.mainline[position(index, pin) or 0] == full
     v01 = place("mlx-vlm", pin, fixed_commit=V01_FIXED, introduced_commit=V01_INTRODUCED)
     assert v01.known
     assert v01.introduced is True
@@ -136,7 +144,7 @@ def test_unknown_pin() -> None:
     )
     assert index.contains("deadbeef", V01_FIXED) is None
     assert index.contains(V01_FIXED, "deadbeef") is None
-    assert index.position("deadbeef") is None
+    assert position(index, "deadbeef") is None
 
 
 def test_unknown_fix_commit() -> None:
@@ -179,7 +187,7 @@ def test_resolve_ambiguous_prefix() -> None:
     assert index.resolve("1234567") is None
     assert index.resolve("1234567a") == "1234567aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
     assert index.resolve("1234567c") == "1234567ccccccccccccccccccccccccccccccccc"
-    assert index.position("1234567c") == 0
+    assert position(index, "1234567c") == 0
     assert index.contains("1234567b", "1234567c") is True
     assert index.contains("1234567c", "1234567b") is False
 
@@ -203,13 +211,13 @@ def test_index_shape(dist: str) -> None:
     header = dict(line[2:].split(": ", 1) for line in text.splitlines() if line.startswith("# ") and ": " in line)
     assert header["branch"] == "main"
     assert int(header["mainline"]) == len(index.mainline)
-    assert int(header["side"]) == len(index) - len(index.mainline)
+    assert int(header["side"]) == len(index._position) - len(index.mainline)
 
 
 def test_positions_are_ordered() -> None:
     index = load_index("mlx-vlm")
     order = ["b0275383", "f96138ee", "2a55b80b", "fea81522", "654caf4c", "6f60ee44"]
-    positions = [index.position(c) for c in order]
+    positions = [position(index, c) for c in order]
     assert all(p is not None for p in positions)
     assert positions == sorted(positions)  # type: ignore[type-var]
     assert len(set(positions)) == len(positions)
@@ -228,10 +236,10 @@ def test_side_pin() -> None:
 
 def test_fix_from_side_branch_maps_to_merge() -> None:
     index = load_index("mlx-vlm")
-    merge = index.mainline[index.position("570afed3") or 0]
+    merge = index.mainline[position(index, "570afed3") or 0]
     assert merge is not None
     assert merge.startswith("c8d6057c")
-    pos = index.position(merge)
+    pos = position(index, merge)
     assert pos is not None
     assert index.contains(index.mainline[pos - 1], "570afed3") is False
     assert index.contains(merge, "570afed3") is True
@@ -248,7 +256,7 @@ def test_index_is_parsed_once_and_shared() -> None:
     for dist in commits.DISTRIBUTIONS:
         load_index.cache_clear()
         first = load_index(dist)
-        assert len(first) > 0 and first.mainline[-1] == first.head
+        assert first._position and first.mainline[-1] == first.head
         assert load_index(dist) is first
         assert load_index.cache_info().misses == 1
     load_index.cache_clear()
@@ -349,7 +357,7 @@ def test_build_script_on_synthetic_repo(tmp_path: Path) -> None:
 
     index = CommitIndex.parse(text)
     assert index.head == m3
-    assert index.position(s1) == 3
+    assert position(index, s1) == 3
     assert index.contains(m2, s1) is False
     assert index.contains(m3, s1) is True
 

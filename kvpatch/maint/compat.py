@@ -41,6 +41,13 @@ _ACTION_TEXT = {
 }
 
 
+def fixed_text(p: Patch) -> str:
+    """The table's "fixed in" cell: the release (and commit), else how far it was checked."""
+    if p.fixed_in:
+        return p.fixed_in + (f" ({p.fixed_commit})" if p.fixed_commit else "")
+    return f"not fixed as of {p.checked_through}" if p.checked_through else "not fixed"
+
+
 def _pin_decision(patch: Patch, commit: str, version: str) -> str:
     upstream = Upstream(patch.distribution, version, Source(kind="vcs", url="git", vcs="git", commit=commit))
     decision = decide(patch, upstream, _ALL)
@@ -67,7 +74,7 @@ def render() -> str:
     for p in patches:
         expiry = p.expiry.condition + (f" (review by {p.expiry.review_by})" if p.expiry.review_by else "")
         out.append(
-            f"| `{p.id}` | {p.catalogue} | {p.distribution} | `{p.affected}` | {p.fixed_text} | {p.reference} | "
+            f"| `{p.id}` | {p.catalogue} | {p.distribution} | `{p.affected}` | {fixed_text(p)} | {p.reference} | "
             f"{'yes' if p.hot_path else 'no'} | {expiry} |"
         )
     for dist, releases in TESTED.items():

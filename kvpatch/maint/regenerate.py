@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-git", action="store_true", help="fingerprint releases only, no git commits")
     args = parser.parse_args(argv)
     stale: list[str] = []
-    index = registry.index_path()
+    index = registry.INDEX
     if not _file(index, units.render(units.expected()), args.check):
         stale.append(str(index))
     if not args.no_fingerprints:

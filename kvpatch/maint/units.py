@@ -30,7 +30,8 @@ def expected() -> dict[str, Any]:
     reg = registry.load()
     if reg.broken:
         raise RuntimeError(f"units that do not load: {reg.broken}")
-    return {"units": registry.entries(reg.patches)}
+    patches = sorted(reg.patches, key=lambda p: p.module)
+    return {"units": {p.module: {name: getattr(p, name) for name in registry.INDEXED} for p in patches}}
 
 
 def render(data: dict[str, Any]) -> str:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="rewrite the index from the units")
     args = parser.parse_args(argv)
     data = expected()
-    text, path = render(data), registry.index_path()
+    text, path = render(data), registry.INDEX
     if args.write:
         path.write_text(text, encoding="utf-8")
         print(f"wrote {path} ({len(data['units'])} units)")

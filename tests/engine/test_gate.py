@@ -144,11 +144,12 @@ def test_reasons_name_the_facts():
     assert "0.32.2" in d.reason and "reproduction decides" in d.reason
 
 
-def test_broken_placer_is_verify_not_crash():
-    def broken(*args):
+def test_broken_placer_is_verify_not_crash(monkeypatch):
+    def broken(*args, **kwargs):
         raise RuntimeError("index corrupt")
 
-    d = decide(FIXED, Upstream("mlx-vlm", "0.5.0", vcs(F96)), Config(), placer=broken)
+    monkeypatch.setattr("kvpatch.commits.place", broken)
+    d = decide(FIXED, Upstream("mlx-vlm", "0.5.0", vcs(F96)), Config())
     assert d.action is Action.VERIFY and "index corrupt" in d.reason
 
 

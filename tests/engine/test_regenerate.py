@@ -11,7 +11,7 @@ from kvpatch.maint import regenerate
 
 def test_check_names_stale_files_and_write_refreshes_them(tmp_path, monkeypatch, capsys):
     index, compat = tmp_path / "units.json", tmp_path / "COMPAT.md"
-    monkeypatch.setattr(registry, "index_path", lambda: index)
+    monkeypatch.setattr(registry, "INDEX", index)
     monkeypatch.setattr(regenerate, "COMPAT", compat)
     index.write_text("{}\n")
     compat.write_text("# an old table\n")

@@ -3,7 +3,6 @@ that can apply; it must say what the units say, and a stub must decide as its re
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -26,7 +25,7 @@ _SOURCES = (Source(), Source(kind="archive", url="file:///w.whl"), Source(kind="
 
 
 def test_index_says_what_the_units_say():
-    current = registry.index_path().read_text(encoding="utf-8")
+    current = registry.INDEX.read_text(encoding="utf-8")
     assert current == units.render(units.expected()), "stale: run python -m kvpatch.maint.regenerate"
 
 
@@ -51,8 +50,8 @@ def test_stub_holds_the_indexed_fields_only_and_resolves_to_its_record():
 
 
 def test_index_not_matching_the_units_is_not_used(monkeypatch):
-    names = registry._unit_names(importlib.import_module("kvpatch.patches"))
-    monkeypatch.setattr(registry, "_unit_names", lambda package: [*names, f"{registry.PACKAGE}.new_unit"])
+    names = registry._unit_names()
+    monkeypatch.setattr(registry, "_unit_names", lambda: [*names, f"{registry.PACKAGE}.new_unit"])
     assert registry.index() is None
 
 
@@ -84,9 +83,7 @@ def test_activation_imports_only_units_that_can_apply(tmp_path):
 
 @pytest.mark.parametrize("stale", ["missing", "garbage"])
 def test_unusable_index_file_is_not_used(monkeypatch, tmp_path, stale):
-    monkeypatch.setattr(registry, "__file__", str(tmp_path / "x" / "registry.py"))
-    (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "data").mkdir()
+    monkeypatch.setattr(registry, "INDEX", tmp_path / "units.json")
     if stale == "garbage":
-        (tmp_path / "x" / "data" / registry.INDEX).write_text("{not json", encoding="utf-8")
+        registry.INDEX.write_text("{not json", encoding="utf-8")
     assert registry.index() is None

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(
     _VERSION not in RELEASES or not _RELEASED,
     reason=(
         f"end-to-end scenarios run on mlx-lm {' and '.join(RELEASES)} released code only (oldest and newest "
-        f"supported); installed: {_UPSTREAM.describe() if _UPSTREAM is not None else 'none'}"
+        f"supported); installed: {_UPSTREAM or 'none'}"
     ),
 )
 
