@@ -64,13 +64,12 @@ def _build() -> Engine:
 def get_engine() -> Engine:
     """The process's engine (built on first use; not necessarily active)."""
     global _engine
-    if _engine is not None:
-        return _engine
-    built = _build()  # outside the lock: building imports the patch units
-    with _lock:
-        if _engine is None:
-            _engine = built
-        return _engine
+    if _engine is None:
+        built = _build()  # outside the lock: building imports the patch units
+        with _lock:
+            if _engine is None:
+                _engine = built
+    return _engine
 
 
 def activate() -> Engine | None:
@@ -129,23 +128,17 @@ def register_copy(module: str, *, of: str, version: str, patches: Iterable[str] 
 
 #: The server API, loaded on first use: name -> module.
 _LAZY = {
-    "NotApplied": "assertions",
-    "require_applied": "assertions",
-    "NotFixed": "assertions",
-    "UnknownPatch": "assertions",
-    "require": "assertions",
-    "is_fixed": "assertions",
+    **dict.fromkeys(("NotApplied", "require_applied", "NotFixed", "UnknownPatch", "require", "is_fixed"), "assertions"),
     "bounded_prompt_cache": "bounding",
 }
 
 
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is not None:
-        import importlib
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kvpatch' has no attribute {name!r}")
+    import importlib
 
-        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    raise AttributeError(f"module 'kvpatch' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
 
 
 activate()

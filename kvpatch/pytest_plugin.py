@@ -1,18 +1,11 @@
-"""pytest plugin for projects that depend on kvpatch (registered as the ``pytest11`` entry point ``kvpatch``).
+"""pytest plugin for projects that depend on kvpatch (the ``pytest11`` entry point ``kvpatch``); off unless enabled.
 
-Off unless enabled: ``--kvpatch-require-applied`` (or ``kvpatch_require_applied = true`` in the
-pytest ini) fails the test session when any patch that applies to the installed upstream is not
-applied at the end of the session: failed, drifted, disabled (``KVPATCH=off`` / ``KVPATCH_DISABLE``),
-or pending although the session imported its target modules (see :mod:`kvpatch.assertions`).
-
-``--kvpatch-verify`` (or ``kvpatch_verify = true``) runs ``python -m kvpatch verify --missing`` in a
-child process before the session, so that every patch the reproduction decides has this environment's
-verdict before the tests import upstream; a verification that needs attention fails the session.
-
-The fixture ``kvpatch_status`` returns the status records (``kvpatch.records()``).
-
-kvpatch is imported only when an option is on (at configure time, before test modules import upstream)
-or a test asks for the fixture.
+``--kvpatch-require-applied`` (ini ``kvpatch_require_applied = true``) fails the session when a patch that applies
+to the installed upstream is not applied at its end (:func:`kvpatch.assertions.problems`). ``--kvpatch-verify``
+(ini ``kvpatch_verify = true``) runs ``python -m kvpatch verify --missing`` in a child process first, so every
+patch the reproduction decides has this environment's verdict; one that needs attention fails the session.
+The fixture ``kvpatch_status`` returns ``kvpatch.records()``. kvpatch is imported only when an option is on (at
+configure time, before test modules import upstream) or a test asks for the fixture.
 """
 
 from __future__ import annotations
@@ -49,12 +42,9 @@ def _on(config: pytest.Config, name: str) -> bool:
 
 
 def _run_verify() -> tuple[int, str]:
-    """``python -m kvpatch verify --missing`` in a child process: (exit status, its last lines).
-
-    Like every child kvpatch starts (``kvpatch.measurer``'s background verifier too), it runs no code from a
-    directory kvpatch did not choose (``-P``, in ``/``); this module must not import kvpatch (that would activate
-    it), so it cannot share kvpatch's code for that.
-    """
+    """``python -m kvpatch verify --missing`` in a child process: (exit status, its last lines). Like every child
+    kvpatch starts, it runs no code from a directory kvpatch did not choose (``-P``, in ``/``): this module must not
+    import kvpatch (that would activate it), so it cannot share kvpatch's code for that."""
     import subprocess
     import sys
 

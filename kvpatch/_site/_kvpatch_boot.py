@@ -76,14 +76,10 @@ def from_shim(name, path=None, target=None):
     if _startup_path is None:
         _startup_path = _explicit_path()
     meta_path = sys.meta_path
-    kept, seen = [], False
-    for finder in meta_path:
-        if finder is KvpatchBootstrapFinder or getattr(finder, "__name__", "") == "KvpatchBootstrapFinder":
-            if seen:
-                continue
-            finder, seen = KvpatchBootstrapFinder, True
-        kept.append(finder)
-    if len(kept) != len(meta_path) or any(a is not b for a, b in zip(kept, meta_path, strict=True)):
+    ours = [i for i, f in enumerate(meta_path) if getattr(f, "__name__", "") == "KvpatchBootstrapFinder"]
+    if ours and (len(ours) > 1 or meta_path[ours[0]] is not KvpatchBootstrapFinder):
+        kept = [f for i, f in enumerate(meta_path) if i not in ours[1:]]
+        kept[ours[0]] = KvpatchBootstrapFinder
         meta_path[:] = kept
     return KvpatchBootstrapFinder.find_spec(name, path, target)
 
