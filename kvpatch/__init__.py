@@ -1,9 +1,8 @@
 """kvpatch: version-gated, audited fixes for known KV-cache bugs in mlx-lm and mlx-vlm.
 
-Importing kvpatch activates it (so does any import of mlx-lm or mlx-vlm, through a ``.pth`` bootstrap): every patch
-whose upstream release or pinned commit has the bug is installed when its target module is imported.
-``KVPATCH=off`` turns it off, ``KVPATCH_DISABLE=id,id`` (or ``*``) leaves out patches; ``python -m kvpatch status``
-shows what is applied and why.
+Importing kvpatch (or mlx-lm / mlx-vlm, through a ``.pth`` bootstrap) activates it: every patch whose upstream
+release or pinned commit has the bug is installed when its target module is imported. ``KVPATCH=off`` turns it
+off; ``python -m kvpatch status`` shows what is applied and why.
 """
 
 from __future__ import annotations
@@ -51,21 +50,19 @@ _engine: Engine | None = globals().get("_engine")
 _lock = globals().get("_lock") or threading.Lock()
 
 
-def _build() -> Engine:
-    from . import registry
-
-    stubs = registry.index()  # only the units whose gate may apply get imported
-    if stubs is not None:
-        return Engine(stubs)
-    reg = registry.load()
-    return Engine(reg.patches, broken=reg.broken)
-
-
 def get_engine() -> Engine:
     """The process's engine (built on first use; not necessarily active)."""
     global _engine
     if _engine is None:
-        built = _build()  # outside the lock: building imports the patch units
+        from . import registry
+
+        # Built outside the lock: building imports the patch units (with the index, only those whose gate may apply).
+        stubs = registry.index()
+        if stubs is not None:
+            built = Engine(stubs)
+        else:
+            reg = registry.load()
+            built = Engine(reg.patches, broken=reg.broken)
         with _lock:
             if _engine is None:
                 _engine = built
@@ -98,13 +95,10 @@ def deactivate() -> None:
 
 
 def records() -> list[PatchStatus]:
-    """The status of every patch in this process as it is now, for servers that assert kvpatch is active.
+    """The status of every patch in this process as it is now, then one per registered copy and patch.
 
-    Each installed replacement is looked up again: one that something else has since replaced shows as
-    ``overridden`` (call this after your own patches are in), and a target module re-executed since
-    (``importlib.reload``) gets its patches again. Copies a server registered (:func:`register_copy`) come last,
-    one status per (patch, copy).
-    """
+    Each replacement is looked up again: one replaced since shows ``overridden`` (call this after your own patches
+    are in), and a reloaded target module gets its patches again."""
     engine = get_engine()
     patches = engine.materialise()
     engine.refresh()

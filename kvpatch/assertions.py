@@ -1,12 +1,5 @@
-"""Asserting that kvpatch's fixes are in effect, at a server's start-up and in downstream test sessions.
-
-:func:`require` and :func:`is_fixed` check the fixes a server names; :func:`require_applied` checks every patch
-that applies to the installed upstream (as ``pytest --kvpatch-require-applied`` does)::
-
-    kvpatch.require("batch-logits-processors", "qsdpa-gqa-batch-mask")   # at start-up
-    if not kvpatch.is_fixed("offset-detach"):
-        ...                                                              # keep the server's own guard
-"""
+"""Asserting that kvpatch's fixes are in effect, at a server's start-up (docs/servers.md) and in test sessions:
+:func:`require` / :func:`is_fixed` for the fixes a server names, :func:`require_applied` for every applicable patch."""
 
 from __future__ import annotations
 
@@ -49,13 +42,12 @@ class NotApplied(RuntimeError):
 def _gate(engine: Engine, patch: Patch | Stub, config: Config | None = None) -> Decision:
     """The gate's decision for ``patch`` under ``config``; by default "applicable": the off switches ignored,
     the environment's opt-ins kept, and a gate that raises reads APPLY, so the failure the engine recorded shows."""
-    applicable = config is None
-    if config is None:
-        config = Config(enabled_ids=engine.config.enabled_ids, enable_all=engine.config.enable_all)
+    upstream = engine.upstream.get(patch.distribution) or Upstream(patch.distribution, None)
+    applicable = Config(enabled_ids=engine.config.enabled_ids, enable_all=engine.config.enable_all)
     try:
-        return decide(patch, engine.upstream.get(patch.distribution) or Upstream(patch.distribution, None), config)
+        return decide(patch, upstream, config or applicable)
     except Exception:
-        return Decision(Action.APPLY if applicable else Action.VERIFY, "the gate raised")
+        return Decision(Action.VERIFY if config else Action.APPLY, "the gate raised")
 
 
 def _import_pending(engine: Engine, statuses: Iterable[PatchStatus]) -> None:
@@ -196,12 +188,11 @@ def guarantees(engine: Engine, patch_ids: Iterable[str]) -> list[Guarantee]:
 def require(*patch_ids: str) -> list[Guarantee]:
     """Raise :class:`NotFixed` unless every named fix is in effect in this process; return the guarantees.
 
-    A fix is in effect when its patch is applied and reached now (not overridden, suspended or disabled),
-    or when the installed upstream does not have the bug (the gate's decision: out of range, not needed,
-    the distribution is not installed, or this environment's verdict found the bug absent). A patch that
-    is off (``KVPATCH=off``, ``KVPATCH_DISABLE``, an opt-in not enabled) counts only where upstream does
-    not need it. Target modules of pending patches are imported first, so call this after your own
-    patches are in. An id kvpatch does not know raises :class:`UnknownPatch` (with close matches).
+    A fix is in effect when its patch is applied and reached now (not overridden, suspended or disabled), or when
+    the installed upstream does not have the bug (out of range, not needed, not installed, or this environment's
+    verdict found it absent); a patch that is off (``KVPATCH=off``, ``KVPATCH_DISABLE``, an opt-in not enabled)
+    counts only there. Pending patches' target modules are imported first: call this after your own patches are
+    in. An id kvpatch does not know raises :class:`UnknownPatch` (with close matches).
     """
     if not patch_ids:
         raise TypeError("kvpatch.require() needs at least one patch id")

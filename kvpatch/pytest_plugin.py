@@ -56,7 +56,6 @@ def _run_verify() -> tuple[int, str]:
             capture_output=True,
             text=True,
             timeout=1800,
-            check=False,
         )
     except (OSError, subprocess.SubprocessError) as exc:
         return 1, f"kvpatch verify could not run: {exc}"
@@ -86,25 +85,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    verified = getattr(config, _VERIFIED, None)
-    if verified is not None:
-        code, text = verified
-        if code != 0:
-            terminalreporter.section("kvpatch verify: needs attention", sep="=", red=True, bold=True)
-            for line in text.splitlines():
-                terminalreporter.line(f"  {line}", red=True)
-        else:
-            terminalreporter.line(text.splitlines()[-1] if text else "kvpatch verify: nothing to settle")
-    result = getattr(config, _FOUND, None)
-    if result is None:
-        return
-    applicable, found = result
+    code, text = getattr(config, _VERIFIED, (None, ""))
+    if code:
+        terminalreporter.section("kvpatch verify: needs attention", sep="=", red=True, bold=True)
+        for line in text.splitlines():
+            terminalreporter.line(f"  {line}", red=True)
+    elif code == 0:
+        terminalreporter.line(text.splitlines()[-1] if text else "kvpatch verify: nothing to settle")
+    applicable, found = getattr(config, _FOUND, (None, None))
     if found:
         terminalreporter.section("kvpatch: applicable patches not applied", sep="=", red=True, bold=True)
         for problem in found:
             terminalreporter.line(f"  - {problem}", red=True)
         terminalreporter.line(f"--kvpatch-require-applied: failing the session ({len(found)} problem(s))", red=True)
-    else:
+    elif applicable is not None:
         applied = ", ".join(st.patch.id for st in applicable if st.state.value == "applied") or "none"
         terminalreporter.line(f"kvpatch: {len(applicable)} applicable patch(es), every one applied ({applied})")
 

@@ -1,10 +1,6 @@
-"""The start-up bootstrap, reachable from inside kvpatch.
-
-The wheel installs ``kvpatch.pth``, ``kvpatch.start``, ``_kvpatch_boot.py`` and ``_kvpatch_hooks.py`` at the top
-of site-packages (where ``site`` runs them), beside this package; a source tree on ``PYTHONPATH`` has them here.
-A process that did not start through them (``python -S``, ``KVPATCH=off`` at start-up, a ``--target`` install)
-loads them from either place.
-"""
+"""The start-up bootstrap, reachable from inside kvpatch: the wheel installs these files at the top of site-packages
+(where ``site`` runs them), a source tree has them here; a process that did not start through them (``python -S``,
+``KVPATCH=off`` at start-up, a ``--target`` install) loads them from either place."""
 
 from __future__ import annotations
 

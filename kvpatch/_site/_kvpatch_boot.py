@@ -1,9 +1,8 @@
 """kvpatch's bootstrap finder. PYTEST_DONT_REWRITE
 
-Up to Python 3.14 kvpatch.pth's stand-in finder loads this file on the first mlx_* import and
-hands over (``from_shim``); from 3.15 (PEP 829) site runs ``install`` (kvpatch.start) at every start:
-keep this file small. The machinery is _kvpatch_hooks.py beside it, loaded on the first mlx_lm /
-mlx_vlm import. ``is_off`` is the one reading of KVPATCH=off (kvpatch.config's too).
+Up to Python 3.14 kvpatch.pth's stand-in finder loads this file on the first mlx_* import and hands over
+(``from_shim``); from 3.15 (PEP 829) site runs ``install`` (kvpatch.start) at every start: keep this file small.
+The machinery is _kvpatch_hooks.py beside it. ``is_off`` is the one reading of KVPATCH=off.
 """
 
 import os
@@ -73,8 +72,9 @@ def from_shim(name, path=None, target=None):
     if is_off():
         sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
         return None
-    if _startup_path is None:
-        _startup_path = _explicit_path()
+    if _startup_path is None:  # the entries a user named (PYTHONPATH): trusted even as the working directory
+        named = "" if sys.flags.ignore_environment else os.environ.get("PYTHONPATH", "")
+        _startup_path = tuple(os.path.abspath(e) for e in named.split(os.pathsep) if e)
     meta_path = sys.meta_path
     ours = [i for i, f in enumerate(meta_path) if getattr(f, "__name__", "") == "KvpatchBootstrapFinder"]
     if ours and (len(ours) > 1 or meta_path[ours[0]] is not KvpatchBootstrapFinder):
@@ -82,10 +82,3 @@ def from_shim(name, path=None, target=None):
         kept[ours[0]] = KvpatchBootstrapFinder
         meta_path[:] = kept
     return KvpatchBootstrapFinder.find_spec(name, path, target)
-
-
-def _explicit_path():
-    """The start-up entries a user named (PYTHONPATH): trusted even as the working directory."""
-    if sys.flags.ignore_environment:
-        return ()
-    return tuple(os.path.abspath(e) for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e)

@@ -1,16 +1,9 @@
-"""kvpatch's import machinery: activation on first use, and post-import hooks that cannot deadlock.
-
-Loaded by ``_kvpatch_boot`` on the first ``mlx_lm`` / ``mlx_vlm`` import; it imports nothing not loaded already.
-- ``find_spec`` runs under the global import lock: it never imports and never waits. It asks the other finders
-  with the ``path`` the import system computed (``importlib.util.find_spec`` would import the parent package,
-  which a thread waiting for that lock may be executing: wrapt's finder hangs so), and wraps the loader.
-- Activation (``import kvpatch``) runs right after the first ``mlx_lm`` / ``mlx_vlm`` package's own code, holding
-  only that package's module lock; hooks run after their module's code, outside every lock, in the importing
-  thread (one registered while its module executes under our loader waits for the end of that execution).
-- While a thread activates kvpatch, top-level modules come from kvpatch's site directory and the start-up
-  ``sys.path``, never the working or script directory (a ``kvpatch.py`` or ``wrapt.py`` there).
-- wrapt's post-import hooks for these modules fire through its public ``notify_module_loaded``; its finder is
-  skipped for them (its lookup is the deadlock above). Nothing here raises into an import.
+"""kvpatch's import machinery, loaded by ``_kvpatch_boot`` on the first ``mlx_lm`` / ``mlx_vlm`` import: activation
+on first use and post-import hooks that cannot deadlock (docs/activation.md). It imports nothing not loaded already.
+``find_spec`` runs under the global import lock: it never imports or waits, and asks the other finders with the
+``path`` the import system computed (``importlib.util.find_spec`` would import the parent package, which a thread
+waiting for that lock may be executing: wrapt's finder hangs so, and is skipped; its hooks fire through its
+``notify_module_loaded``). Activation and hooks run after the module's code, outside every lock of ours.
 """
 
 import _thread
@@ -110,18 +103,6 @@ def _chained_spec(name, path, target, top):
 def _own_spec(name, target):
     """Find a top-level module for kvpatch's activation, outside the working and script directories."""
     path_finder = sys.modules["_frozen_importlib_external"].PathFinder
-    trusted = _trusted_path()
-    for finder in _others():
-        spec = finder.find_spec(name, trusted if finder is path_finder else None, target)
-        if spec is not None:
-            return spec
-    message = f"No module named {name!r}"
-    if path_finder.find_spec(name, None, target) is not None:
-        message += " outside the working or script directory (kvpatch does not import from there)"
-    raise ModuleNotFoundError(message, name=name)
-
-
-def _trusted_path():
     untrusted = {"", os.curdir}
     try:
         untrusted.add(os.getcwd())
@@ -130,13 +111,19 @@ def _trusted_path():
     argv0 = (getattr(sys, "argv", None) or [""])[0]
     if argv0 and argv0 not in ("-c", "-m"):
         untrusted.add(os.path.dirname(os.path.abspath(argv0)))
-    path = [_site_dir]
+    trusted = [_site_dir]
     for entry in sys.path:
-        if not isinstance(entry, str) or entry in path:
-            continue
-        if entry in _startup_path or (entry not in untrusted and os.path.abspath(entry) not in untrusted):
-            path.append(entry)
-    return path
+        if isinstance(entry, str) and entry not in trusted:
+            if entry in _startup_path or (entry not in untrusted and os.path.abspath(entry) not in untrusted):
+                trusted.append(entry)
+    for finder in _others():
+        spec = finder.find_spec(name, trusted if finder is path_finder else None, target)
+        if spec is not None:
+            return spec
+    message = f"No module named {name!r}"
+    if path_finder.find_spec(name, None, target) is not None:
+        message += " outside the working or script directory (kvpatch does not import from there)"
+    raise ModuleNotFoundError(message, name=name)
 
 
 def _ensure_first():
@@ -169,9 +156,8 @@ class _Loader:
                 module.__loader__ = loader
             except AttributeError:
                 pass
-        spec = getattr(module, "__spec__", None)
-        if spec is not None and spec.loader is self:
-            spec.loader = loader
+        if getattr(getattr(module, "__spec__", None), "loader", None) is self:
+            module.__spec__.loader = loader
         name = module.__name__
         with _lock:
             _running[name] = _running.get(name, 0) + 1
