@@ -17,30 +17,29 @@ from .engine import Engine, KvpatchWarning, PatchStatus, State
 from .fingerprints import fingerprint
 from .record import Expiry, Finding, Kind, Patch, Target
 
+#: The server API, loaded on first use (``__getattr__``): name -> module.
+_LAZY = {
+    **dict.fromkeys(("NotApplied", "require_applied", "NotFixed", "UnknownPatch", "require", "is_fixed"), "assertions"),
+    "bounded_prompt_cache": "bounding",
+}
 __all__ = [
     "Engine",
     "Expiry",
     "Finding",
     "Kind",
     "KvpatchWarning",
-    "NotApplied",
-    "NotFixed",
     "Patch",
     "PatchStatus",
     "State",
     "Target",
-    "UnknownPatch",
     "__version__",
     "activate",
-    "bounded_prompt_cache",
     "deactivate",
     "fingerprint",
     "get_engine",
-    "is_fixed",
     "records",
     "register_copy",
-    "require",
-    "require_applied",
+    *_LAZY,
 ]
 
 __version__ = "0.1.0"
@@ -118,13 +117,6 @@ def register_copy(module: str, *, of: str, version: str, patches: Iterable[str] 
     from . import vendored
 
     return vendored.register_copy(get_engine(), module, of=of, version=version, patches=patches)
-
-
-#: The server API, loaded on first use: name -> module.
-_LAZY = {
-    **dict.fromkeys(("NotApplied", "require_applied", "NotFixed", "UnknownPatch", "require", "is_fixed"), "assertions"),
-    "bounded_prompt_cache": "bounding",
-}
 
 
 def __getattr__(name: str) -> object:

@@ -116,8 +116,7 @@ class Guarantee:
     reason: str
 
     def __str__(self) -> str:
-        mark = "ok" if self.fixed else "NOT FIXED"
-        return f"{self.patch_id}: {mark}: {self.state}: {self.reason}"
+        return f"{self.patch_id}: {'ok' if self.fixed else 'NOT FIXED'}: {self.state}: {self.reason}"
 
 
 class NotFixed(RuntimeError):
@@ -138,9 +137,6 @@ class UnknownPatch(LookupError):
         self.suggestions = difflib.get_close_matches(patch_id, sorted(known), n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(map(repr, self.suggestions))}?" if self.suggestions else ""
         super().__init__(f"kvpatch knows no patch {patch_id!r}{hint} (`python -m kvpatch status` lists them)")
-
-    def __str__(self) -> str:  # LookupError's str() would quote the whole message
-        return str(self.args[0])
 
 
 def _patch_status(engine: Engine, patch_id: str) -> PatchStatus | Guarantee:

@@ -33,7 +33,6 @@ def _setup(finder, startup_path, boot_file, is_off):
     _is_off = is_off
 
 
-# -- public: post-import hooks ---------------------------------------------------------------------
 def register_post_import_hook(hook, name):
     """Call ``hook(module)`` once module ``name`` is imported (now, if it is imported already): wrapt's
     ``register_post_import_hook`` without its finder (in the importing thread, after the module's code, no lock held).
@@ -50,27 +49,22 @@ def register_post_import_hook(hook, name):
 
 
 def _notify(module):
-    name = module.__name__
     with _lock:
-        waiting = _hooks.pop(name, ())
+        waiting = _hooks.pop(module.__name__, ())
     for hook in waiting:
         _call(hook, module)
     wrapt_importer = sys.modules.get("wrapt.importer")
     if wrapt_importer is not None:
-        try:
-            wrapt_importer.notify_module_loaded(module)
-        except Exception as exc:
-            _warn(f"a wrapt post-import hook for {name} failed: {type(exc).__name__}: {exc}")
+        _call(wrapt_importer.notify_module_loaded, module, "a wrapt ")
 
 
-def _call(hook, module):
+def _call(hook, module, whose=""):
     try:
         hook(module)
     except Exception as exc:
-        _warn(f"post-import hook for {module.__name__} failed: {type(exc).__name__}: {exc}")
+        _warn(f"{whose}post-import hook for {module.__name__} failed: {type(exc).__name__}: {exc}")
 
 
-# -- the finder ------------------------------------------------------------------------------------
 def find_spec(name, path=None, target=None):
     top, dot, _ = name.partition(".")
     if top in _WATCHED or name in _also:
@@ -171,7 +165,6 @@ class _Loader:
         _notify(module)
 
 
-# -- activation ------------------------------------------------------------------------------------
 def _activate():
     """Import (and so activate) kvpatch from its own site directory. Idempotent, never raises."""
     global _activated
@@ -189,7 +182,6 @@ def _activate():
     _activated = True
 
 
-# -- warnings --------------------------------------------------------------------------------------
 def _warn(message):
     """Warn once per message, never raise, through ``kvpatch._warn`` (``KvpatchWarning``; stderr under ``-W
     error``). A kvpatch that could not load even that has no warning category to filter: stderr, once."""
