@@ -64,21 +64,19 @@ def install():
 
 
 def from_shim(name, path=None, target=None):
-    """Take over from kvpatch.pth's stand-in (any duplicate goes, in one slice assignment); with
-    KVPATCH=off every stand-in goes. ``name`` "": kvpatch.pth at start-up with KVPATCH set."""
+    """Take over from kvpatch.pth's stand-ins: one bootstrap finder, first, in one slice assignment (none with
+    KVPATCH=off). ``name`` "": kvpatch.pth at start-up with KVPATCH set."""
     global _startup_path
     if not name:
         return install()
+    meta_path = sys.meta_path
+    rest = [f for f in meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
     if is_off():
-        sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
+        meta_path[:] = rest
         return None
     if _startup_path is None:  # the entries a user named (PYTHONPATH): trusted even as the working directory
         named = "" if sys.flags.ignore_environment else os.environ.get("PYTHONPATH", "")
         _startup_path = tuple(os.path.abspath(e) for e in named.split(os.pathsep) if e)
-    meta_path = sys.meta_path
-    ours = [i for i, f in enumerate(meta_path) if getattr(f, "__name__", "") == "KvpatchBootstrapFinder"]
-    if ours and (len(ours) > 1 or meta_path[ours[0]] is not KvpatchBootstrapFinder):
-        kept = [f for i, f in enumerate(meta_path) if i not in ours[1:]]
-        kept[ours[0]] = KvpatchBootstrapFinder
-        meta_path[:] = kept
+    if len(rest) + 1 != len(meta_path) or meta_path[0] is not KvpatchBootstrapFinder:
+        meta_path[:] = [KvpatchBootstrapFinder, *rest]
     return KvpatchBootstrapFinder.find_spec(name, path, target)
