@@ -94,9 +94,8 @@ def require_applied(*, import_targets: bool = True) -> list[PatchStatus]:
     """Raise :class:`NotApplied` unless every patch that applies to the installed upstream is installed (failed,
     drifted, disabled by ``KVPATCH=off`` / ``KVPATCH_DISABLE``, or pending all count); return their statuses.
 
-    With ``import_targets`` (default) their target modules are imported first, so a pending patch gets its chance
-    to install; without it, pending patches whose modules are not imported yet are not counted as problems.
-    """
+    ``import_targets`` (default) imports their target modules first, so a pending patch gets its chance to install;
+    without it, pending patches whose modules are not imported yet are not counted as problems."""
     engine = get_engine()
     if import_targets:
         _import_pending(engine, [st for st in engine.status.values() if _gate(engine, st.patch).action is Action.APPLY])

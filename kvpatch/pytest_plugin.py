@@ -74,10 +74,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     failed = getattr(config, _VERIFIED, (0, ""))[0] != 0
     if _on(config, _REQUIRE):
-        import kvpatch
-        from kvpatch.assertions import problems
+        from kvpatch import assertions, get_engine
 
-        found = problems(kvpatch.get_engine())
+        found = assertions.problems(get_engine())
         setattr(config, _FOUND, found)
         failed = failed or bool(found[1])
     if failed and session.exitstatus == pytest.ExitCode.OK:
