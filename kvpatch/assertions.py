@@ -115,7 +115,8 @@ class Guarantee:
     reason: str
 
     def __str__(self) -> str:
-        return f"{self.patch_id}: {'ok' if self.fixed else 'NOT FIXED'}: {self.state}: {self.reason}"
+        mark = "ok" if self.fixed else "NOT FIXED"
+        return f"{self.patch_id}: {mark}: {self.state}: {self.reason}"
 
 
 class NotFixed(RuntimeError):
