@@ -11,7 +11,7 @@ import os
 import sys
 
 _WATCHED = ("mlx_lm", "mlx_vlm")
-_also: set = set()  # other modules a hook was registered for (a server's vendored copy of upstream code)
+_also: set = set()  # modules a hook was registered for (beyond _WATCHED: a server's vendored copy of upstream code)
 
 _lock = _thread.allocate_lock()  # guards the tables below; never held while importing or calling out
 _hooks: dict = {}  # module name -> callables waiting for it
@@ -39,8 +39,7 @@ def register_post_import_hook(hook, name):
     """
     _ensure_first()
     with _lock:
-        if name.partition(".")[0] not in _WATCHED:
-            _also.add(name)
+        _also.add(name)
         module = sys.modules.get(name)
         if module is None or _running.get(name):
             _hooks.setdefault(name, []).append(hook)
