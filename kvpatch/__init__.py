@@ -1,9 +1,8 @@
 """kvpatch: version-gated, audited fixes for known KV-cache bugs in mlx-lm and mlx-vlm.
 
-Importing kvpatch activates it (so does any import of mlx-lm or mlx-vlm, through a ``.pth`` bootstrap): every patch
-whose upstream release or pinned commit has the bug is installed when its target module is imported.
-``KVPATCH=off`` turns it off, ``KVPATCH_DISABLE=id,id`` (or ``*``) leaves out patches; ``python -m kvpatch status``
-shows what is applied and why.
+Importing kvpatch (or mlx-lm / mlx-vlm, through a ``.pth`` bootstrap) activates it: every patch whose upstream
+release or pinned commit has the bug is installed when its target module is imported. ``KVPATCH=off`` turns it
+off; ``python -m kvpatch status`` shows what is applied and why.
 """
 
 from __future__ import annotations
@@ -18,30 +17,29 @@ from .engine import Engine, KvpatchWarning, PatchStatus, State
 from .fingerprints import fingerprint
 from .record import Expiry, Finding, Kind, Patch, Target
 
+#: The server API, loaded on first use (``__getattr__``): name -> module.
+_LAZY = {
+    **dict.fromkeys(("NotApplied", "require_applied", "NotFixed", "UnknownPatch", "require", "is_fixed"), "assertions"),
+    "bounded_prompt_cache": "bounding",
+}
 __all__ = [
     "Engine",
     "Expiry",
     "Finding",
     "Kind",
     "KvpatchWarning",
-    "NotApplied",
-    "NotFixed",
     "Patch",
     "PatchStatus",
     "State",
     "Target",
-    "UnknownPatch",
     "__version__",
     "activate",
-    "bounded_prompt_cache",
     "deactivate",
     "fingerprint",
     "get_engine",
-    "is_fixed",
     "records",
     "register_copy",
-    "require",
-    "require_applied",
+    *_LAZY,
 ]
 
 __version__ = "0.1.0"
@@ -51,26 +49,23 @@ _engine: Engine | None = globals().get("_engine")
 _lock = globals().get("_lock") or threading.Lock()
 
 
-def _build() -> Engine:
-    from . import registry
-
-    stubs = registry.index()  # only the units whose gate may apply get imported
-    if stubs is not None:
-        return Engine(stubs)
-    reg = registry.load()
-    return Engine(reg.patches, broken=reg.broken)
-
-
 def get_engine() -> Engine:
     """The process's engine (built on first use; not necessarily active)."""
     global _engine
-    if _engine is not None:
-        return _engine
-    built = _build()  # outside the lock: building imports the patch units
-    with _lock:
-        if _engine is None:
-            _engine = built
-        return _engine
+    if _engine is None:
+        from . import registry
+
+        # Built outside the lock: building imports the patch units (with the index, only those whose gate may apply).
+        stubs = registry.index()
+        if stubs is not None:
+            built = Engine(stubs)
+        else:
+            reg = registry.load()
+            built = Engine(reg.patches, broken=reg.broken)
+        with _lock:
+            if _engine is None:
+                _engine = built
+    return _engine
 
 
 def activate() -> Engine | None:
@@ -99,13 +94,10 @@ def deactivate() -> None:
 
 
 def records() -> list[PatchStatus]:
-    """The status of every patch in this process as it is now, for servers that assert kvpatch is active.
+    """The status of every patch in this process as it is now, then one per registered copy and patch.
 
-    Each installed replacement is looked up again: one that something else has since replaced shows as
-    ``overridden`` (call this after your own patches are in), and a target module re-executed since
-    (``importlib.reload``) gets its patches again. Copies a server registered (:func:`register_copy`) come last,
-    one status per (patch, copy).
-    """
+    Each replacement is looked up again: one replaced since shows ``overridden`` (call this after your own patches
+    are in), and a reloaded target module gets its patches again."""
     engine = get_engine()
     patches = engine.materialise()
     engine.refresh()
@@ -127,25 +119,12 @@ def register_copy(module: str, *, of: str, version: str, patches: Iterable[str] 
     return vendored.register_copy(get_engine(), module, of=of, version=version, patches=patches)
 
 
-#: The server API, loaded on first use: name -> module.
-_LAZY = {
-    "NotApplied": "assertions",
-    "require_applied": "assertions",
-    "NotFixed": "assertions",
-    "UnknownPatch": "assertions",
-    "require": "assertions",
-    "is_fixed": "assertions",
-    "bounded_prompt_cache": "bounding",
-}
-
-
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is not None:
-        import importlib
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kvpatch' has no attribute {name!r}")
+    import importlib
 
-        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    raise AttributeError(f"module 'kvpatch' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
 
 
 activate()

@@ -1,26 +1,5 @@
-"""Asserting that kvpatch's fixes are in effect: for servers at start-up and for downstream test sessions.
-
-``kvpatch.require_applied()`` imports the target modules of every patch the gate applies to the installed
-upstream (their hooks install it), then raises :class:`NotApplied` when any such patch is not installed:
-failed, drifted, disabled (``KVPATCH=off``, ``KVPATCH_DISABLE``), or still pending. It returns the status
-of every applicable patch (possibly empty: nothing to fix here)::
-
-    import kvpatch
-
-    kvpatch.require_applied()   # at server start-up, after importing mlx_lm / mlx_vlm
-
-"Applicable" ignores the environment's off switches, so a patch turned off still makes the assertion fail;
-an opt-in patch counts only where ``KVPATCH_ENABLE`` opted it in.
-
-A server that relies on some fixes only names them: :func:`require` passes when each named fix is in
-effect (applied and reached now, or not needed because the installed upstream does not have the bug)
-and raises :class:`NotFixed` otherwise; :func:`is_fixed` answers the same question for one fix without
-raising, to gate a server's own code::
-
-    kvpatch.require("batch-logits-processors", "qsdpa-gqa-batch-mask")   # at start-up
-    if not kvpatch.is_fixed("offset-detach"):
-        ...                                                              # keep the server's own guard
-"""
+"""Asserting that kvpatch's fixes are in effect, at a server's start-up (docs/servers.md) and in test sessions:
+:func:`require` / :func:`is_fixed` for the fixes a server names, :func:`require_applied` for every applicable patch."""
 
 from __future__ import annotations
 
@@ -30,7 +9,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from . import _copy_records
+from . import _copy_records, get_engine
 from .config import Config
 from .detect import Upstream
 from .engine import Engine, PatchStatus, State
@@ -38,18 +17,8 @@ from .gate import Action, Decision, decide
 from .record import Patch
 from .registry import Stub
 
-__all__ = [
-    "Guarantee",
-    "NotApplied",
-    "NotFixed",
-    "Problem",
-    "UnknownPatch",
-    "guarantees",
-    "is_fixed",
-    "problems",
-    "require",
-    "require_applied",
-]
+#: States in which the bug cannot bite this process: the fix is reached now, or upstream has no such bug.
+_FIXED_STATES = frozenset({State.APPLIED, State.NOT_NEEDED, State.OUT_OF_RANGE, State.NOT_INSTALLED})
 
 
 @dataclass(frozen=True)
@@ -70,21 +39,15 @@ class NotApplied(RuntimeError):
         super().__init__("kvpatch: applicable patches are not applied:\n" + "\n".join(f"  - {p}" for p in found))
 
 
-def _gate(engine: Engine, patch: Patch | Stub, config: Config, on_error: Action) -> Decision:
-    """The gate's decision for ``patch`` under ``config`` instead of the environment's (``on_error`` when the gate
-    raises on this record)."""
+def _gate(engine: Engine, patch: Patch | Stub, config: Config | None = None) -> Decision:
+    """The gate's decision for ``patch`` under ``config``; by default "applicable": the off switches ignored,
+    the environment's opt-ins kept, and a gate that raises reads APPLY, so the failure the engine recorded shows."""
     upstream = engine.upstream.get(patch.distribution) or Upstream(patch.distribution, None)
+    applicable = Config(enabled_ids=engine.config.enabled_ids, enable_all=engine.config.enable_all)
     try:
-        return decide(patch, upstream, config)
+        return decide(patch, upstream, config or applicable)
     except Exception:
-        return Decision(on_error, "the gate raised")
-
-
-def _applicable(engine: Engine, st: PatchStatus) -> Action:
-    """The decision with the off switches ignored and the environment's opt-ins kept (a gate that raises: APPLY,
-    so the failure the engine recorded is reported)."""
-    config = Config(enabled_ids=engine.config.enabled_ids, enable_all=engine.config.enable_all)
-    return _gate(engine, st.patch, config, Action.APPLY).action
+        return Decision(Action.VERIFY if config else Action.APPLY, "the gate raised")
 
 
 def _import_pending(engine: Engine, statuses: Iterable[PatchStatus]) -> None:
@@ -106,11 +69,11 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
     found: list[Problem] = []
     for patch in engine.materialise():
         st = engine.status[patch.id]
-        action = _applicable(engine, st)
+        action = _gate(engine, st.patch).action
         touched = any(m in loaded for m in patch.modules)
         if action is Action.APPLY:
             applicable.append(st)
-            bad = st.state not in (State.APPLIED, State.NOT_NEEDED) and (st.state is not State.PENDING or touched)
+            bad = st.state not in _FIXED_STATES and (st.state is not State.PENDING or touched)
         else:
             bad = action is Action.VERIFY and (
                 st.state in (State.FAILED, State.DRIFTED, State.TARGET_MISSING, State.OVERRIDDEN, State.INCONCLUSIVE)
@@ -121,25 +84,21 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
     for st in _copy_records():
         if st.decision.action is Action.APPLY:
             applicable.append(st)
-            pending = st.state is State.PENDING and st.copy not in loaded
-            if st.state not in (State.APPLIED, State.NOT_NEEDED) and not pending:
+            if st.state not in _FIXED_STATES and (st.state is not State.PENDING or st.copy in loaded):
                 found.append(Problem(f"{st.record.id} in {st.copy}", st.state.value, st.error or st.reason))
     found.extend(Problem(module, "broken", error) for module, error in engine.broken.items())
     return applicable, found
 
 
 def require_applied(*, import_targets: bool = True) -> list[PatchStatus]:
-    """Raise :class:`NotApplied` unless every applicable patch is installed; return their statuses.
+    """Raise :class:`NotApplied` unless every patch that applies to the installed upstream is installed (failed,
+    drifted, disabled by ``KVPATCH=off`` / ``KVPATCH_DISABLE``, or pending all count); return their statuses.
 
-    With ``import_targets`` (default) the target modules of applicable patches are imported first,
-    so a pending patch gets its chance to install; without it, pending patches whose modules are not
-    imported yet are not counted as problems.
-    """
-    from . import get_engine
-
+    ``import_targets`` (default) imports their target modules first, so a pending patch gets its chance to install;
+    without it, pending patches whose modules are not imported yet are not counted as problems."""
     engine = get_engine()
     if import_targets:
-        _import_pending(engine, [st for st in engine.status.values() if _applicable(engine, st) is Action.APPLY])
+        _import_pending(engine, [st for st in engine.status.values() if _gate(engine, st.patch).action is Action.APPLY])
     applicable, found = problems(engine)
     if found:
         raise NotApplied(found)
@@ -179,9 +138,6 @@ class UnknownPatch(LookupError):
         hint = f"; did you mean {' or '.join(map(repr, self.suggestions))}?" if self.suggestions else ""
         super().__init__(f"kvpatch knows no patch {patch_id!r}{hint} (`python -m kvpatch status` lists them)")
 
-    def __str__(self) -> str:  # LookupError's str() would quote the whole message
-        return str(self.args[0])
-
 
 def _patch_status(engine: Engine, patch_id: str) -> PatchStatus | Guarantee:
     """The patch's status, or the guarantee already known for a patch unit that could not be loaded."""
@@ -197,10 +153,6 @@ def _patch_status(engine: Engine, patch_id: str) -> PatchStatus | Guarantee:
     raise UnknownPatch(patch_id, engine.status)
 
 
-#: States in which the bug cannot bite this process: the fix is reached now, or upstream has no such bug.
-_FIXED_STATES = frozenset({State.APPLIED, State.NOT_NEEDED, State.OUT_OF_RANGE, State.NOT_INSTALLED})
-
-
 def _guarantee(engine: Engine, st: PatchStatus) -> Guarantee:
     patch, state = engine.record_of(st), st.state
     reason = st.error or st.reason
@@ -210,7 +162,7 @@ def _guarantee(engine: Engine, st: PatchStatus) -> Guarantee:
         return Guarantee(patch.id, True, state.value, reason)
     if state in (State.DISABLED, State.OPT_IN):
         # off: fixed only where the installed upstream has no such bug (the gate with the patch opted in)
-        upstream = _gate(engine, patch, Config(enabled_ids=frozenset({patch.id})), Action.VERIFY)
+        upstream = _gate(engine, patch, Config(enabled_ids=frozenset({patch.id})))
         if upstream.action in (Action.NOT_NEEDED, Action.OUT_OF_RANGE, Action.NOT_INSTALLED):
             return Guarantee(patch.id, True, state.value, f"{reason}; not needed: {upstream.reason}")
         if state is State.DISABLED:
@@ -221,32 +173,25 @@ def _guarantee(engine: Engine, st: PatchStatus) -> Guarantee:
 
 
 def guarantees(engine: Engine, patch_ids: Iterable[str]) -> list[Guarantee]:
-    """One :class:`Guarantee` per id, in order, for ``engine`` (what :func:`require` checks).
-
-    Target modules of pending patches are imported first (their hooks install them), and every installed
-    replacement is looked up again, so "applied" means reached now. An unknown id raises
-    :class:`UnknownPatch` before anything is imported.
-    """
+    """One :class:`Guarantee` per id, in order (what :func:`require` checks); an unknown id raises
+    :class:`UnknownPatch` before anything is imported."""
     statuses = [_patch_status(engine, pid) for pid in patch_ids]
     _import_pending(engine, [st for st in statuses if isinstance(st, PatchStatus)])
-    engine.refresh()
+    engine.refresh()  # "applied" means reached now
     return [_guarantee(engine, st) if isinstance(st, PatchStatus) else st for st in statuses]
 
 
 def require(*patch_ids: str) -> list[Guarantee]:
     """Raise :class:`NotFixed` unless every named fix is in effect in this process; return the guarantees.
 
-    A fix is in effect when its patch is applied and reached now (not overridden, suspended or disabled),
-    or when the installed upstream does not have the bug (the gate's decision: out of range, not needed,
-    the distribution is not installed, or this environment's verdict found the bug absent). A patch that
-    is off (``KVPATCH=off``, ``KVPATCH_DISABLE``, an opt-in not enabled) counts only where upstream does
-    not need it. Target modules of pending patches are imported first, so call this after your own
-    patches are in. An id kvpatch does not know raises :class:`UnknownPatch` (with close matches).
+    A fix is in effect when its patch is applied and reached now (not overridden, suspended or disabled), or when
+    the installed upstream does not have the bug (out of range, not needed, not installed, or this environment's
+    verdict found it absent); a patch that is off (``KVPATCH=off``, ``KVPATCH_DISABLE``, an opt-in not enabled)
+    counts only there. Pending patches' target modules are imported first: call this after your own patches are
+    in. An id kvpatch does not know raises :class:`UnknownPatch` (with close matches).
     """
     if not patch_ids:
         raise TypeError("kvpatch.require() needs at least one patch id")
-    from . import get_engine
-
     found = guarantees(get_engine(), patch_ids)
     if any(not g.fixed for g in found):
         raise NotFixed(found)
@@ -256,12 +201,9 @@ def require(*patch_ids: str) -> list[Guarantee]:
 def is_fixed(patch_id: str) -> bool:
     """Whether one fix is in effect in this process (the test :func:`require` makes); never raises for a
     known id (an unknown one raises :class:`UnknownPatch`: a typo must not read as "not fixed")."""
-    from . import get_engine
-
     try:
-        (guarantee,) = guarantees(get_engine(), (patch_id,))
+        return guarantees(get_engine(), (patch_id,))[0].fixed
     except UnknownPatch:
         raise
     except Exception:  # a broken engine: nothing can be counted on
         return False
-    return guarantee.fixed

@@ -1,18 +1,11 @@
-"""pytest plugin for projects that depend on kvpatch (registered as the ``pytest11`` entry point ``kvpatch``).
+"""pytest plugin for projects that depend on kvpatch (the ``pytest11`` entry point ``kvpatch``); off unless enabled.
 
-Off unless enabled: ``--kvpatch-require-applied`` (or ``kvpatch_require_applied = true`` in the
-pytest ini) fails the test session when any patch that applies to the installed upstream is not
-applied at the end of the session: failed, drifted, disabled (``KVPATCH=off`` / ``KVPATCH_DISABLE``),
-or pending although the session imported its target modules (see :mod:`kvpatch.assertions`).
-
-``--kvpatch-verify`` (or ``kvpatch_verify = true``) runs ``python -m kvpatch verify --missing`` in a
-child process before the session, so that every patch the reproduction decides has this environment's
-verdict before the tests import upstream; a verification that needs attention fails the session.
-
-The fixture ``kvpatch_status`` returns the status records (``kvpatch.records()``).
-
-kvpatch is imported only when an option is on (at configure time, before test modules import upstream)
-or a test asks for the fixture.
+``--kvpatch-require-applied`` (ini ``kvpatch_require_applied = true``) fails the session when a patch that applies
+to the installed upstream is not applied at its end (:func:`kvpatch.assertions.problems`). ``--kvpatch-verify``
+(ini ``kvpatch_verify = true``) runs ``python -m kvpatch verify --missing`` in a child process first, so every
+patch the reproduction decides has this environment's verdict; one that needs attention fails the session.
+The fixture ``kvpatch_status`` returns ``kvpatch.records()``. kvpatch is imported only when an option is on (at
+configure time, before test modules import upstream) or a test asks for the fixture.
 """
 
 from __future__ import annotations
@@ -49,12 +42,9 @@ def _on(config: pytest.Config, name: str) -> bool:
 
 
 def _run_verify() -> tuple[int, str]:
-    """``python -m kvpatch verify --missing`` in a child process: (exit status, its last lines).
-
-    Like every child kvpatch starts (``kvpatch.measurer``'s background verifier too), it runs no code from a
-    directory kvpatch did not choose (``-P``, in ``/``); this module must not import kvpatch (that would activate
-    it), so it cannot share kvpatch's code for that.
-    """
+    """``python -m kvpatch verify --missing`` in a child process: (exit status, its last lines). Like every child
+    kvpatch starts, it runs no code from a directory kvpatch did not choose (``-P``, in ``/``): this module must not
+    import kvpatch (that would activate it), so it cannot share kvpatch's code for that."""
     import subprocess
     import sys
 
@@ -66,7 +56,6 @@ def _run_verify() -> tuple[int, str]:
             capture_output=True,
             text=True,
             timeout=1800,
-            check=False,
         )
     except (OSError, subprocess.SubprocessError) as exc:
         return 1, f"kvpatch verify could not run: {exc}"
@@ -85,10 +74,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     failed = getattr(config, _VERIFIED, (0, ""))[0] != 0
     if _on(config, _REQUIRE):
-        import kvpatch
-        from kvpatch.assertions import problems
+        from kvpatch import assertions, get_engine
 
-        found = problems(kvpatch.get_engine())
+        found = assertions.problems(get_engine())
         setattr(config, _FOUND, found)
         failed = failed or bool(found[1])
     if failed and session.exitstatus == pytest.ExitCode.OK:
@@ -96,25 +84,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    verified = getattr(config, _VERIFIED, None)
-    if verified is not None:
-        code, text = verified
-        if code != 0:
-            terminalreporter.section("kvpatch verify: needs attention", sep="=", red=True, bold=True)
-            for line in text.splitlines():
-                terminalreporter.line(f"  {line}", red=True)
-        else:
-            terminalreporter.line(text.splitlines()[-1] if text else "kvpatch verify: nothing to settle")
-    result = getattr(config, _FOUND, None)
-    if result is None:
-        return
-    applicable, found = result
+    code, text = getattr(config, _VERIFIED, (None, ""))
+    if code:
+        terminalreporter.section("kvpatch verify: needs attention", sep="=", red=True, bold=True)
+        for line in text.splitlines():
+            terminalreporter.line(f"  {line}", red=True)
+    elif code == 0:
+        terminalreporter.line(text.splitlines()[-1] if text else "kvpatch verify: nothing to settle")
+    applicable, found = getattr(config, _FOUND, (None, None))
     if found:
         terminalreporter.section("kvpatch: applicable patches not applied", sep="=", red=True, bold=True)
         for problem in found:
             terminalreporter.line(f"  - {problem}", red=True)
         terminalreporter.line(f"--kvpatch-require-applied: failing the session ({len(found)} problem(s))", red=True)
-    else:
+    elif applicable is not None:
         applied = ", ".join(st.patch.id for st in applicable if st.state.value == "applied") or "none"
         terminalreporter.line(f"kvpatch: {len(applicable)} applicable patch(es), every one applied ({applied})")
 

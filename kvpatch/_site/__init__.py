@@ -1,10 +1,6 @@
-"""The start-up bootstrap, reachable from inside kvpatch.
-
-The wheel installs ``kvpatch.pth``, ``kvpatch.start``, ``_kvpatch_boot.py`` and ``_kvpatch_hooks.py`` at the top
-of site-packages (where ``site`` runs them), beside this package; a source tree on ``PYTHONPATH`` has them here.
-A process that did not start through them (``python -S``, ``KVPATCH=off`` at start-up, a ``--target`` install)
-loads them from either place.
-"""
+"""The start-up bootstrap, reachable from inside kvpatch: the wheel installs these files at the top of site-packages
+(where ``site`` runs them), a source tree has them here; a process that did not start through them (``python -S``,
+``KVPATCH=off`` at start-up, a ``--target`` install) loads them from either place."""
 
 from __future__ import annotations
 
@@ -16,11 +12,8 @@ __all__ = ["boot", "hooks"]
 
 
 def hooks() -> ModuleType | None:
-    """The process's post-import hook registry (module ``_kvpatch_hooks``); ``None`` if it cannot load.
-
-    ``hooks().register_post_import_hook(hook, name)`` has the contract of wrapt's function of the same
-    name, without wrapt's finder (see ``_kvpatch_hooks``).
-    """
+    """The process's post-import hook registry (``_kvpatch_hooks``: wrapt's ``register_post_import_hook`` without
+    wrapt's finder); ``None`` if it cannot load."""
     try:
         return boot().hooks()
     except Exception:
@@ -28,8 +21,8 @@ def hooks() -> ModuleType | None:
 
 
 def boot() -> ModuleType:
-    """The bootstrap module (``_kvpatch_boot``), loaded for a process that did not start through it. Its ``is_off``
-    is the one reading of ``KVPATCH=off``. Raises ImportError when the install lacks it."""
+    """The bootstrap module (``_kvpatch_boot``; its ``is_off`` is the one reading of ``KVPATCH=off``), loaded for a
+    process that did not start through it. Raises ImportError when the install lacks it."""
     module = sys.modules.get("_kvpatch_boot")
     if module is not None:
         return module
@@ -38,15 +31,13 @@ def boot() -> ModuleType:
     here = os.path.dirname(os.path.abspath(__file__))
     for folder in (os.path.dirname(os.path.dirname(here)), here):  # the installed top-level copy first: one registry
         path = os.path.join(folder, "_kvpatch_boot.py")
-        spec = importlib.util.spec_from_file_location("_kvpatch_boot", path) if os.path.isfile(path) else None
-        if spec is None or spec.loader is None:
+        spec = importlib.util.spec_from_file_location("_kvpatch_boot", path)
+        if spec is None or spec.loader is None or not os.path.isfile(path):
             continue
-        module = sys.modules.setdefault("_kvpatch_boot", importlib.util.module_from_spec(spec))
-        if getattr(module, "hooks", None) is None:
-            try:
-                spec.loader.exec_module(module)
-            except Exception:
-                sys.modules.pop("_kvpatch_boot", None)
-                continue
-        return module
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception:
+            continue
+        return sys.modules.setdefault("_kvpatch_boot", module)  # a thread that lost the race uses the winner's
     raise ImportError("kvpatch's bootstrap (_kvpatch_boot.py) cannot be loaded: reinstall kvpatch")

@@ -1,9 +1,8 @@
 """kvpatch's bootstrap finder. PYTEST_DONT_REWRITE
 
-Up to Python 3.14 kvpatch.pth's stand-in finder loads this file on the first mlx_* import and
-hands over (``from_shim``); from 3.15 (PEP 829) site runs ``install`` (kvpatch.start) at every start:
-keep this file small. The machinery is _kvpatch_hooks.py beside it, loaded on the first mlx_lm /
-mlx_vlm import. ``is_off`` is the one reading of KVPATCH=off (kvpatch.config's too).
+Up to Python 3.14 kvpatch.pth's stand-in finder loads this file on the first mlx_* import and hands over
+(``from_shim``); from 3.15 (PEP 829) site runs ``install`` (kvpatch.start) at every start: keep this file small.
+The machinery is _kvpatch_hooks.py beside it. ``is_off`` is the one reading of KVPATCH=off.
 """
 
 import os
@@ -65,31 +64,19 @@ def install():
 
 
 def from_shim(name, path=None, target=None):
-    """Take over from kvpatch.pth's stand-in (any duplicate goes, in one slice assignment); with
-    KVPATCH=off every stand-in goes. ``name`` "": kvpatch.pth at start-up with KVPATCH set."""
+    """Take over from kvpatch.pth's stand-ins: one bootstrap finder, first, in one slice assignment (none with
+    KVPATCH=off). ``name`` "": kvpatch.pth at start-up with KVPATCH set."""
     global _startup_path
     if not name:
         return install()
-    if is_off():
-        sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
-        return None
-    if _startup_path is None:
-        _startup_path = _explicit_path()
     meta_path = sys.meta_path
-    kept, seen = [], False
-    for finder in meta_path:
-        if finder is KvpatchBootstrapFinder or getattr(finder, "__name__", "") == "KvpatchBootstrapFinder":
-            if seen:
-                continue
-            finder, seen = KvpatchBootstrapFinder, True
-        kept.append(finder)
-    if len(kept) != len(meta_path) or any(a is not b for a, b in zip(kept, meta_path, strict=True)):
-        meta_path[:] = kept
+    rest = [f for f in meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
+    if is_off():
+        meta_path[:] = rest
+        return None
+    if _startup_path is None:  # the entries a user named (PYTHONPATH): trusted even as the working directory
+        named = "" if sys.flags.ignore_environment else os.environ.get("PYTHONPATH", "")
+        _startup_path = tuple(os.path.abspath(e) for e in named.split(os.pathsep) if e)
+    if len(rest) + 1 != len(meta_path) or meta_path[0] is not KvpatchBootstrapFinder:
+        meta_path[:] = [KvpatchBootstrapFinder, *rest]
     return KvpatchBootstrapFinder.find_spec(name, path, target)
-
-
-def _explicit_path():
-    """The start-up entries a user named (PYTHONPATH): trusted even as the working directory."""
-    if sys.flags.ignore_environment:
-        return ()
-    return tuple(os.path.abspath(e) for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e)

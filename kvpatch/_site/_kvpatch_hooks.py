@@ -1,22 +1,9 @@
-"""kvpatch's import machinery: activation on first use, and post-import hooks that cannot deadlock.
-
-Loaded by ``_kvpatch_boot`` the first time something imports ``mlx_lm`` or ``mlx_vlm``. Its finder runs inside
-the import system, so it imports nothing that is not loaded already (``sys``, ``os``, ``_thread``), and:
-
-- ``find_spec`` runs under the global import lock: it never imports and never waits. It asks the other finders
-  directly with the ``path`` the import system computed (``importlib.util.find_spec`` would import the parent
-  package, which another thread waiting for that lock may be executing: wrapt's finder hangs so), and wraps the
-  loader.
-- Activation (``import kvpatch``) runs right after the first ``mlx_lm`` / ``mlx_vlm`` package's own code, where
-  the thread holds only that package's module lock (hooks for modules imported meanwhile run at once). Other
-  threads wait on the import system's own module locks, never on one of ours.
-- Hooks run after the module's code, outside every lock, in the importing thread; one registered for a module
-  that is still executing under our loader waits for the end of that execution.
-- While a thread activates kvpatch, top-level modules it imports come from kvpatch's site directory and the
-  start-up ``sys.path``, never the working or script directory (a ``kvpatch.py`` or ``wrapt.py`` there).
-- Hooks registered with ``wrapt.register_post_import_hook`` for these modules fire through wrapt's public
-  ``notify_module_loaded``; wrapt's finder is skipped for them (its lookup is the deadlock above).
-- Nothing here raises into an import: an error is one warning, through kvpatch's one warning path.
+"""kvpatch's import machinery, loaded by ``_kvpatch_boot`` on the first ``mlx_lm`` / ``mlx_vlm`` import: activation
+on first use and post-import hooks that cannot deadlock (docs/activation.md). It imports nothing not loaded already.
+``find_spec`` runs under the global import lock: it never imports or waits, and asks the other finders with the
+``path`` the import system computed (``importlib.util.find_spec`` would import the parent package, which a thread
+waiting for that lock may be executing: wrapt's finder hangs so, and is skipped; its hooks fire through its
+``notify_module_loaded``). Activation and hooks run after the module's code, outside every lock of ours.
 """
 
 import _thread
@@ -24,7 +11,7 @@ import os
 import sys
 
 _WATCHED = ("mlx_lm", "mlx_vlm")
-_also: set = set()  # other modules a hook was registered for (a server's vendored copy of upstream code)
+_also: set = set()  # modules a hook was registered for (beyond _WATCHED: a server's vendored copy of upstream code)
 
 _lock = _thread.allocate_lock()  # guards the tables below; never held while importing or calling out
 _hooks: dict = {}  # module name -> callables waiting for it
@@ -35,7 +22,7 @@ _activated = False
 _finder = None
 _startup_path = ()
 _site_dir = ""
-_is_off = None  # _kvpatch_boot.is_off: the one reading of KVPATCH=off
+_is_off = None  # _kvpatch_boot.is_off: the one reading of KVPATCH=off (all four set by _setup before any use)
 
 
 def _setup(finder, startup_path, boot_file, is_off):
@@ -46,17 +33,13 @@ def _setup(finder, startup_path, boot_file, is_off):
     _is_off = is_off
 
 
-# -- public: post-import hooks ---------------------------------------------------------------------
 def register_post_import_hook(hook, name):
-    """Call ``hook(module)`` once module ``name`` is imported (now, if it is imported already).
-
-    The same contract as ``wrapt.register_post_import_hook``, without its finder: the hook runs in the
-    importing thread after the module's code, with no lock held.
+    """Call ``hook(module)`` once module ``name`` is imported (now, if it is imported already): wrapt's
+    ``register_post_import_hook`` without its finder (in the importing thread, after the module's code, no lock held).
     """
     _ensure_first()
     with _lock:
-        if name.partition(".")[0] not in _WATCHED:
-            _also.add(name)
+        _also.add(name)
         module = sys.modules.get(name)
         if module is None or _running.get(name):
             _hooks.setdefault(name, []).append(hook)
@@ -65,81 +48,54 @@ def register_post_import_hook(hook, name):
 
 
 def _notify(module):
-    name = module.__name__
     with _lock:
-        waiting = _hooks.pop(name, ())
+        waiting = _hooks.pop(module.__name__, ())
     for hook in waiting:
         _call(hook, module)
     wrapt_importer = sys.modules.get("wrapt.importer")
     if wrapt_importer is not None:
-        try:
-            wrapt_importer.notify_module_loaded(module)
-        except Exception as exc:
-            _warn(f"a wrapt post-import hook for {name} failed: {type(exc).__name__}: {exc}")
+        _call(wrapt_importer.notify_module_loaded, module, "a wrapt ")
 
 
-def _call(hook, module):
+def _call(hook, module, whose=""):
     try:
         hook(module)
     except Exception as exc:
-        _warn(f"post-import hook for {module.__name__} failed: {type(exc).__name__}: {exc}")
+        _warn(f"{whose}post-import hook for {module.__name__} failed: {type(exc).__name__}: {exc}")
 
 
-# -- the finder ------------------------------------------------------------------------------------
 def find_spec(name, path=None, target=None):
     top, dot, _ = name.partition(".")
-    if top in _WATCHED:
-        return _chained_spec(name, path, target, top=not dot)
-    if name in _also:
-        return _chained_spec(name, path, target, top=False)
+    if top in _WATCHED or name in _also:
+        return _chained_spec(name, path, target, top=top in _WATCHED and not dot)
     if not dot and getattr(_tls, "activating", False) and name not in sys.modules:
         return _own_spec(name, target)
     return None
 
 
 def _others():
+    """The other finders, without wrapt's (its hooks fire through notify_module_loaded; its lookup imports)."""
     for finder in sys.meta_path:
-        if finder is _finder:
-            continue
         kind = type(finder)
-        if kind.__name__ == "ImportHookFinder" and kind.__module__ == "wrapt.importer":
-            continue  # its hooks fire through notify_module_loaded; its lookup imports under the lock
-        find = getattr(finder, "find_spec", None)
-        if find is not None:
-            yield finder, find
+        wrapt = kind.__name__ == "ImportHookFinder" and kind.__module__ == "wrapt.importer"
+        if finder is not _finder and not wrapt and hasattr(finder, "find_spec"):
+            yield finder
 
 
 def _chained_spec(name, path, target, top):
-    for _, find in _others():
-        spec = find(name, path, target)
-        if spec is None:
-            continue
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module") or isinstance(loader, _Loader):
+    for finder in _others():
+        spec = finder.find_spec(name, path, target)
+        if spec is not None:
+            loader = spec.loader
+            if hasattr(loader, "exec_module") and not isinstance(loader, _Loader):
+                spec.loader = _Loader(loader, top)
             return spec
-        spec.loader = _Loader(loader, top)
-        return spec
     return None
 
 
 def _own_spec(name, target):
     """Find a top-level module for kvpatch's activation, outside the working and script directories."""
     path_finder = sys.modules["_frozen_importlib_external"].PathFinder
-    trusted = _trusted_path()
-    for finder, find in _others():
-        if finder is path_finder:
-            spec = path_finder.find_spec(name, trusted, target)
-        else:
-            spec = find(name, None, target)
-        if spec is not None:
-            return spec
-    message = f"No module named {name!r}"
-    if path_finder.find_spec(name, None, target) is not None:
-        message += " outside the working or script directory (kvpatch does not import from there)"
-    raise ModuleNotFoundError(message, name=name)
-
-
-def _trusted_path():
     untrusted = {"", os.curdir}
     try:
         untrusted.add(os.getcwd())
@@ -148,23 +104,27 @@ def _trusted_path():
     argv0 = (getattr(sys, "argv", None) or [""])[0]
     if argv0 and argv0 not in ("-c", "-m"):
         untrusted.add(os.path.dirname(os.path.abspath(argv0)))
-    path = [_site_dir] if _site_dir else []
+    trusted = [_site_dir]
     for entry in sys.path:
-        if not isinstance(entry, str) or entry in path:
-            continue
-        if entry in _startup_path or (entry not in untrusted and os.path.abspath(entry) not in untrusted):
-            path.append(entry)
-    return path
+        if isinstance(entry, str) and entry not in trusted:
+            if entry in _startup_path or (entry not in untrusted and os.path.abspath(entry) not in untrusted):
+                trusted.append(entry)
+    for finder in _others():
+        spec = finder.find_spec(name, trusted if finder is path_finder else None, target)
+        if spec is not None:
+            return spec
+    message = f"No module named {name!r}"
+    if path_finder.find_spec(name, None, target) is not None:
+        message += " outside the working or script directory (kvpatch does not import from there)"
+    raise ModuleNotFoundError(message, name=name)
 
 
 def _ensure_first():
     """Keep this finder first on sys.meta_path, once (wrapt inserts its own at the front when first
     used; kvpatch.pth's stand-in may still be there when kvpatch was imported before any mlx module)."""
-    if _finder is None:
-        return
     meta_path = sys.meta_path
     rest = [f for f in meta_path if f is not _finder and getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
-    if len(rest) + 1 != len(meta_path) or not meta_path or meta_path[0] is not _finder:
+    if len(rest) + 1 != len(meta_path) or meta_path[0] is not _finder:
         # One slice assignment: a thread iterating sys.meta_path meanwhile never skips a finder.
         meta_path[:] = [_finder, *rest]
 
@@ -176,14 +136,10 @@ class _Loader:
         self._kvpatch_loader = loader
         self._kvpatch_top = top
 
-    def __getattr__(self, attr):  # get_code, get_source, is_package, get_resource_reader, ...
+    def __getattr__(self, attr):  # create_module, get_code, get_source, is_package, get_resource_reader, ...
         if attr.startswith("_kvpatch_"):
             raise AttributeError(attr)
         return getattr(self._kvpatch_loader, attr)
-
-    def create_module(self, spec):
-        create = getattr(self._kvpatch_loader, "create_module", None)
-        return create(spec) if create is not None else None
 
     def exec_module(self, module):
         loader = self._kvpatch_loader
@@ -193,9 +149,8 @@ class _Loader:
                 module.__loader__ = loader
             except AttributeError:
                 pass
-        spec = getattr(module, "__spec__", None)
-        if spec is not None and spec.loader is self:
-            spec.loader = loader
+        if getattr(getattr(module, "__spec__", None), "loader", None) is self:
+            module.__spec__.loader = loader
         name = module.__name__
         with _lock:
             _running[name] = _running.get(name, 0) + 1
@@ -203,35 +158,29 @@ class _Loader:
             loader.exec_module(module)
         finally:
             with _lock:
-                left = _running.pop(name) - 1
-                if left:
-                    _running[name] = left
+                _running[name] -= 1
         if self._kvpatch_top:
             _activate()
         _notify(module)
 
 
-# -- activation ------------------------------------------------------------------------------------
 def _activate():
     """Import (and so activate) kvpatch from its own site directory. Idempotent, never raises."""
     global _activated
     if _activated or getattr(_tls, "activating", False):
         return
-    if _is_off is not None and _is_off():
-        _activated = True
-        return
-    _tls.activating = True
-    try:
-        import kvpatch  # noqa: F401  (importing activates)
-    except Exception as exc:
-        _warn(f"kvpatch could not activate: {type(exc).__name__}: {exc}")
-    finally:
-        _tls.activating = False
+    if not _is_off():
+        _tls.activating = True
+        try:
+            import kvpatch  # noqa: F401  (importing activates)
+        except Exception as exc:
+            _warn(f"kvpatch could not activate: {type(exc).__name__}: {exc}")
+        finally:
+            _tls.activating = False
+        _ensure_first()
     _activated = True
-    _ensure_first()
 
 
-# -- warnings --------------------------------------------------------------------------------------
 def _warn(message):
     """Warn once per message, never raise, through ``kvpatch._warn`` (``KvpatchWarning``; stderr under ``-W
     error``). A kvpatch that could not load even that has no warning category to filter: stderr, once."""
