@@ -13,7 +13,6 @@ import inspect
 import re
 import sys
 import threading
-import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from ._site import hooks
 from ._warn import emit
 from .detect import Upstream
 from .engine import FROM_ACTION, PatchStatus, State, refresh_status, set_state
-from .fingerprints import fingerprint, fingerprint_source
+from .fingerprints import fingerprint, fingerprint_source, validated
 from .gate import Action, Decision, decide
 from .locate import module_file
 from .record import DISTRIBUTIONS, Expiry, Kind, Patch, Target
@@ -88,17 +87,14 @@ _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registra
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
     """``{qualname: (fingerprint, longest line, lines)}`` of the functions named in ``names`` at module level or in
     classes of ``source``: the block ``inspect.getsource`` gives, so :func:`~kvpatch.fingerprints.fingerprint` agrees.
-    Found by indentation, not parsed: a tenth of ``ast.parse``'s time; an odd block misses a copy, never invents one."""
-    if not names:
-        return {}
+    Found by indentation, not parsed: a tenth of ``ast.parse``'s time, and no SyntaxWarning from the file's code; an
+    odd block misses a copy, never invents one."""
     alternatives = "|".join(sorted(map(re.escape, names)))
     pattern = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+(" + alternatives + r")[ \t]*\(", re.M)
     lines = source.split("\n")
     found: dict[str, tuple[str, str, int]] = {}
-    row, position = 0, 0
     for match in pattern.finditer(source):
-        row += source.count("\n", position, match.start())
-        position = match.start()
+        row = source.count("\n", 0, match.start())
         indent = len(match.group(1).expandtabs())
         qualname = _enclosing(lines, row, indent, match.group(2))
         if qualname is None:
@@ -112,9 +108,8 @@ def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str
                 if len(text) - len(text.lstrip()) <= indent and not text.lstrip().startswith(("#", ")")):
                     break
                 last = end
-        block = "\n".join(lines[first : last + 1])
-        kept = [line.strip() for line in block.splitlines() if line.strip() and not line.strip().startswith("#")]
-        found[qualname] = (fingerprint_source(block), max(kept, key=len), len(kept))
+        kept = [text for text in map(str.strip, lines[first : last + 1]) if text and not text.startswith("#")]
+        found[qualname] = (fingerprint_source("\n".join(lines[first : last + 1])), max(kept, key=len), len(kept))
     return found
 
 
@@ -330,8 +325,6 @@ def _register(engine: Engine, reg: _Registered, patches: Iterable[str] | None) -
 
 def _patch(reg: _Registered) -> None:
     """Install, on the imported copy, every pending patch of ``reg`` (all or nothing per patch)."""
-    from . import fingerprints
-
     with _lock:
         if _registered.get((reg.module, reg.of)) is not reg:
             return  # registered again since
@@ -341,7 +334,7 @@ def _patch(reg: _Registered) -> None:
         done: list[surgery.Change] = []
         try:
             for target in (t for t in st.record.targets if t.module == reg.of):
-                known = None if reg.scanned else fingerprints.validated(st.record).get(target.path)
+                known = None if reg.scanned else validated(st.record).get(target.path)
                 change = _install(st.record, target, reg.module, known)
                 done += [change] if change is not None else []
         except Exception as exc:
@@ -364,13 +357,6 @@ def _patch(reg: _Registered) -> None:
 def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | None) -> surgery.Change | None:
     """``target``'s fix on the copy's object of the same qualified name (:func:`kvpatch.surgery.install`) when the
     copy's code is its own and, with ``known``, has one of those fingerprints; ``None``: nothing to change."""
-    owner: Any = sys.modules[module]
-    for part in target.owner_path:
-        owner = vars(owner).get(part) if isinstance(owner, types.ModuleType) else getattr(owner, part, None)
-        if owner is None:
-            if target.optional:
-                return None
-            raise TargetMissing(f"{module}.{target.qualname}: the copy has no {part}")
 
     def check(original: Any) -> None:
         # a plain value (a class attribute a patch serves through a property) has no code to compare
@@ -381,7 +367,7 @@ def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | 
             raise _Kept(State.DRIFTED, f"{module}.{target.qualname} is not code the patch was decided on")
 
     where = Target(module, target.qualname, target.kind, target.optional)
-    return surgery.install(patch, target, owner, at=where, check=check)
+    return surgery.install(patch, target, surgery.owner_of(where, sys.modules[module]), at=where, check=check)
 
 
 def _restore(reg: _Registered) -> None:
