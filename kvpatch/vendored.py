@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import itertools
 import re
 import sys
 import threading
@@ -76,7 +77,7 @@ class _Registered:
 
 
 class _Kept(Exception):
-    """The copy keeps its code for this patch: ``args`` = (state, why)."""
+    """The copy keeps its code for this patch (it drifted from the code the patch is for)."""
 
 
 _lock = threading.RLock()
@@ -230,7 +231,9 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
             if c.state != OTHER_OWNER:
                 of = c.target[: -len(c.qualname) - 1]
                 found.setdefault(c.module, {}).setdefault(of, {}).setdefault(c.patch_id, set()).add(c.target)
-        records = {p.id: p for p in engine.materialise()}
+        expected: dict[str, set[Target]] = {}  # patch id -> its targets the scan can find in upstream's files
+        for pid, target, _ in itertools.chain.from_iterable(_upstream_fingerprints(engine).values()):
+            expected.setdefault(pid, set()).add(target)
         for module, copied in found.items():
             # a copy of one upstream module, the one it shares most with (mlx-vlm's cache shares code with mlx-lm's)
             of, paths = max(copied.items(), key=lambda item: len(set().union(*item[1].values())))
@@ -238,15 +241,11 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
                 if any(m == module for m, _ in _registered):
                     continue  # registered already (in code: as the server declared it)
             # patches found whole only: a copy that changed one of a patch's functions gets none of it
-            names = frozenset(t.attribute for pid in paths for t in records[pid].targets)
-            defined = _definitions(_read(module_file(of)), names)  # the functions the scan can find
-            whole = [
-                pid
-                for pid, got in paths.items()
-                if {t.path for t in records[pid].targets if t.qualname in defined and t.module == of} <= got
-            ]
+            whole = [pid for pid, got in paths.items() if {t.path for t in expected[pid] if t.module == of} <= got]
             dist = next(d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0])
-            _register(engine, _Registered(module, of, engine.upstream[dist].version or "", True), whole)
+            register_copy(
+                engine, module, of=of, version=engine.upstream[dist].version or "", patches=whole, scanned=True
+            )
     except Exception as exc:  # kvpatch never raises into its host
         emit(f"kvpatch: patching vendored copies failed: {type(exc).__name__}: {exc}")
 
@@ -284,43 +283,47 @@ def _registry() -> Any:
 
 # -- registered copies ----------------------------------------------------------------------------------------
 def register_copy(
-    engine: Engine, module: str, *, of: str, version: str, patches: Iterable[str] | None = None
+    engine: Engine,
+    module: str,
+    *,
+    of: str,
+    version: str,
+    patches: Iterable[str] | None = None,
+    scanned: bool = False,
 ) -> list[PatchStatus]:
-    """Declare ``module`` a copy of ``of`` as released in ``version`` (see :func:`kvpatch.register_copy`)."""
-    return _register(engine, _Registered(module, of, version, False), patches)
-
-
-def _register(engine: Engine, reg: _Registered, patches: Iterable[str] | None) -> list[PatchStatus]:
-    """Decide each patch of ``reg.of`` for the copy's release; patch the copy when it is imported (or now)."""
-    top = reg.of.split(".", 1)[0]
-    dist = next((d for d, name in DISTRIBUTIONS.items() if name == top), None)
+    """Declare ``module`` a copy of ``of`` as released in ``version`` (see :func:`kvpatch.register_copy`): decide
+    each patch of ``of`` for that release, patch the copy when it is imported (or now). ``scanned``: see
+    :class:`_Registered`."""
+    dist = next((d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0]), None)
     if dist is None:
-        raise ValueError(f"{reg.of} is not a module of {' or '.join(DISTRIBUTIONS)}")
+        raise ValueError(f"{of} is not a module of {' or '.join(DISTRIBUTIONS)}")
+    statuses: dict[str, PatchStatus] = {}
     wanted = None if patches is None else list(dict.fromkeys(patches))
     known = {p.id: p for p in engine.materialise()}
     for patch in known.values():
-        if patch.distribution != dist or reg.of not in patch.modules or (wanted is not None and patch.id not in wanted):
+        if patch.distribution != dist or of not in patch.modules or (wanted is not None and patch.id not in wanted):
             continue
-        decision = decide(patch, Upstream(dist, reg.version), engine.config)
-        state, reason = FROM_ACTION[decision.action], f"copy of {dist} {reg.version}'s {reg.of}: {decision.reason}"
+        decision = decide(patch, Upstream(dist, version), engine.config)
+        state, reason = FROM_ACTION[decision.action], f"copy of {dist} {version}'s {of}: {decision.reason}"
         mine = engine.status[patch.id]
-        if decision.action is Action.VERIFY and reg.scanned and mine.verified and mine.installed:
+        if decision.action is Action.VERIFY and scanned and mine.verified and mine.installed:
             state, reason = State.PENDING, f"{reason}; the installed release's verdict: {mine.verified}"
         elif decision.action is Action.VERIFY:
             state, reason = State.UNVERIFIED, f"{reason}; the reproduction runs on upstream, not on a copy: not applied"
-        reg.statuses[patch.id] = PatchStatus(patch, decision, state, reason, copy=reg.module)
-    for pid in (p for p in wanted or () if p not in reg.statuses):
-        why = "no such patch" if pid not in known else f"it does not change {reg.of}"
+        statuses[patch.id] = PatchStatus(patch, decision, state, reason, copy=module)
+    for pid in (p for p in wanted or () if p not in statuses):
+        why = "no such patch" if pid not in known else f"it does not change {of}"
         record = known.get(pid) or Patch(pid, "unknown patch", dist, "<0", "", Expiry("unknown"), fixed_in="0")
-        decision, reason = Decision(Action.DISABLED, why), f"{pid} cannot patch {reg.module}: {why}"
-        reg.statuses[pid] = PatchStatus(record, decision, State.FAILED, reason, error=why, copy=reg.module)
+        decision, reason = Decision(Action.DISABLED, why), f"{pid} cannot patch {module}: {why}"
+        statuses[pid] = PatchStatus(record, decision, State.FAILED, reason, error=why, copy=module)
+    reg = _Registered(module, of, version, scanned, statuses)
     with _lock:
-        earlier = _registered.get((reg.module, reg.of))
-        _registered[(reg.module, reg.of)] = reg
+        earlier = _registered.get((module, of))
+        _registered[(module, of)] = reg
     if earlier is not None:
         _restore(earlier)
-    _registry()(lambda loaded: _patch(reg), reg.module)
-    return list(reg.statuses.values())
+    _registry()(lambda loaded: _patch(reg), module)
+    return list(statuses.values())
 
 
 def _patch(reg: _Registered) -> None:
@@ -340,10 +343,10 @@ def _patch(reg: _Registered) -> None:
         except Exception as exc:
             for change in reversed(done):
                 surgery.restore(change)
-            state, why = exc.args if isinstance(exc, _Kept) else (State.FAILED, f"{type(exc).__name__}: {exc}")
-            state = State.TARGET_MISSING if isinstance(exc, TargetMissing) else state
-            error = why if state in (State.FAILED, State.TARGET_MISSING) else None
-            set_state(st, state, f"{st.reason}; not applied: {why}", error=error)
+            kept = isinstance(exc, _Kept)
+            state = State.DRIFTED if kept else State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED
+            why = str(exc) if kept else f"{type(exc).__name__}: {exc}"
+            set_state(st, state, f"{st.reason}; not applied: {why}", error=None if kept else why)
             if state is State.FAILED:
                 emit(f"kvpatch: vendored copy {reg.module}: {st.reason}", key=f"vendored:{pid}:{reg.module}")
             continue
@@ -362,9 +365,9 @@ def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | 
         # a plain value (a class attribute a patch serves through a property) has no code to compare
         probe: Any = (original.fset or original.fget) if isinstance(original, property) else original
         if callable(probe) and surgery.foreign(inspect.unwrap(probe), module):
-            raise _Kept(State.DRIFTED, f"{module}.{target.qualname} is not the copy's own code (replaced after import)")
+            raise _Kept(f"{module}.{target.qualname} is not the copy's own code (replaced after import)")
         if known and fingerprint(original) not in (*known, None):  # None: a builtin, or a plain value
-            raise _Kept(State.DRIFTED, f"{module}.{target.qualname} is not code the patch was decided on")
+            raise _Kept(f"{module}.{target.qualname} is not code the patch was decided on")
 
     where = Target(module, target.qualname, target.kind, target.optional)
     return surgery.install(patch, target, surgery.owner_of(where, sys.modules[module]), at=where, check=check)
@@ -397,14 +400,11 @@ def restore() -> None:
 def copy_records() -> list[PatchStatus]:
     """Every registered copy's statuses, looked up again (``overridden`` where a replacement is no longer
     reachable in the copy)."""
-    out: list[PatchStatus] = []
     with _lock:
-        regs = list(_registered.values())
-    for reg in regs:
-        for pid, st in reg.statuses.items():
-            refresh_status(st, reg.changes.get(pid, []), _lock)
-            out.append(st)
-    return out
+        pairs = [(st, reg.changes.get(pid, [])) for reg in _registered.values() for pid, st in reg.statuses.items()]
+    for st, changes in pairs:
+        refresh_status(st, changes, _lock)
+    return [st for st, _ in pairs]
 
 
 def format_copies(copies: list[Copy]) -> str:
