@@ -100,17 +100,14 @@ def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str
         qualname = _enclosing(lines, row, indent, match.group(2))
         if qualname is None:
             continue
-        first = last = row
+        first = row
         while first > 0 and lines[first - 1].strip().startswith("@"):
             first -= 1
-        for end in range(row + 1, len(lines)):
-            text = lines[end]
-            if text.strip():
-                if len(text) - len(text.lstrip()) <= indent and not text.lstrip().startswith(("#", ")")):
-                    break
-                last = end
-        kept = [text for text in map(str.strip, lines[first : last + 1]) if text and not text.startswith("#")]
-        found[qualname] = (fingerprint_source("\n".join(lines[first : last + 1])), max(kept, key=len), len(kept))
+        # the block ends before the next code line indented no deeper than the def (a closing ")" is the signature's)
+        stop = re.compile(rf"^[ \t]{{0,{indent}}}[^\s#)]", re.M).search(source, match.end())
+        block = lines[first : source.count("\n", 0, stop.start()) if stop else len(lines)]
+        kept = [text for text in map(str.strip, block) if text and not text.startswith("#")]
+        found[qualname] = (fingerprint_source("\n".join(block)), max(kept, key=len), len(kept))
     return found
 
 
