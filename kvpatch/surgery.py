@@ -330,11 +330,8 @@ def rebind_aliases(old: Any, new: Any, *, skip: types.ModuleType, everywhere: bo
     module (``everywhere``)."""
     packages = frozenset(DISTRIBUTIONS.values())
     for mod_name, module in list(sys.modules.items()):
-        if module is None or module is skip or not (everywhere or mod_name.split(".", 1)[0] in packages):
-            continue
-        try:
-            namespace = vars(module)
-        except TypeError:  # a module stand-in without __dict__
+        namespace = getattr(module, "__dict__", None)  # None: a module stand-in without one
+        if module is skip or not isinstance(namespace, dict) or not (everywhere or mod_name.split(".")[0] in packages):
             continue
         try:
             if not any(map(operator.is_, namespace.values(), itertools.repeat(old))):

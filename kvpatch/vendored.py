@@ -114,23 +114,19 @@ def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str
 def _enclosing(lines: list[str], row: int, indent: int, name: str) -> str | None:
     """The qualified name of a ``def`` at ``row``: its enclosing classes; None inside a function or statement."""
     parts = [name]
-    for index in range(row - 1, -1, -1):
+    for text in reversed(lines[:row]):
         if indent == 0:
             break
-        text = lines[index]
         stripped = text.lstrip()
-        level = len(text) - len(stripped)
-        if not stripped or stripped.startswith(("#", "@", ")")) or level >= indent:
+        if not stripped or stripped.startswith(("#", "@", ")")) or len(text) - len(stripped) >= indent:
             continue
         header = re.match(r"(class|def|async[ \t]+def)[ \t]+(\w+)", stripped)
-        if header is None:
-            if stripped.startswith(('"', "'")) or text[:1].isspace():
-                continue  # a continuation line or a string inside something
-            return None  # module-level code (if/try) holding the def: not a stable name
-        if header.group(1) != "class":
-            return None
+        if header is None and (stripped.startswith(('"', "'")) or text[:1].isspace()):
+            continue  # a continuation line or a string inside something
+        if header is None or header.group(1) != "class":
+            return None  # in a function, or in module-level code (if/try): not a stable name
         parts.append(header.group(2))
-        indent = level
+        indent = len(text) - len(stripped)
     return ".".join(reversed(parts))
 
 
