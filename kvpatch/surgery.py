@@ -41,8 +41,7 @@ class Change:
     target: Target
     owner: Any
     name: str
-    had_own: bool  # the owner's own ``__dict__`` held the attribute (else inherited or absent)
-    raw_original: Any  # what the owner's ``__dict__`` held (``MISSING``: nothing)
+    raw_original: Any  # what the owner's own ``__dict__`` held (``MISSING``: nothing: inherited or absent)
     original: Any  # the plain original function (``None`` for an added attribute)
     function: Any  # the plain replacement (carries the mark)
     spliced_into: Any = None  # the foreign wrapt proxy :func:`restore` put the original in under
@@ -258,7 +257,7 @@ def install(
             if vars(owner).get(name, MISSING) is not raw:
                 continue  # someone changed the attribute while it was built: look again
             setattr(owner, name, wrapper(function) if wrapper is not None else function)
-            change = Change(patch.id, at, owner, name, raw is not MISSING, raw, original, function)
+            change = Change(patch.id, at, owner, name, raw, original, function)
             if record is not None:
                 record(change)
         return change
@@ -283,7 +282,7 @@ def restore(change: Change) -> str | None:
     state, detail = liveness(change)
     note: str | None = None
     if state == "in place":
-        if change.had_own:
+        if change.raw_original is not MISSING:
             setattr(change.owner, change.name, change.raw_original)
         else:
             with contextlib.suppress(AttributeError):  # someone else removed it

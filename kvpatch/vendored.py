@@ -14,7 +14,7 @@ import itertools
 import re
 import sys
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,13 +33,8 @@ from .surgery import TargetMissing
 if TYPE_CHECKING:
     from .engine import Engine
 
-VARIABLE = config.VENDORED
 #: Modules known to hold vendored copies of patched upstream code (hooked when ``KVPATCH_VENDORED=1``).
 KNOWN: tuple[str, ...] = ("rapid_mlx.models.mlx_vlm_vendored.cache",)
-_SKIP_TOP = frozenset({*DISTRIBUTIONS.values(), "kvpatch", "_kvpatch_boot", "kvpatch_pytest", "__main__"})
-_DEPENDS = re.compile(r"^(mlx|mlx[-_]lm|mlx[-_]vlm)\b", re.I)
-#: Same code under another qualified name is reported only from this many lines (``return True`` says nothing).
-MIN_LINES = 4
 OTHER_OWNER = "found (other owner: not patched)"
 
 
@@ -161,7 +156,8 @@ def _installed_dependents() -> dict[str, str]:
     out: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
-        if name in ("mlx", "mlx-lm", "mlx-vlm", "kvpatch") or not any(map(_DEPENDS.match, dist.requires or ())):
+        needs_mlx = any(re.match(r"mlx([-_]v?lm)?\b", r, re.I) for r in dist.requires or ())
+        if name in ("mlx", "mlx-lm", "mlx-vlm", "kvpatch") or not needs_mlx:
             continue
         for file in dist.files or ():
             parts = list(file.with_suffix("").parts)
@@ -185,7 +181,7 @@ def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, 
     names = frozenset(t.attribute for entries in upstream.values() for _, t, _ in entries)
     # a copy holds each line of the code it copies: its longest line, searched for first, spares most files a parse
     needles = {line for entries in upstream.values() for *_, line in entries}
-    skip = _SKIP_TOP | getattr(sys, "stdlib_module_names", frozenset())
+    skip = {*DISTRIBUTIONS.values(), "kvpatch", "_kvpatch_boot", "kvpatch_pytest", "__main__", *sys.stdlib_module_names}
     names_in = list(sys.modules) if modules is None else modules
     candidates = {name: module_file(name) for name in names_in if name.split(".")[0] not in skip}
     for name, path in _installed_dependents().items() if installed else ():
@@ -204,7 +200,7 @@ def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, 
                     state = "found"
                 else:
                     state = "patched" if st.state is State.APPLIED else f"not patched: {st.reason}"
-                if state != OTHER_OWNER or size >= MIN_LINES:
+                if state != OTHER_OWNER or size >= 4:  # same code under another name: ``return True`` says nothing
                     found.append(Copy(patch_id, target.path, module, qualname, fp, state))
     return found
 
@@ -243,18 +239,18 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
         emit(f"kvpatch: patching vendored copies failed: {type(exc).__name__}: {exc}")
 
 
-def setting(environ: Mapping[str, str] | None = None) -> list[str] | None:
+def setting() -> list[str] | None:
     """The modules ``KVPATCH_VENDORED`` names besides :data:`KNOWN` (``None``: off)."""
-    raw = config.vendored(environ)
+    raw = config.vendored()
     if not raw or raw.lower() in config.OFF_VALUES:
         return None
     return [n.strip() for n in raw.split(",") if n.strip().lower() not in {*config.ON_VALUES, "all"}]
 
 
-def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
+def hook(engine: Engine) -> None:
     """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported
     (now, for those imported already). Never raises."""
-    names = setting(environ)
+    names = setting()
     try:
         for name in dict.fromkeys([*KNOWN, *names]) if names is not None else ():
             if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False):
@@ -276,13 +272,7 @@ def _registry() -> Any:
 
 # -- registered copies ----------------------------------------------------------------------------------------
 def register_copy(
-    engine: Engine,
-    module: str,
-    *,
-    of: str,
-    version: str,
-    patches: Iterable[str] | None = None,
-    scanned: bool = False,
+    engine: Engine, module: str, *, of: str, version: str, patches: Iterable[str] | None = None, scanned: bool = False
 ) -> list[PatchStatus]:
     """Declare ``module`` a copy of ``of`` as released in ``version`` (see :func:`kvpatch.register_copy`): decide
     each patch of ``of`` for that release, patch the copy when it is imported (or now). ``scanned``: see
@@ -404,7 +394,9 @@ def format_copies(copies: list[Copy]) -> str:
     """The text ``kvpatch status --scan`` prints."""
     if not copies:
         return "vendored copies: none found (scanned imported modules and installed mlx dependents)"
-    lines = [f"vendored copies: {len(copies)} (the same code as a patched upstream target; {VARIABLE}=1 patches them)"]
+    lines = [
+        f"vendored copies: {len(copies)} (the same code as a patched upstream target; {config.VENDORED}=1 patches them)"
+    ]
     width = max(len(c.path) for c in copies)
     lines += [f"  {c.path:<{width}}  = {c.target} [{c.patch_id}]  {c.state}" for c in copies]
     return "\n".join(lines)
