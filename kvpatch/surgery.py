@@ -289,7 +289,16 @@ def restore(change: Change) -> str | None:
                 delattr(change.owner, change.name)
     elif state == "wrapped":
         current = inspect.getattr_static(change.owner, change.name, MISSING)
-        if not _splice(current, change):
+        wrapt = sys.modules.get("wrapt")
+        # wrapt 2's function wrappers derive from BaseObjectProxy (ObjectProxy's base); wrapt 1 has ObjectProxy only
+        proxy = getattr(wrapt, "BaseObjectProxy", None) or getattr(wrapt, "ObjectProxy", None)
+        spliced = (
+            p
+            for p in chain(current)
+            if proxy and isinstance(p, proxy) and splice_under(p, change.function, change.original)
+        )
+        change.spliced_into = next(spliced, None)
+        if change.spliced_into is None:
             note = (
                 f"{change.target.path}: left {describe(current)} in place; it wraps kvpatch's replacement in a way "
                 "that cannot be changed from outside (a closure), so the fix stays active underneath it"
@@ -299,18 +308,6 @@ def restore(change: Change) -> str | None:
     if isinstance(change.owner, types.ModuleType) and change.original is not None:
         rebind_aliases(change.function, change.original, skip=change.owner, everywhere=True)
     return note
-
-
-def _splice(current: Any, change: Change) -> bool:
-    """Put the original in place of kvpatch's replacement inside a wrapt proxy chain; True if done."""
-    wrapt = sys.modules.get("wrapt")
-    # wrapt 2's function wrappers derive from BaseObjectProxy (ObjectProxy's base); wrapt 1 has ObjectProxy only
-    proxy = getattr(wrapt, "BaseObjectProxy", None) or getattr(wrapt, "ObjectProxy", None)
-    for obj in chain(current):
-        if proxy is not None and isinstance(obj, proxy) and splice_under(obj, change.function, change.original):
-            change.spliced_into = obj
-            return True
-    return False
 
 
 def splice_under(proxy: Any, old: Any, new: Any) -> bool:
