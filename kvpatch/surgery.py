@@ -127,9 +127,7 @@ def foreign(obj: Any, package: str) -> str | None:
     func = _plain(obj)
     if type(func) is types.FunctionType:
         module = func.__module__ or ""
-        if module == package or module.startswith(package + "."):
-            return None
-        return f"{module}.{func.__qualname__}"
+        return None if f"{module}.".startswith(f"{package}.") else f"{module}.{func.__qualname__}"
     owner = getattr(func, "__objclass__", None)
     if isinstance(func, _BUILTIN_METHODS) and getattr(owner, "__module__", "") == "builtins":
         return None  # a method a class inherits from ``object`` (``__reduce_ex__``): no library's code
