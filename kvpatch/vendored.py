@@ -63,7 +63,6 @@ class Copy:
 class _Registered:
     module: str
     of: str
-    version: str
     #: Found by the scan, with each replaced function of its patches the installed upstream's code (else the code
     #: must be what the patch was validated on, ``kvpatch/data/fingerprints.json``).
     scanned: bool
@@ -230,7 +229,9 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
                 if any(m == module for m, _ in _registered):
                     continue  # registered already (in code: as the server declared it)
             # patches found whole only: a copy that changed one of a patch's functions gets none of it
-            whole = [pid for pid, got in paths.items() if {t.path for t in expected[pid] if t.module == of} <= got]
+            whole = [
+                pid for pid, got in paths.items() if {t.path for t in expected.get(pid, ()) if t.module == of} <= got
+            ]
             dist = next(d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0])
             register_copy(
                 engine, module, of=of, version=engine.upstream[dist].version or "", patches=whole, scanned=True
@@ -299,7 +300,7 @@ def register_copy(
         record = known.get(pid) or Patch(pid, "unknown patch", dist, "<0", "", Expiry("unknown"), fixed_in="0")
         decision, reason = Decision(Action.DISABLED, why), f"{pid} cannot patch {module}: {why}"
         statuses[pid] = PatchStatus(record, decision, State.FAILED, reason, error=why, copy=module)
-    reg = _Registered(module, of, version, scanned, statuses)
+    reg = _Registered(module, of, scanned, statuses)
     with _lock:
         earlier = _registered.get((module, of))
         _registered[(module, of)] = reg
