@@ -23,33 +23,10 @@ from typing import Any
 
 from .record import DISTRIBUTIONS, Kind, Patch, Target, borrowed
 
-__all__ = [
-    "MARK",
-    "MISSING",
-    "Change",
-    "TargetMissing",
-    "carries",
-    "chain",
-    "describe",
-    "foreign",
-    "foreign_targets",
-    "install",
-    "liveness",
-    "mark",
-    "mark_of",
-    "owner_of",
-    "prepare",
-    "rebind_aliases",
-    "restore",
-    "splice_under",
-]
-
-#: The attribute that marks a kvpatch replacement (its value: the patch id).
-MARK = "__kvpatch__"
 MISSING: Any = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
-_MAX_CHAIN = 64  # a __wrapped__ chain longer than this is a cycle or a pathology: stop looking
-#: Every replacement function kvpatch made, with its patch id: ``functools.wraps`` copies the visible mark onto a
-#: foreign wrapper, so only this registry says which functions are kvpatch's. Kept across ``importlib.reload``.
+#: Every replacement function kvpatch made, with its patch id: ``functools.wraps`` copies the visible mark
+#: (``__kvpatch__``) onto a foreign wrapper, so only this registry says which functions are kvpatch's. Kept across
+#: ``importlib.reload``.
 _OURS: weakref.WeakKeyDictionary[Any, str] = globals().get("_OURS") or weakref.WeakKeyDictionary()
 #: The same for replacements that are properties (they carry no attributes): id -> (property, patch id, what it
 #: replaced: the original property or value, or None for one added in front of an instance attribute).
@@ -64,8 +41,7 @@ class Change:
     target: Target
     owner: Any
     name: str
-    had_own: bool  # the owner's own ``__dict__`` held the attribute (else inherited or absent)
-    raw_original: Any  # what the owner's ``__dict__`` held (``MISSING``: nothing)
+    raw_original: Any  # what the owner's own ``__dict__`` held (``MISSING``: nothing: inherited or absent)
     original: Any  # the plain original function (``None`` for an added attribute)
     function: Any  # the plain replacement (carries the mark)
     spliced_into: Any = None  # the foreign wrapt proxy :func:`restore` put the original in under
@@ -76,49 +52,57 @@ def _plain(obj: Any) -> Any:
     return obj.__func__ if type(obj) in (classmethod, staticmethod) else obj
 
 
-def _inner(obj: Any) -> Any:
-    """What ``obj`` wraps: its ``__wrapped__``, or the original of a property kvpatch replaced."""
+def _property(obj: Any) -> tuple[Any, str, Any] | None:
     entry = _OURS_PROPERTIES.get(id(obj))
-    if entry is not None and entry[0] is obj:
-        return entry[2]
-    if type(obj) is property:
-        return None
-    return getattr(obj, "__wrapped__", None)
+    return entry if entry is not None and entry[0] is obj else None
+
+
+def _walk(obj: Any, closures: bool = True) -> Iterator[tuple[Any, Any]]:
+    """Everything reachable from ``obj`` through ``__wrapped__`` (and the original of a property kvpatch replaced)
+    and, with ``closures``, the functions a closure holds (servers' own monkey patches call kvpatch's replacement
+    from a closure), breadth first, each with the outermost non-kvpatch object above it (``None``: only kvpatch's)."""
+    seen: set[int] = set()
+    todo: list[tuple[Any, Any]] = [(_plain(obj), None)]
+    while todo and len(seen) < 256:  # more is a cycle or a pathology: stop looking
+        current, above = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current, above
+        if above is None and mark_of(current) is None:
+            above = current
+        entry = _property(current)
+        try:
+            todo.append((_plain(entry[2] if entry else getattr(current, "__wrapped__", None)), above))
+        except Exception:  # a proxy whose __wrapped__ raises
+            pass
+        cells = current.__closure__ if closures and type(current) is types.FunctionType else None
+        for cell in cells or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                if callable(cell.cell_contents):
+                    todo.append((_plain(cell.cell_contents), above))
 
 
 def chain(obj: Any) -> Iterator[Any]:
     """``obj`` and everything it wraps, following ``__wrapped__`` (classmethod/staticmethod unwrapped)."""
-    seen: set[int] = set()
-    current = _plain(obj)
-    for _ in range(_MAX_CHAIN):
-        if current is None or id(current) in seen:
-            return
-        seen.add(id(current))
-        yield current
-        try:
-            current = _plain(_inner(current))
-        except Exception:  # a proxy whose __wrapped__ raises
-            return
+    return (node for node, _ in _walk(obj, closures=False))
 
 
 def reachable(obj: Any) -> Iterator[Any]:
-    for node, _ in _walk(obj):
-        yield node
+    return (node for node, _ in _walk(obj))
 
 
 def carries(obj: Any, patch_id: str) -> bool:
-    """True when kvpatch's replacement for ``patch_id`` is ``obj`` or reachable from it (:func:`_walk`)."""
-    return any(mark_of(node) == patch_id for node, _ in _walk(obj))
+    """True when kvpatch's replacement for ``patch_id`` is ``obj`` or reachable from it."""
+    return any(mark_of(node) == patch_id for node in reachable(obj))
 
 
 def mark_of(obj: Any) -> str | None:
     # only a real function carries the mark: a proxy forwards attribute reads to what it wraps
-    entry = _OURS_PROPERTIES.get(id(obj))
-    if entry is not None and entry[0] is obj:
+    entry = _property(obj)
+    if entry is not None:
         return entry[1]
-    if type(obj) is not types.FunctionType:
-        return None
-    return _OURS.get(obj)
+    return _OURS.get(obj) if type(obj) is types.FunctionType else None
 
 
 def describe(obj: Any) -> str:
@@ -143,9 +127,7 @@ def foreign(obj: Any, package: str) -> str | None:
     func = _plain(obj)
     if type(func) is types.FunctionType:
         module = func.__module__ or ""
-        if module == package or module.startswith(package + "."):
-            return None
-        return f"{module}.{func.__qualname__}"
+        return None if f"{module}.".startswith(f"{package}.") else f"{module}.{func.__qualname__}"
     owner = getattr(func, "__objclass__", None)
     if isinstance(func, _BUILTIN_METHODS) and getattr(owner, "__module__", "") == "builtins":
         return None  # a method a class inherits from ``object`` (``__reduce_ex__``): no library's code
@@ -194,7 +176,7 @@ def prepare(patch: Patch, target: Target, owner: Any, original: Any, builder: Ca
 
 
 def mark(patch: Patch, target: Target, owner: Any, original: Any, function: Any) -> Any:
-    """Give a built replacement the original's identity (or, added, the qualified name it would have had) and
+    """Give a built replacement the original's identity (added: the qualified name it would have had) and
     kvpatch's mark."""
     if isinstance(function, property) and (
         isinstance(original, property) or (isinstance(owner, type) and (original is None or not callable(original)))
@@ -205,19 +187,13 @@ def mark(patch: Patch, target: Target, owner: Any, original: Any, function: Any)
     if type(function) is not types.FunctionType:
         raise TypeError(f"{patch.id}: builder for {target.path} returned {function!r}, not a plain function")
     if original is not None:
-        try:
-            functools.update_wrapper(function, original)
-        except (AttributeError, TypeError):  # pragma: no cover - a builtin or odd original
-            function.__wrapped__ = original  # type: ignore[attr-defined]
+        functools.update_wrapper(function, original)
     else:
-        owner_qualname = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", "")
         is_module = isinstance(owner, types.ModuleType)
-        function.__qualname__ = target.attribute if is_module else f"{owner_qualname}.{target.attribute}"
         function.__name__ = target.attribute
-        owner_module = owner.__name__ if is_module else getattr(owner, "__module__", None)
-        if owner_module:
-            function.__module__ = owner_module
-    setattr(function, MARK, patch.id)
+        function.__qualname__ = target.attribute if is_module else f"{owner.__qualname__}.{target.attribute}"
+        function.__module__ = owner.__name__ if is_module else owner.__module__
+    function.__kvpatch__ = patch.id  # type: ignore[attr-defined]
     _OURS[function] = patch.id
     return function
 
@@ -237,16 +213,19 @@ def install(
     lock: contextlib.AbstractContextManager[Any] | None = None,
     record: Callable[[Change], None] | None = None,
 ) -> Change | None:
-    """Install ``target``'s replacement on ``owner``: the one install step, for upstream and vendored copies alike.
+    """Install ``target``'s replacement on ``owner`` (``MISSING``: not there), for upstream and vendored copies.
 
-    ``None`` when the attribute already carries the patch or the builder declines (``make(original)``, by
-    default :func:`build` with the patch's builder, returns the original). :class:`TargetMissing` for a missing
-    target that is not optional, and for an added one that exists. ``check(original)`` may raise to keep the code
-    as it is; ``at`` is the target the change is recorded as (a copy's own path). The attribute is read again
-    under ``lock`` before it is set (``record(change)`` runs there too): when it changed meanwhile, it is built
-    again."""
+    ``None`` when the attribute already carries the patch or ``make(original)`` (default: :func:`build`) returns
+    the original. :class:`TargetMissing` for a missing target that is not optional, or an added one that exists.
+    ``check(original)`` may raise to keep the code as it is; ``at``: the path to record (a copy's own). The attribute
+    is read again under ``lock`` before it is set (``record(change)`` runs there too): changed meanwhile, it is
+    built again."""
     at = at or target
     name = target.attribute
+    if owner is MISSING:
+        if target.optional:
+            return None
+        raise TargetMissing(f"{at.path}: {'.'.join(target.owner_path)} not found in {at.module}")
     for _attempt in range(3):
         raw = vars(owner).get(name, MISSING)
         present = inspect.getattr_static(owner, name, MISSING)
@@ -276,61 +255,24 @@ def install(
             if vars(owner).get(name, MISSING) is not raw:
                 continue  # someone changed the attribute while it was built: look again
             setattr(owner, name, wrapper(function) if wrapper is not None else function)
-            change = Change(patch.id, at, owner, name, raw is not MISSING, raw, original, function)
+            change = Change(patch.id, at, owner, name, raw, original, function)
             if record is not None:
                 record(change)
         return change
     raise RuntimeError(f"{at.path} kept changing while kvpatch installed {patch.id}")
 
 
-def _walk(obj: Any) -> Iterator[tuple[Any, Any]]:
-    """Everything reachable from ``obj`` through ``__wrapped__`` and the functions a closure holds (servers' own
-    monkey patches call kvpatch's replacement from a closure), breadth first, each with the outermost non-kvpatch
-    object above it (``None``: only kvpatch's)."""
-    seen: set[int] = set()
-    todo: list[tuple[Any, Any]] = [(_plain(obj), None)]
-    while todo and len(seen) < 4 * _MAX_CHAIN:
-        current, above = todo.pop(0)
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current, above
-        if above is None and mark_of(current) is None:
-            above = current
-        try:
-            inner = _inner(current)
-        except Exception:  # a proxy whose __wrapped__ raises
-            inner = None
-        if inner is not None:
-            todo.append((_plain(inner), above))
-        if type(current) is types.FunctionType and current.__closure__:
-            for cell in current.__closure__:
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                if callable(value):
-                    todo.append((_plain(value), above))
-
-
 def liveness(change: Change) -> tuple[str, str]:
     """Where ``change``'s replacement stands now: ``("in place" | "wrapped" | "overridden" | "removed", detail)``;
     ``wrapped``: a foreign wrapper holds the attribute and reaches it (the fix runs when it calls through)."""
-    try:
-        current = vars(change.owner).get(change.name, MISSING)
-        if current is MISSING:
-            current = getattr(change.owner, change.name, MISSING)
-    except Exception as exc:  # pragma: no cover - an owner whose attribute access raises
-        return "overridden", f"{change.target.path} cannot be read: {exc}"
+    current = inspect.getattr_static(change.owner, change.name, MISSING)
     if current is MISSING:
         return "removed", f"{change.target.path} no longer exists"
-    if _plain(current) is change.function:
-        return "in place", ""
     # the outermost non-kvpatch object above the replacement (None: only kvpatch's own; MISSING: not reached)
-    foreign = next((above for node, above in _walk(current) if node is change.function), MISSING)
-    if foreign is MISSING:
+    above = next((above for node, above in _walk(current) if node is change.function), MISSING)
+    if above is MISSING:
         return "overridden", f"overridden by {describe(current)}"
-    return ("in place", "") if foreign is None else ("wrapped", f"under {describe(foreign)}")
+    return ("in place", "") if above is None else ("wrapped", f"under {describe(above)}")
 
 
 def restore(change: Change) -> str | None:
@@ -338,16 +280,23 @@ def restore(change: Change) -> str | None:
     state, detail = liveness(change)
     note: str | None = None
     if state == "in place":
-        if change.had_own:
+        if change.raw_original is not MISSING:
             setattr(change.owner, change.name, change.raw_original)
         else:
             with contextlib.suppress(AttributeError):  # someone else removed it
                 delattr(change.owner, change.name)
     elif state == "wrapped":
-        current = vars(change.owner).get(change.name, MISSING)
-        if current is MISSING:
-            current = getattr(change.owner, change.name)
-        if not _splice(current, change):
+        current = inspect.getattr_static(change.owner, change.name, MISSING)
+        wrapt = sys.modules.get("wrapt")
+        # wrapt 2's function wrappers derive from BaseObjectProxy (ObjectProxy's base); wrapt 1 has ObjectProxy only
+        proxy = getattr(wrapt, "BaseObjectProxy", None) or getattr(wrapt, "ObjectProxy", None)
+        spliced = (
+            p
+            for p in chain(current)
+            if proxy and isinstance(p, proxy) and splice_under(p, change.function, change.original)
+        )
+        change.spliced_into = next(spliced, None)
+        if change.spliced_into is None:
             note = (
                 f"{change.target.path}: left {describe(current)} in place; it wraps kvpatch's replacement in a way "
                 "that cannot be changed from outside (a closure), so the fix stays active underneath it"
@@ -359,26 +308,6 @@ def restore(change: Change) -> str | None:
     return note
 
 
-def _splice(current: Any, change: Change) -> bool:
-    """Put the original in place of kvpatch's replacement inside a wrapt proxy chain; True if done."""
-    wrapt = sys.modules.get("wrapt")
-    # wrapt 2 derives its function wrappers from BaseObjectProxy (ObjectProxy is a subclass); wrapt 1 from ObjectProxy
-    proxy_types = tuple(t for t in (getattr(wrapt, n, None) for n in ("BaseObjectProxy", "ObjectProxy")) if t)
-    for obj in chain(current):
-        try:
-            inner = _plain(getattr(obj, "__wrapped__", None))
-        except Exception:
-            return False
-        if inner is change.function:
-            if not proxy_types or not isinstance(obj, proxy_types):
-                return False
-            if not splice_under(obj, change.function, change.original):
-                return False
-            change.spliced_into = obj
-            return True
-    return False
-
-
 def splice_under(proxy: Any, old: Any, new: Any) -> bool:
     """Replace ``old`` by ``new`` as what the wrapt ``proxy`` wraps; True if it now wraps ``new``."""
     try:
@@ -386,23 +315,17 @@ def splice_under(proxy: Any, old: Any, new: Any) -> bool:
             return False
         proxy.__wrapped__ = new
         return _plain(proxy.__wrapped__) is new
-    except (AttributeError, TypeError):
+    except Exception:  # a proxy whose __wrapped__ raises or cannot be set
         return False
 
 
 def rebind_aliases(old: Any, new: Any, *, skip: types.ModuleType, everywhere: bool = False) -> None:
     """Rebind module attributes that are ``old`` (by identity) to ``new`` inside the upstream packages, or in every
     module (``everywhere``)."""
-    prefixes = tuple(f"{pkg}." for pkg in DISTRIBUTIONS.values())
     packages = frozenset(DISTRIBUTIONS.values())
     for mod_name, module in list(sys.modules.items()):
-        if module is None or module is skip:
-            continue
-        if not everywhere and not (mod_name in packages or mod_name.startswith(prefixes)):
-            continue
-        try:
-            namespace = vars(module)
-        except TypeError:  # pragma: no cover - a module stand-in without __dict__
+        namespace = getattr(module, "__dict__", None)  # None: a module stand-in without one
+        if module is skip or not isinstance(namespace, dict) or not (everywhere or mod_name.split(".")[0] in packages):
             continue
         try:
             if not any(map(operator.is_, namespace.values(), itertools.repeat(old))):

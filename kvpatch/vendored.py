@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import itertools
 import re
 import sys
 import threading
-import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +24,7 @@ from ._site import hooks
 from ._warn import emit
 from .detect import Upstream
 from .engine import FROM_ACTION, PatchStatus, State, refresh_status, set_state
-from .fingerprints import fingerprint, fingerprint_source
+from .fingerprints import fingerprint, fingerprint_source, validated
 from .gate import Action, Decision, decide
 from .locate import module_file
 from .record import DISTRIBUTIONS, Expiry, Kind, Patch, Target
@@ -33,13 +33,8 @@ from .surgery import TargetMissing
 if TYPE_CHECKING:
     from .engine import Engine
 
-VARIABLE = config.VENDORED
 #: Modules known to hold vendored copies of patched upstream code (hooked when ``KVPATCH_VENDORED=1``).
 KNOWN: tuple[str, ...] = ("rapid_mlx.models.mlx_vlm_vendored.cache",)
-_SKIP_TOP = frozenset({*DISTRIBUTIONS.values(), "kvpatch", "_kvpatch_boot", "kvpatch_pytest", "__main__"})
-_DEPENDS = re.compile(r"^(mlx|mlx[-_]lm|mlx[-_]vlm)\b", re.I)
-#: Same code under another qualified name is reported only from this many lines (``return True`` says nothing).
-MIN_LINES = 4
 OTHER_OWNER = "found (other owner: not patched)"
 
 
@@ -68,7 +63,6 @@ class Copy:
 class _Registered:
     module: str
     of: str
-    version: str
     #: Found by the scan, with each replaced function of its patches the installed upstream's code (else the code
     #: must be what the patch was validated on, ``kvpatch/data/fingerprints.json``).
     scanned: bool
@@ -77,7 +71,7 @@ class _Registered:
 
 
 class _Kept(Exception):
-    """The copy keeps its code for this patch: ``args`` = (state, why)."""
+    """The copy keeps its code for this patch (it drifted from the code the patch is for)."""
 
 
 _lock = threading.RLock()
@@ -88,56 +82,45 @@ _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registra
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
     """``{qualname: (fingerprint, longest line, lines)}`` of the functions named in ``names`` at module level or in
     classes of ``source``: the block ``inspect.getsource`` gives, so :func:`~kvpatch.fingerprints.fingerprint` agrees.
-    Found by indentation, not parsed: a tenth of ``ast.parse``'s time; an odd block misses a copy, never invents one."""
-    if not names:
-        return {}
+    Found by indentation, not parsed: a tenth of ``ast.parse``'s time, and no SyntaxWarning from the file's code; an
+    odd block misses a copy, never invents one."""
     alternatives = "|".join(sorted(map(re.escape, names)))
     pattern = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+(" + alternatives + r")[ \t]*\(", re.M)
     lines = source.split("\n")
     found: dict[str, tuple[str, str, int]] = {}
-    row, position = 0, 0
     for match in pattern.finditer(source):
-        row += source.count("\n", position, match.start())
-        position = match.start()
+        row = source.count("\n", 0, match.start())
         indent = len(match.group(1).expandtabs())
         qualname = _enclosing(lines, row, indent, match.group(2))
         if qualname is None:
             continue
-        first = last = row
+        first = row
         while first > 0 and lines[first - 1].strip().startswith("@"):
             first -= 1
-        for end in range(row + 1, len(lines)):
-            text = lines[end]
-            if text.strip():
-                if len(text) - len(text.lstrip()) <= indent and not text.lstrip().startswith(("#", ")")):
-                    break
-                last = end
-        block = "\n".join(lines[first : last + 1])
-        kept = [line.strip() for line in block.splitlines() if line.strip() and not line.strip().startswith("#")]
-        found[qualname] = (fingerprint_source(block), max(kept, key=len), len(kept))
+        # the block ends before the next code line indented no deeper than the def (a closing ")" is the signature's)
+        stop = re.compile(rf"^[ \t]{{0,{indent}}}[^\s#)]", re.M).search(source, match.end())
+        block = lines[first : source.count("\n", 0, stop.start()) if stop else len(lines)]
+        kept = [text for text in map(str.strip, block) if text and not text.startswith("#")]
+        found[qualname] = (fingerprint_source("\n".join(block)), max(kept, key=len), len(kept))
     return found
 
 
 def _enclosing(lines: list[str], row: int, indent: int, name: str) -> str | None:
     """The qualified name of a ``def`` at ``row``: its enclosing classes; None inside a function or statement."""
     parts = [name]
-    for index in range(row - 1, -1, -1):
+    for text in reversed(lines[:row]):
         if indent == 0:
             break
-        text = lines[index]
         stripped = text.lstrip()
-        level = len(text) - len(stripped)
-        if not stripped or stripped.startswith(("#", "@", ")")) or level >= indent:
+        if not stripped or stripped.startswith(("#", "@", ")")) or len(text) - len(stripped) >= indent:
             continue
         header = re.match(r"(class|def|async[ \t]+def)[ \t]+(\w+)", stripped)
-        if header is None:
-            if stripped.startswith(('"', "'")) or text[:1].isspace():
-                continue  # a continuation line or a string inside something
-            return None  # module-level code (if/try) holding the def: not a stable name
-        if header.group(1) != "class":
-            return None
+        if header is None and (stripped.startswith(('"', "'")) or text[:1].isspace()):
+            continue  # a continuation line or a string inside something
+        if header is None or header.group(1) != "class":
+            return None  # in a function, or in module-level code (if/try): not a stable name
         parts.append(header.group(2))
-        indent = level
+        indent = len(text) - len(stripped)
     return ".".join(reversed(parts))
 
 
@@ -172,7 +155,8 @@ def _installed_dependents() -> dict[str, str]:
     out: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
-        if name in ("mlx", "mlx-lm", "mlx-vlm", "kvpatch") or not any(map(_DEPENDS.match, dist.requires or ())):
+        needs_mlx = any(re.match(r"mlx([-_]v?lm)?\b", r, re.I) for r in dist.requires or ())
+        if name in ("mlx", "mlx-lm", "mlx-vlm", "kvpatch") or not needs_mlx:
             continue
         for file in dist.files or ():
             parts = list(file.with_suffix("").parts)
@@ -196,7 +180,7 @@ def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, 
     names = frozenset(t.attribute for entries in upstream.values() for _, t, _ in entries)
     # a copy holds each line of the code it copies: its longest line, searched for first, spares most files a parse
     needles = {line for entries in upstream.values() for *_, line in entries}
-    skip = _SKIP_TOP | getattr(sys, "stdlib_module_names", frozenset())
+    skip = {*DISTRIBUTIONS.values(), "kvpatch", "_kvpatch_boot", "kvpatch_pytest", "__main__", *sys.stdlib_module_names}
     names_in = list(sys.modules) if modules is None else modules
     candidates = {name: module_file(name) for name in names_in if name.split(".")[0] not in skip}
     for name, path in _installed_dependents().items() if installed else ():
@@ -215,7 +199,7 @@ def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, 
                     state = "found"
                 else:
                     state = "patched" if st.state is State.APPLIED else f"not patched: {st.reason}"
-                if state != OTHER_OWNER or size >= MIN_LINES:
+                if state != OTHER_OWNER or size >= 4:  # same code under another name: ``return True`` says nothing
                     found.append(Copy(patch_id, target.path, module, qualname, fp, state))
     return found
 
@@ -235,7 +219,9 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
             if c.state != OTHER_OWNER:
                 of = c.target[: -len(c.qualname) - 1]
                 found.setdefault(c.module, {}).setdefault(of, {}).setdefault(c.patch_id, set()).add(c.target)
-        records = {p.id: p for p in engine.materialise()}
+        expected: dict[str, set[Target]] = {}  # patch id -> its targets the scan can find in upstream's files
+        for pid, target, _ in itertools.chain.from_iterable(_upstream_fingerprints(engine).values()):
+            expected.setdefault(pid, set()).add(target)
         for module, copied in found.items():
             # a copy of one upstream module, the one it shares most with (mlx-vlm's cache shares code with mlx-lm's)
             of, paths = max(copied.items(), key=lambda item: len(set().union(*item[1].values())))
@@ -243,31 +229,29 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
                 if any(m == module for m, _ in _registered):
                     continue  # registered already (in code: as the server declared it)
             # patches found whole only: a copy that changed one of a patch's functions gets none of it
-            names = frozenset(t.attribute for pid in paths for t in records[pid].targets)
-            defined = _definitions(_read(module_file(of)), names)  # the functions the scan can find
             whole = [
-                pid
-                for pid, got in paths.items()
-                if {t.path for t in records[pid].targets if t.qualname in defined and t.module == of} <= got
+                pid for pid, got in paths.items() if {t.path for t in expected.get(pid, ()) if t.module == of} <= got
             ]
             dist = next(d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0])
-            _register(engine, _Registered(module, of, engine.upstream[dist].version or "", True), whole)
+            register_copy(
+                engine, module, of=of, version=engine.upstream[dist].version or "", patches=whole, scanned=True
+            )
     except Exception as exc:  # kvpatch never raises into its host
         emit(f"kvpatch: patching vendored copies failed: {type(exc).__name__}: {exc}")
 
 
-def setting(environ: Mapping[str, str] | None = None) -> list[str] | None:
+def setting() -> list[str] | None:
     """The modules ``KVPATCH_VENDORED`` names besides :data:`KNOWN` (``None``: off)."""
-    raw = config.vendored(environ)
+    raw = config.vendored()
     if not raw or raw.lower() in config.OFF_VALUES:
         return None
     return [n.strip() for n in raw.split(",") if n.strip().lower() not in {*config.ON_VALUES, "all"}]
 
 
-def hook(engine: Engine, environ: Mapping[str, str] | None = None) -> None:
+def hook(engine: Engine) -> None:
     """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported
     (now, for those imported already). Never raises."""
-    names = setting(environ)
+    names = setting()
     try:
         for name in dict.fromkeys([*KNOWN, *names]) if names is not None else ():
             if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False):
@@ -289,49 +273,45 @@ def _registry() -> Any:
 
 # -- registered copies ----------------------------------------------------------------------------------------
 def register_copy(
-    engine: Engine, module: str, *, of: str, version: str, patches: Iterable[str] | None = None
+    engine: Engine, module: str, *, of: str, version: str, patches: Iterable[str] | None = None, scanned: bool = False
 ) -> list[PatchStatus]:
-    """Declare ``module`` a copy of ``of`` as released in ``version`` (see :func:`kvpatch.register_copy`)."""
-    return _register(engine, _Registered(module, of, version, False), patches)
-
-
-def _register(engine: Engine, reg: _Registered, patches: Iterable[str] | None) -> list[PatchStatus]:
-    """Decide each patch of ``reg.of`` for the copy's release; patch the copy when it is imported (or now)."""
-    top = reg.of.split(".", 1)[0]
-    dist = next((d for d, name in DISTRIBUTIONS.items() if name == top), None)
+    """Declare ``module`` a copy of ``of`` as released in ``version`` (see :func:`kvpatch.register_copy`): decide
+    each patch of ``of`` for that release, patch the copy when it is imported (or now). ``scanned``: see
+    :class:`_Registered`."""
+    dist = next((d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0]), None)
     if dist is None:
-        raise ValueError(f"{reg.of} is not a module of {' or '.join(DISTRIBUTIONS)}")
+        raise ValueError(f"{of} is not a module of {' or '.join(DISTRIBUTIONS)}")
+    statuses: dict[str, PatchStatus] = {}
     wanted = None if patches is None else list(dict.fromkeys(patches))
     known = {p.id: p for p in engine.materialise()}
     for patch in known.values():
-        if patch.distribution != dist or reg.of not in patch.modules or (wanted is not None and patch.id not in wanted):
+        if patch.distribution != dist or of not in patch.modules or (wanted is not None and patch.id not in wanted):
             continue
-        decision = decide(patch, Upstream(dist, reg.version), engine.config)
-        state, reason = FROM_ACTION[decision.action], f"copy of {dist} {reg.version}'s {reg.of}: {decision.reason}"
+        decision = decide(patch, Upstream(dist, version), engine.config)
+        state, reason = FROM_ACTION[decision.action], f"copy of {dist} {version}'s {of}: {decision.reason}"
         mine = engine.status[patch.id]
-        if decision.action is Action.VERIFY and reg.scanned and mine.verified and mine.installed:
+        if decision.action is Action.VERIFY and scanned and mine.verified and mine.installed:
             state, reason = State.PENDING, f"{reason}; the installed release's verdict: {mine.verified}"
         elif decision.action is Action.VERIFY:
             state, reason = State.UNVERIFIED, f"{reason}; the reproduction runs on upstream, not on a copy: not applied"
-        reg.statuses[patch.id] = PatchStatus(patch, decision, state, reason, copy=reg.module)
-    for pid in (p for p in wanted or () if p not in reg.statuses):
-        why = "no such patch" if pid not in known else f"it does not change {reg.of}"
+        statuses[patch.id] = PatchStatus(patch, decision, state, reason, copy=module)
+    for pid in (p for p in wanted or () if p not in statuses):
+        why = "no such patch" if pid not in known else f"it does not change {of}"
         record = known.get(pid) or Patch(pid, "unknown patch", dist, "<0", "", Expiry("unknown"), fixed_in="0")
-        decision, reason = Decision(Action.DISABLED, why), f"{pid} cannot patch {reg.module}: {why}"
-        reg.statuses[pid] = PatchStatus(record, decision, State.FAILED, reason, error=why, copy=reg.module)
+        decision, reason = Decision(Action.DISABLED, why), f"{pid} cannot patch {module}: {why}"
+        statuses[pid] = PatchStatus(record, decision, State.FAILED, reason, error=why, copy=module)
+    reg = _Registered(module, of, scanned, statuses)
     with _lock:
-        earlier = _registered.get((reg.module, reg.of))
-        _registered[(reg.module, reg.of)] = reg
+        earlier = _registered.get((module, of))
+        _registered[(module, of)] = reg
     if earlier is not None:
         _restore(earlier)
-    _registry()(lambda loaded: _patch(reg), reg.module)
-    return list(reg.statuses.values())
+    _registry()(lambda loaded: _patch(reg), module)
+    return list(statuses.values())
 
 
 def _patch(reg: _Registered) -> None:
     """Install, on the imported copy, every pending patch of ``reg`` (all or nothing per patch)."""
-    from . import fingerprints
-
     with _lock:
         if _registered.get((reg.module, reg.of)) is not reg:
             return  # registered again since
@@ -341,16 +321,16 @@ def _patch(reg: _Registered) -> None:
         done: list[surgery.Change] = []
         try:
             for target in (t for t in st.record.targets if t.module == reg.of):
-                known = None if reg.scanned else fingerprints.validated(st.record).get(target.path)
+                known = None if reg.scanned else validated(st.record).get(target.path)
                 change = _install(st.record, target, reg.module, known)
                 done += [change] if change is not None else []
         except Exception as exc:
             for change in reversed(done):
                 surgery.restore(change)
-            state, why = exc.args if isinstance(exc, _Kept) else (State.FAILED, f"{type(exc).__name__}: {exc}")
-            state = State.TARGET_MISSING if isinstance(exc, TargetMissing) else state
-            error = why if state in (State.FAILED, State.TARGET_MISSING) else None
-            set_state(st, state, f"{st.reason}; not applied: {why}", error=error)
+            kept = isinstance(exc, _Kept)
+            state = State.DRIFTED if kept else State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED
+            why = str(exc) if kept else f"{type(exc).__name__}: {exc}"
+            set_state(st, state, f"{st.reason}; not applied: {why}", error=None if kept else why)
             if state is State.FAILED:
                 emit(f"kvpatch: vendored copy {reg.module}: {st.reason}", key=f"vendored:{pid}:{reg.module}")
             continue
@@ -364,24 +344,17 @@ def _patch(reg: _Registered) -> None:
 def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | None) -> surgery.Change | None:
     """``target``'s fix on the copy's object of the same qualified name (:func:`kvpatch.surgery.install`) when the
     copy's code is its own and, with ``known``, has one of those fingerprints; ``None``: nothing to change."""
-    owner: Any = sys.modules[module]
-    for part in target.owner_path:
-        owner = vars(owner).get(part) if isinstance(owner, types.ModuleType) else getattr(owner, part, None)
-        if owner is None:
-            if target.optional:
-                return None
-            raise TargetMissing(f"{module}.{target.qualname}: the copy has no {part}")
 
     def check(original: Any) -> None:
         # a plain value (a class attribute a patch serves through a property) has no code to compare
         probe: Any = (original.fset or original.fget) if isinstance(original, property) else original
         if callable(probe) and surgery.foreign(inspect.unwrap(probe), module):
-            raise _Kept(State.DRIFTED, f"{module}.{target.qualname} is not the copy's own code (replaced after import)")
+            raise _Kept(f"{module}.{target.qualname} is not the copy's own code (replaced after import)")
         if known and fingerprint(original) not in (*known, None):  # None: a builtin, or a plain value
-            raise _Kept(State.DRIFTED, f"{module}.{target.qualname} is not code the patch was decided on")
+            raise _Kept(f"{module}.{target.qualname} is not code the patch was decided on")
 
     where = Target(module, target.qualname, target.kind, target.optional)
-    return surgery.install(patch, target, owner, at=where, check=check)
+    return surgery.install(patch, target, surgery.owner_of(where, sys.modules[module]), at=where, check=check)
 
 
 def _restore(reg: _Registered) -> None:
@@ -411,21 +384,20 @@ def restore() -> None:
 def copy_records() -> list[PatchStatus]:
     """Every registered copy's statuses, looked up again (``overridden`` where a replacement is no longer
     reachable in the copy)."""
-    out: list[PatchStatus] = []
     with _lock:
-        regs = list(_registered.values())
-    for reg in regs:
-        for pid, st in reg.statuses.items():
-            refresh_status(st, reg.changes.get(pid, []), _lock)
-            out.append(st)
-    return out
+        pairs = [(st, reg.changes.get(pid, [])) for reg in _registered.values() for pid, st in reg.statuses.items()]
+    for st, changes in pairs:
+        refresh_status(st, changes, _lock)
+    return [st for st, _ in pairs]
 
 
 def format_copies(copies: list[Copy]) -> str:
     """The text ``kvpatch status --scan`` prints."""
     if not copies:
         return "vendored copies: none found (scanned imported modules and installed mlx dependents)"
-    lines = [f"vendored copies: {len(copies)} (the same code as a patched upstream target; {VARIABLE}=1 patches them)"]
+    lines = [
+        f"vendored copies: {len(copies)} (the same code as a patched upstream target; {config.VENDORED}=1 patches them)"
+    ]
     width = max(len(c.path) for c in copies)
     lines += [f"  {c.path:<{width}}  = {c.target} [{c.patch_id}]  {c.state}" for c in copies]
     return "\n".join(lines)

@@ -165,8 +165,8 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
         result["proxy_kept"] = after is proxy
         result["spliced"] = surgery._plain(proxy.__wrapped__) is c.original
         # take the proxy off again (the way its owner would), leaving upstream
-        setattr(owner, name, upstream_raw) if c.had_own else delattr(owner, name)
-        result["upstream_back"] = (inspect.getattr_static(owner, name) is upstream_raw) if c.had_own else (name not in vars(owner))
+        setattr(owner, name, upstream_raw) if c.raw_original is not surgery.MISSING else delattr(owner, name)
+        result["upstream_back"] = (inspect.getattr_static(owner, name) is upstream_raw) if c.raw_original is not surgery.MISSING else (name not in vars(owner))
 
         # 2. re-activate; a closure wrapper (functools.wraps) installed after kvpatch is left and reported
         eng.activate()
@@ -183,7 +183,7 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
         kvpatch.deactivate()
         result["closure_kept"] = surgery._plain(inspect.getattr_static(owner, name)) is closure_wrapper
         result["closure_note"] = eng.status[pid].notes[-1] if eng.status[pid].notes else ""
-        setattr(owner, name, upstream_raw) if c.had_own else delattr(owner, name)
+        setattr(owner, name, upstream_raw) if c.raw_original is not surgery.MISSING else delattr(owner, name)
 
         # 3. a foreign wrapper installed BEFORE kvpatch: kvpatch wraps it, deactivate gives it back exactly
         base = surgery._plain(inspect.getattr_static(owner, name))
@@ -200,7 +200,7 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
         result["over_foreign"] = eng.status[pid].state.value
         kvpatch.deactivate()
         result["before_kept"] = inspect.getattr_static(owner, name) is before_stored
-        setattr(owner, name, upstream_raw) if c.had_own else delattr(owner, name)
+        setattr(owner, name, upstream_raw) if c.raw_original is not surgery.MISSING else delattr(owner, name)
 
         # 4. someone replaces kvpatch's replacement outright: overridden, and require_applied says so
         eng.activate()
