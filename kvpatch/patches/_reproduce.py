@@ -78,6 +78,37 @@ def tiny_pixtral_language_model(*, head_dim: int, heads: int = 4, kv_heads: int 
     return model
 
 
+def seeded(cls: Callable[..., Any], *args: Any) -> Any:
+    """``cls(*args)`` with random weights from seed 0, evaluated: a tiny test model or layer."""
+    import mlx.core as mx
+
+    mx.random.seed(0)
+    module = cls(*args)
+    mx.eval(module.parameters())
+    return module
+
+
+def left_padded(prompts: list[Any]) -> tuple[list[int], Any]:
+    """Each row's left padding, and the batch of ``prompts`` (``(1, n, ...)`` each) left-padded to the longest."""
+    import mlx.core as mx
+
+    longest = max(p.shape[1] for p in prompts)
+    padding = [longest - p.shape[1] for p in prompts]
+    rest = [(0, 0)] * (prompts[0].ndim - 2)
+    return padding, mx.concatenate([mx.pad(p, [(0, 0), (n, 0), *rest]) for p, n in zip(prompts, padding, strict=True)])
+
+
+def row_differences(batched: list[Any], alone: list[list[Any]]) -> list[float]:
+    """Per row, the largest difference between its output in the batch (``batched[step][row]``) and alone
+    (``alone[row][step][0]``) over the steps."""
+    import mlx.core as mx
+
+    return [
+        max(float(mx.abs(out[row] - own[0]).max()) for out, own in zip(batched, steps, strict=True))
+        for row, steps in enumerate(alone)
+    ]
+
+
 def tiny_llama(
     *,
     seed: int = 0,

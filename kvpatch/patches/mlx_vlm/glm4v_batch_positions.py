@@ -48,7 +48,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _mrope
+from kvpatch.patches import _mrope, _reproduce
 from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
@@ -128,13 +128,9 @@ def tiny_config() -> Any:
 
 def tiny_model() -> Any:
     """A tiny random glm4v_moe ``GLM4VModel`` (:func:`tiny_config`)."""
-    import mlx.core as mx
     from mlx_vlm.models.glm4v_moe.language import GLM4VModel
 
-    mx.random.seed(0)
-    model = GLM4VModel(tiny_config())
-    mx.eval(model.parameters())
-    return model
+    return _reproduce.seeded(GLM4VModel, tiny_config())
 
 
 def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 2) -> list[float]:
@@ -151,7 +147,7 @@ def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int =
             model._rope_deltas = model._position_ids = None
         return [getattr(out, "logits", out)[:, -1] for out in (model(t, cache=cache) for t in tokens)]
 
-    longest, layers = max(lengths), len(model.layers)
+    layers = len(model.layers)
     keys = mx.random.split(mx.random.key(1), len(lengths) + 1)
     prompts = [mx.random.randint(1, 60, (1, n), key=keys[i]) for i, n in enumerate(lengths)]
     decode = mx.random.randint(1, 60, (steps, len(lengths), 1), key=keys[-1])
@@ -159,30 +155,21 @@ def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int =
         run([prompt, *(decode[s, row : row + 1] for s in range(steps))], [KVCache() for _ in range(layers)])
         for row, prompt in enumerate(prompts)
     ]
-    padding = [longest - n for n in lengths]
-    batch = mx.concatenate([mx.pad(p, [(0, 0), (pad, 0)]) for p, pad in zip(prompts, padding, strict=True)])
-    outs = run([batch, *decode], [BatchKVCache(padding) for _ in range(layers)])
-    return [
-        max(float(mx.abs(outs[s][row] - alone[row][s][0]).max()) for s in range(steps + 1))
-        for row in range(len(lengths))
-    ]
+    padding, batch = _reproduce.left_padded(prompts)
+    return _reproduce.row_differences(run([batch, *decode], [BatchKVCache(padding) for _ in range(layers)]), alone)
 
 
 def tiny_language_model() -> Any:
     """A tiny random glm4v_moe ``LanguageModel`` (:func:`tiny_config`; the vision fields ``get_rope_index`` reads)."""
     from types import SimpleNamespace
 
-    import mlx.core as mx
     from mlx_vlm.models.glm4v_moe.language import LanguageModel
 
     vision = SimpleNamespace(
         vision_config=SimpleNamespace(spatial_merge_size=2), image_token_id=61, video_token_id=62,
         vision_start_token_id=63,
     )  # fmt: skip
-    mx.random.seed(0)
-    model = LanguageModel(tiny_config(), vision)
-    mx.eval(model.parameters())
-    return model
+    return _reproduce.seeded(LanguageModel, tiny_config(), vision)
 
 
 @PATCH.reproduce

@@ -43,7 +43,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _mrope
+from kvpatch.patches import _mrope, _reproduce
 from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
 
 PATCH = Patch(
@@ -95,13 +95,9 @@ def tiny_config() -> Any:
 
 def tiny_attention() -> Any:
     """A tiny random Qwen3.5 full-attention layer (:func:`tiny_config`)."""
-    import mlx.core as mx
     from mlx_vlm.models.qwen3_5.language import Qwen3_5Attention
 
-    mx.random.seed(0)
-    attention = Qwen3_5Attention(tiny_config())
-    mx.eval(attention.parameters())
-    return attention
+    return _reproduce.seeded(Qwen3_5Attention, tiny_config())
 
 
 def batched_vs_alone(attention: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 3) -> list[float]:
@@ -111,7 +107,7 @@ def batched_vs_alone(attention: Any, lengths: tuple[int, ...] = (5, 9), steps: i
     import mlx.core as mx
     from mlx_vlm.models.cache import BatchKVCache, KVCache
 
-    longest, rows = max(lengths), len(lengths)
+    rows = len(lengths)
     keys = mx.random.split(mx.random.key(1), rows + 1)
     prompts = [mx.random.normal((1, n, 64), key=keys[i]) for i, n in enumerate(lengths)]
     decode = mx.random.normal((steps, rows, 1, 64), key=keys[-1])
@@ -121,13 +117,12 @@ def batched_vs_alone(attention: Any, lengths: tuple[int, ...] = (5, 9), steps: i
         outs = [attention(prompt, mask="causal", cache=cache)[:, -1]]
         outs += [attention(decode[s, row : row + 1], cache=cache)[:, -1] for s in range(steps)]
         alone.append(outs)
-    padding = [longest - n for n in lengths]
-    batch = mx.concatenate([mx.pad(p, [(0, 0), (pad, 0), (0, 0)]) for p, pad in zip(prompts, padding, strict=True)])
+    padding, batch = _reproduce.left_padded(prompts)
     cache = BatchKVCache(padding)
-    outs = [attention(batch, mask=cache.make_mask(longest, return_array=True), cache=cache)[:, -1]]
+    outs = [attention(batch, mask=cache.make_mask(max(lengths), return_array=True), cache=cache)[:, -1]]
     for s in range(steps):
         outs.append(attention(decode[s], mask=cache.make_mask(1, return_array=True), cache=cache)[:, -1])
-    return [max(float(mx.abs(outs[s][row] - alone[row][s][0]).max()) for s in range(steps + 1)) for row in range(rows)]
+    return _reproduce.row_differences(outs, alone)
 
 
 @PATCH.reproduce
