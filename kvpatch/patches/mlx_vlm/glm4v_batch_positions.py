@@ -49,7 +49,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _mrope, _reproduce
-from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="glm4v-batch-positions",
@@ -179,9 +179,7 @@ def reproduce() -> Finding:
     try:
         model = tiny_model()
     except ImportError as exc:
-        if not upstream_missing(exc):
-            raise
-        return Finding(False, "this mlx-vlm has no glm4v_moe model: nothing to fix")
+        return _reproduce.absent(exc, "this mlx-vlm has no glm4v_moe model")
     try:
         errors = batched_vs_alone(model)
     except TypeError as exc:

@@ -44,7 +44,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _mrope, _reproduce
-from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
+from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
     id="qwen35-batch-positions",
@@ -131,9 +131,7 @@ def reproduce() -> Finding:
     try:
         attention = tiny_attention()
     except ImportError as exc:
-        if not upstream_missing(exc):
-            raise
-        return Finding(False, "this mlx-vlm has no qwen3_5 model: nothing to fix")
+        return _reproduce.absent(exc, "this mlx-vlm has no qwen3_5 model")
     try:
         errors = batched_vs_alone(attention)
     except TypeError as exc:
