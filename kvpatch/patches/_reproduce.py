@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvpatch.record import Finding, upstream_missing
+from kvpatch.record import Finding, symptom, upstream_missing
 
 _UNIT_ROUNDOFF = {"float32": 2.0**-24, "tf32": 2.0**-11, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
@@ -160,6 +160,12 @@ def absent(exc: ImportError, what: str) -> Finding:
     if not upstream_missing(exc):
         raise exc
     return Finding(False, f"{what}: nothing to fix")
+
+
+def array_offset_error(exc: TypeError, name: str) -> Finding:
+    """The finding where ``name`` raises on a batch cache's per-row (array) offset: positions from ``mx.arange``."""
+    text = symptom(exc, "arange(): incompatible").splitlines()[0]
+    return Finding(True, f"{name} with a batch cache (array offset) raises TypeError: {text}")
 
 
 def left_padded_attention(queries: Any, keys: Any, values: Any, left_padding: Any, scale: float) -> Any:

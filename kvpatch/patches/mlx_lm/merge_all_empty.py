@@ -40,6 +40,8 @@ PATCH = Patch(
 )
 
 
+@PATCH.replace("mlx_lm.models.cache", "BatchRotatingKVCache.merge")
+@PATCH.replace("mlx_lm.models.cache", "BatchKVCache.merge")
 def _build_kv(original: Any) -> Any:
     def merge(cls: Any, caches: Any) -> Any:
         caches = list(caches)
@@ -50,10 +52,6 @@ def _build_kv(original: Any) -> Any:
         return original(cls, caches)
 
     return merge
-
-
-PATCH.replace("mlx_lm.models.cache", "BatchKVCache.merge")(_build_kv)
-PATCH.replace("mlx_lm.models.cache", "BatchRotatingKVCache.merge")(_build_kv)
 
 
 @PATCH.replace("mlx_lm.models.cache", "ArraysCache.merge")

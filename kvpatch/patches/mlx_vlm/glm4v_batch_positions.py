@@ -49,7 +49,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _mrope, _reproduce
-from kvpatch.record import Expiry, Finding, Patch, symptom
+from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     id="glm4v-batch-positions",
@@ -183,8 +183,7 @@ def reproduce() -> Finding:
     try:
         errors = batched_vs_alone(model)
     except TypeError as exc:
-        text = symptom(exc, "arange(): incompatible").splitlines()[0]
-        return Finding(True, f"GLM4VModel with a batch cache (array offset) raises TypeError: {text}")
+        return _reproduce.array_offset_error(exc, "GLM4VModel")
     if max(errors) > 1e-4:
         return Finding(True, f"batched rows differ from each row alone by {errors}")
     language = batched_vs_alone(tiny_language_model(), steps=3)

@@ -44,7 +44,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _mrope, _reproduce
-from kvpatch.record import Expiry, Finding, Patch, symptom
+from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     id="qwen35-batch-positions",
@@ -135,8 +135,7 @@ def reproduce() -> Finding:
     try:
         errors = batched_vs_alone(attention)
     except TypeError as exc:
-        text = symptom(exc, "arange(): incompatible").splitlines()[0]
-        return Finding(True, f"Qwen3_5Attention with a batch cache (array offset) raises TypeError: {text}")
+        return _reproduce.array_offset_error(exc, "Qwen3_5Attention")
     if max(errors) > 1e-4:
         return Finding(True, f"left-padded batch rows differ from each row alone by {errors} (prefill and decode)")
     return Finding(False, f"batched rows equal each row alone (max differences {errors})")

@@ -48,6 +48,7 @@ PATCH = Patch(
     ),
 )
 
+
 PATCH.replace("mlx_vlm.turboquant", "BatchTurboQuantKVCache.update_and_fetch", optional=True)(_dtypes.noting)
 PATCH.replace("mlx_vlm.turboquant", "TurboQuantKVCache.update_and_fetch")(_dtypes.noting)
 
