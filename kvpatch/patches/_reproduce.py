@@ -162,10 +162,21 @@ def absent(exc: ImportError, what: str) -> Finding:
     return Finding(False, f"{what}: nothing to fix")
 
 
-def array_offset_error(exc: TypeError, name: str) -> Finding:
-    """The finding where ``name`` raises on a batch cache's per-row (array) offset: positions from ``mx.arange``."""
-    text = symptom(exc, "arange(): incompatible").splitlines()[0]
-    return Finding(True, f"{name} with a batch cache (array offset) raises TypeError: {text}")
+def rows_vs_alone(
+    build: Callable[[], Any], compare: Callable[[Any], list[float]], name: str, missing: str
+) -> Finding | list[float]:
+    """``compare(build())``: a left-padded batch's per-row differences from each row alone; or the finding where
+    this upstream lacks the model (``missing``), or where ``name`` raises on the batch cache's per-row (array)
+    offset (positions from ``mx.arange``)."""
+    try:
+        module = build()
+    except ImportError as exc:
+        return absent(exc, missing)
+    try:
+        return compare(module)
+    except TypeError as exc:
+        text = symptom(exc, "arange(): incompatible").splitlines()[0]
+        return Finding(True, f"{name} with a batch cache (array offset) raises TypeError: {text}")
 
 
 def left_padded_attention(queries: Any, keys: Any, values: Any, left_padding: Any, scale: float) -> Any:

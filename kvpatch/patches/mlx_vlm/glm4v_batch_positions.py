@@ -176,14 +176,9 @@ def tiny_language_model() -> Any:
 def reproduce() -> Finding:
     """A tiny glm4v_moe GLM4VModel, then a fresh LanguageModel, over a left-padded batch with per-row cache offsets,
     against each row alone."""
-    try:
-        model = tiny_model()
-    except ImportError as exc:
-        return _reproduce.absent(exc, "this mlx-vlm has no glm4v_moe model")
-    try:
-        errors = batched_vs_alone(model)
-    except TypeError as exc:
-        return _reproduce.array_offset_error(exc, "GLM4VModel")
+    errors = _reproduce.rows_vs_alone(tiny_model, batched_vs_alone, "GLM4VModel", "this mlx-vlm has no glm4v_moe model")
+    if isinstance(errors, Finding):
+        return errors
     if max(errors) > 1e-4:
         return Finding(True, f"batched rows differ from each row alone by {errors}")
     language = batched_vs_alone(tiny_language_model(), steps=3)

@@ -128,14 +128,11 @@ def batched_vs_alone(attention: Any, lengths: tuple[int, ...] = (5, 9), steps: i
 @PATCH.reproduce
 def reproduce() -> Finding:
     """A tiny Qwen3_5Attention over a left-padded batch with per-row cache offsets, against each row alone."""
-    try:
-        attention = tiny_attention()
-    except ImportError as exc:
-        return _reproduce.absent(exc, "this mlx-vlm has no qwen3_5 model")
-    try:
-        errors = batched_vs_alone(attention)
-    except TypeError as exc:
-        return _reproduce.array_offset_error(exc, "Qwen3_5Attention")
+    errors = _reproduce.rows_vs_alone(
+        tiny_attention, batched_vs_alone, "Qwen3_5Attention", "this mlx-vlm has no qwen3_5 model"
+    )
+    if isinstance(errors, Finding):
+        return errors
     if max(errors) > 1e-4:
         return Finding(True, f"left-padded batch rows differ from each row alone by {errors} (prefill and decode)")
     return Finding(False, f"batched rows equal each row alone (max differences {errors})")
