@@ -12,16 +12,10 @@ from typing import Any
 
 
 def regrouping(original: Any) -> Any:
-    """``original`` with its 4-D mask regrouped for grouped-query heads (a plain function, no gating)."""
+    """``original`` with its 4-D mask regrouped for grouped-query heads; the other arguments pass through as given."""
 
     def quantized_scaled_dot_product_attention(
-        queries: Any,
-        q_keys: Any,
-        q_values: Any,
-        scale: float,
-        mask: Any,
-        group_size: int = 64,
-        bits: int = 8,
+        queries: Any, q_keys: Any, q_values: Any, scale: float, mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
         if mask is not None and not isinstance(mask, str) and mask.ndim == 4:
             n_q_heads = queries.shape[1]
@@ -32,6 +26,6 @@ def regrouping(original: Any) -> Any:
                     mask = mask[:, :, None]
                 elif heads == n_q_heads:
                     mask = mask.reshape(mask.shape[0], n_kv_heads, n_q_heads // n_kv_heads, *mask.shape[2:])
-        return original(queries, q_keys, q_values, scale, mask, group_size, bits)
+        return original(queries, q_keys, q_values, scale, mask, *args, **kwargs)
 
     return quantized_scaled_dot_product_attention

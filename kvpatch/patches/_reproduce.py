@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvpatch.record import Finding, upstream_missing
+from kvpatch.record import Finding, symptom, upstream_missing
 
 _UNIT_ROUNDOFF = {"float32": 2.0**-24, "tf32": 2.0**-11, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
@@ -78,6 +78,37 @@ def tiny_pixtral_language_model(*, head_dim: int, heads: int = 4, kv_heads: int 
     return model
 
 
+def seeded(cls: Callable[..., Any], *args: Any) -> Any:
+    """``cls(*args)`` with random weights from seed 0, evaluated: a tiny test model or layer."""
+    import mlx.core as mx
+
+    mx.random.seed(0)
+    module = cls(*args)
+    mx.eval(module.parameters())
+    return module
+
+
+def left_padded(prompts: list[Any]) -> tuple[list[int], Any]:
+    """Each row's left padding, and the batch of ``prompts`` (``(1, n, ...)`` each) left-padded to the longest."""
+    import mlx.core as mx
+
+    longest = max(p.shape[1] for p in prompts)
+    padding = [longest - p.shape[1] for p in prompts]
+    rest = [(0, 0)] * (prompts[0].ndim - 2)
+    return padding, mx.concatenate([mx.pad(p, [(0, 0), (n, 0), *rest]) for p, n in zip(prompts, padding, strict=True)])
+
+
+def row_differences(batched: list[Any], alone: list[list[Any]]) -> list[float]:
+    """Per row, the largest difference between its output in the batch (``batched[step][row]``) and alone
+    (``alone[row][step][0]``) over the steps."""
+    import mlx.core as mx
+
+    return [
+        max(float(mx.abs(out[row] - own[0]).max()) for out, own in zip(batched, steps, strict=True))
+        for row, steps in enumerate(alone)
+    ]
+
+
 def tiny_llama(
     *,
     seed: int = 0,
@@ -129,6 +160,23 @@ def absent(exc: ImportError, what: str) -> Finding:
     if not upstream_missing(exc):
         raise exc
     return Finding(False, f"{what}: nothing to fix")
+
+
+def rows_vs_alone(
+    build: Callable[[], Any], compare: Callable[[Any], list[float]], name: str, missing: str
+) -> Finding | list[float]:
+    """``compare(build())``: a left-padded batch's per-row differences from each row alone; or the finding where
+    this upstream lacks the model (``missing``), or where ``name`` raises on the batch cache's per-row (array)
+    offset (positions from ``mx.arange``)."""
+    try:
+        module = build()
+    except ImportError as exc:
+        return absent(exc, missing)
+    try:
+        return compare(module)
+    except TypeError as exc:
+        text = symptom(exc, "arange(): incompatible").splitlines()[0]
+        return Finding(True, f"{name} with a batch cache (array offset) raises TypeError: {text}")
 
 
 def left_padded_attention(queries: Any, keys: Any, values: Any, left_padding: Any, scale: float) -> Any:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpatch.record import Finding
+
 #: Instance attribute holding ``offset + lengths`` from the last patched ``prepare`` (None: not known).
 ENDS = "_kvpatch_right_padding_ends"
 
@@ -184,3 +186,16 @@ def extract_problems(
         if err > 1e-5:
             problems.append(f"row {row}: the next decode step differs from the row alone by {err:.3g}")
     return problems
+
+
+def extract_finding(classes: dict[str, tuple[Any, Any]]) -> Finding:
+    """:func:`extract_problems` of each ``name: (make_batch, make_alone)``, prefilled in one chunk and in two."""
+    problems = [
+        f"{name}, chunks {chunks}: {p}"
+        for name, (make_batch, make_alone) in classes.items()
+        for chunks in ((5,), (3, 2))
+        for p in extract_problems(make_batch, make_alone, chunks)
+    ]
+    if problems:
+        return Finding(True, "; ".join(problems))
+    return Finding(False, f"{', '.join(classes)}: a row extracted before finalize() equals the row prefilled alone")

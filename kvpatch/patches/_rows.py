@@ -6,6 +6,7 @@
 * batch-extend-empty (mlx-lm, D2+F1) and vlm-batch-extend-dtype (mlx-vlm's copy): upstream pads the empty side
   from float32 placeholders. :func:`stand_in_empty_side` gives it zero-length keys/values like the other side's;
   :func:`check_join` reproduces it.
+* batch-merge-empty and merge-all-empty: a merge of rows that all lack keys returns :func:`fresh_batch`.
 
 Not a patch unit (units live in the distribution folders).
 """
@@ -205,3 +206,14 @@ def zero_length_like(cache: Any, like: Any) -> None:
     heads, k_dim = like.keys.shape[1], like.keys.shape[3]
     cache.keys = mx.zeros((rows, heads, 0, k_dim), dtype=like.keys.dtype)
     cache.values = mx.zeros((rows, heads, 0, like.values.shape[3]), dtype=like.values.dtype)
+
+
+def fresh_batch(cls: Any, caches: list[Any]) -> Any:
+    """What mlx-lm 0.31.2 merges rows without keys into: a fresh ``cls`` of that many rows, no padding; a rotating
+    one of the rows' common ``max_size`` (None where the sizes differ: upstream's own error is the answer)."""
+    rows = [0] * len(caches)
+    if not caches or not hasattr(caches[0], "max_size"):
+        return cls(rows)
+    if any(c.max_size != caches[0].max_size for c in caches):
+        return None
+    return cls(caches[0].max_size, rows)

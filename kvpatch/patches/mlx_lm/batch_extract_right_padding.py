@@ -81,12 +81,4 @@ def reproduce() -> Finding:
             lambda: cache_module.RotatingKVCache(16),
         ),
     }
-    problems = []
-    for name, (make_batch, make_alone) in classes.items():
-        for chunks in ((5,), (3, 2)):
-            problems += [
-                f"{name}, chunks {chunks}: {p}" for p in _right_padding.extract_problems(make_batch, make_alone, chunks)
-            ]
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(False, f"{', '.join(classes)}: a row extracted before finalize() equals the row prefilled alone")
+    return _right_padding.extract_finding(classes)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _rows
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -69,29 +70,20 @@ def _with_stand_ins(caches: list[Any]) -> list[Any] | None:
     return out
 
 
-@PATCH.replace("mlx_lm.models.cache", "BatchKVCache.merge")
-def _build_kv(original: Any) -> Any:
-    def merge(cls: Any, caches: Any) -> Any:
-        rows = _with_stand_ins(list(caches))
-        if rows is None:
-            return cls([0] * len(caches))
-        return original(cls, rows)
-
-    return merge
-
-
-@PATCH.replace("mlx_lm.models.cache", "BatchRotatingKVCache.merge")
-def _build_rotating(original: Any) -> Any:
+def _build(original: Any) -> Any:
     def merge(cls: Any, caches: Any) -> Any:
         caches = list(caches)
         rows = _with_stand_ins(caches)
-        if rows is None:
-            if any(c.max_size != caches[0].max_size for c in caches):
-                return original(cls, caches)  # upstream's own "same maximum size" error
-            return cls(caches[0].max_size, [0] * len(caches))
-        return original(cls, rows)
+        if rows is not None:
+            return original(cls, rows)
+        fresh = _rows.fresh_batch(cls, caches)
+        return original(cls, caches) if fresh is None else fresh
 
     return merge
+
+
+PATCH.replace("mlx_lm.models.cache", "BatchKVCache.merge")(_build)
+PATCH.replace("mlx_lm.models.cache", "BatchRotatingKVCache.merge")(_build)
 
 
 _NONE = "'NoneType' object"  # the bug's own errors: the empty row's keys are None

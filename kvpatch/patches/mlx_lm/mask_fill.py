@@ -45,13 +45,7 @@ def _build(original: Any) -> Any:
     import mlx.core as mx
 
     def quantized_scaled_dot_product_attention(
-        queries: Any,
-        q_keys: Any,
-        q_values: Any,
-        scale: float,
-        mask: Any,
-        group_size: int = 64,
-        bits: int = 8,
+        queries: Any, q_keys: Any, q_values: Any, scale: float, mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
         if mask is not None:
             if isinstance(mask, str):
@@ -59,7 +53,7 @@ def _build(original: Any) -> Any:
                 mask = mx.arange(k_len - q_len, k_len)[:, None] >= mx.arange(k_len)[None]
             if mask.dtype == mx.bool_:
                 mask = mx.where(mask, mx.array(0, queries.dtype), mx.array(mx.finfo(queries.dtype).min, queries.dtype))
-        return original(queries, q_keys, q_values, scale, mask, group_size, bits)
+        return original(queries, q_keys, q_values, scale, mask, *args, **kwargs)
 
     return quantized_scaled_dot_product_attention
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _rows
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -39,23 +40,15 @@ PATCH = Patch(
 )
 
 
+@PATCH.replace("mlx_lm.models.cache", "BatchRotatingKVCache.merge")
 @PATCH.replace("mlx_lm.models.cache", "BatchKVCache.merge")
 def _build_kv(original: Any) -> Any:
     def merge(cls: Any, caches: Any) -> Any:
         caches = list(caches)
         if caches and all(c.keys is None for c in caches):
-            return cls([0] * len(caches))
-        return original(cls, caches)
-
-    return merge
-
-
-@PATCH.replace("mlx_lm.models.cache", "BatchRotatingKVCache.merge")
-def _build_rotating(original: Any) -> Any:
-    def merge(cls: Any, caches: Any) -> Any:
-        caches = list(caches)
-        if caches and all(c.keys is None for c in caches) and all(c.max_size == caches[0].max_size for c in caches):
-            return cls(caches[0].max_size, [0] * len(caches))
+            fresh = _rows.fresh_batch(cls, caches)
+            if fresh is not None:
+                return fresh
         return original(cls, caches)
 
     return merge

@@ -110,12 +110,4 @@ def reproduce() -> Finding:
     found = classes()
     if not found:
         return Finding(False, "this mlx-vlm has no batch cache of its own with extract(): nothing to fix")
-    problems = []
-    for name, (make_batch, make_alone) in found.items():
-        for chunks in ((5,), (3, 2)):
-            problems += [
-                f"{name}, chunks {chunks}: {p}" for p in _right_padding.extract_problems(make_batch, make_alone, chunks)
-            ]
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(False, f"{', '.join(found)}: a row extracted before finalize() equals the row prefilled alone")
+    return _right_padding.extract_finding(found)

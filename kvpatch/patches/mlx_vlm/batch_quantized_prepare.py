@@ -34,7 +34,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _reproduce
+from kvpatch.patches import _pending, _reproduce
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -65,19 +65,7 @@ def _roll_right(x: Any, shift: Any) -> Any:
 
 @PATCH.add("mlx_vlm.models.cache", "BatchQuantizedKVCache.prepare")
 def _build_prepare(_: Any) -> Any:
-    import mlx.core as mx
-
-    def prepare(self: Any, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None) -> None:
-        if left_padding is not None:
-            if self.keys is not None:
-                raise ValueError("Left padding can only be added to an empty BatchQuantizedKVCache")
-            left_padding = mx.array(left_padding)
-            self.left_padding = self.left_padding + left_padding
-            self.offset = self.offset - left_padding
-        if right_padding is not None and max(right_padding) > 0:
-            self._right_padding = mx.array(right_padding)
-
-    return prepare
+    return _pending.prepare()
 
 
 @PATCH.add("mlx_vlm.models.cache", "BatchQuantizedKVCache.finalize")
@@ -96,16 +84,7 @@ def _build_finalize(_: Any) -> Any:
     return finalize
 
 
-@PATCH.replace("mlx_vlm.models.cache", "BatchQuantizedKVCache.filter")
-def _build_filter(original: Any) -> Any:
-    def filter(self: Any, batch_indices: Any) -> Any:
-        pending = getattr(self, "_right_padding", None)
-        result = original(self, batch_indices)
-        if pending is not None:
-            self._right_padding = pending[batch_indices]
-        return result
-
-    return filter
+PATCH.replace("mlx_vlm.models.cache", "BatchQuantizedKVCache.filter")(_pending.filter_pending("_right_padding"))
 
 
 @PATCH.reproduce

@@ -48,8 +48,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _mrope
-from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
+from kvpatch.patches import _mrope, _reproduce
+from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     id="glm4v-batch-positions",
@@ -128,13 +128,9 @@ def tiny_config() -> Any:
 
 def tiny_model() -> Any:
     """A tiny random glm4v_moe ``GLM4VModel`` (:func:`tiny_config`)."""
-    import mlx.core as mx
     from mlx_vlm.models.glm4v_moe.language import GLM4VModel
 
-    mx.random.seed(0)
-    model = GLM4VModel(tiny_config())
-    mx.eval(model.parameters())
-    return model
+    return _reproduce.seeded(GLM4VModel, tiny_config())
 
 
 def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 2) -> list[float]:
@@ -151,7 +147,7 @@ def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int =
             model._rope_deltas = model._position_ids = None
         return [getattr(out, "logits", out)[:, -1] for out in (model(t, cache=cache) for t in tokens)]
 
-    longest, layers = max(lengths), len(model.layers)
+    layers = len(model.layers)
     keys = mx.random.split(mx.random.key(1), len(lengths) + 1)
     prompts = [mx.random.randint(1, 60, (1, n), key=keys[i]) for i, n in enumerate(lengths)]
     decode = mx.random.randint(1, 60, (steps, len(lengths), 1), key=keys[-1])
@@ -159,47 +155,30 @@ def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int =
         run([prompt, *(decode[s, row : row + 1] for s in range(steps))], [KVCache() for _ in range(layers)])
         for row, prompt in enumerate(prompts)
     ]
-    padding = [longest - n for n in lengths]
-    batch = mx.concatenate([mx.pad(p, [(0, 0), (pad, 0)]) for p, pad in zip(prompts, padding, strict=True)])
-    outs = run([batch, *decode], [BatchKVCache(padding) for _ in range(layers)])
-    return [
-        max(float(mx.abs(outs[s][row] - alone[row][s][0]).max()) for s in range(steps + 1))
-        for row in range(len(lengths))
-    ]
+    padding, batch = _reproduce.left_padded(prompts)
+    return _reproduce.row_differences(run([batch, *decode], [BatchKVCache(padding) for _ in range(layers)]), alone)
 
 
 def tiny_language_model() -> Any:
     """A tiny random glm4v_moe ``LanguageModel`` (:func:`tiny_config`; the vision fields ``get_rope_index`` reads)."""
     from types import SimpleNamespace
 
-    import mlx.core as mx
     from mlx_vlm.models.glm4v_moe.language import LanguageModel
 
     vision = SimpleNamespace(
         vision_config=SimpleNamespace(spatial_merge_size=2), image_token_id=61, video_token_id=62,
         vision_start_token_id=63,
     )  # fmt: skip
-    mx.random.seed(0)
-    model = LanguageModel(tiny_config(), vision)
-    mx.eval(model.parameters())
-    return model
+    return _reproduce.seeded(LanguageModel, tiny_config(), vision)
 
 
 @PATCH.reproduce
 def reproduce() -> Finding:
     """A tiny glm4v_moe GLM4VModel, then a fresh LanguageModel, over a left-padded batch with per-row cache offsets,
     against each row alone."""
-    try:
-        model = tiny_model()
-    except ImportError as exc:
-        if not upstream_missing(exc):
-            raise
-        return Finding(False, "this mlx-vlm has no glm4v_moe model: nothing to fix")
-    try:
-        errors = batched_vs_alone(model)
-    except TypeError as exc:
-        text = symptom(exc, "arange(): incompatible").splitlines()[0]
-        return Finding(True, f"GLM4VModel with a batch cache (array offset) raises TypeError: {text}")
+    errors = _reproduce.rows_vs_alone(tiny_model, batched_vs_alone, "GLM4VModel", "this mlx-vlm has no glm4v_moe model")
+    if isinstance(errors, Finding):
+        return errors
     if max(errors) > 1e-4:
         return Finding(True, f"batched rows differ from each row alone by {errors}")
     language = batched_vs_alone(tiny_language_model(), steps=3)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches import _dtypes
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -43,24 +44,14 @@ PATCH = Patch(
     ),
 )
 
-#: Instance attribute holding ``(keys.dtype, values.dtype)`` of the last update.
-_DTYPES = "_kvpatch_hybrid_dtypes"
-
-
-@PATCH.replace("mlx_vlm.turboquant", "HybridQuantKVCache.update_and_fetch", optional=True)
-def _build_update(original: Any) -> Any:
-    def update_and_fetch(self: Any, keys: Any, values: Any) -> Any:
-        self._kvpatch_hybrid_dtypes = (keys.dtype, values.dtype)
-        return original(self, keys, values)
-
-    return update_and_fetch
+PATCH.replace("mlx_vlm.turboquant", "HybridQuantKVCache.update_and_fetch", optional=True)(_dtypes.noting)
 
 
 @PATCH.replace("mlx_vlm.turboquant", "HybridQuantKVCache.dequantize", optional=True)
 def _build_dequantize(original: Any) -> Any:
     def dequantize(self: Any) -> Any:
         keys, values = original(self)
-        dtypes = getattr(self, _DTYPES, None)
+        dtypes = getattr(self, _dtypes.DTYPES, None)
         if dtypes is not None:
             if keys.dtype != dtypes[0]:
                 keys = keys.astype(dtypes[0])

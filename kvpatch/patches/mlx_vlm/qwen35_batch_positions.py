@@ -43,8 +43,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _mrope
-from kvpatch.record import Expiry, Finding, Patch, symptom, upstream_missing
+from kvpatch.patches import _mrope, _reproduce
+from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     id="qwen35-batch-positions",
@@ -95,13 +95,9 @@ def tiny_config() -> Any:
 
 def tiny_attention() -> Any:
     """A tiny random Qwen3.5 full-attention layer (:func:`tiny_config`)."""
-    import mlx.core as mx
     from mlx_vlm.models.qwen3_5.language import Qwen3_5Attention
 
-    mx.random.seed(0)
-    attention = Qwen3_5Attention(tiny_config())
-    mx.eval(attention.parameters())
-    return attention
+    return _reproduce.seeded(Qwen3_5Attention, tiny_config())
 
 
 def batched_vs_alone(attention: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 3) -> list[float]:
@@ -111,7 +107,7 @@ def batched_vs_alone(attention: Any, lengths: tuple[int, ...] = (5, 9), steps: i
     import mlx.core as mx
     from mlx_vlm.models.cache import BatchKVCache, KVCache
 
-    longest, rows = max(lengths), len(lengths)
+    rows = len(lengths)
     keys = mx.random.split(mx.random.key(1), rows + 1)
     prompts = [mx.random.normal((1, n, 64), key=keys[i]) for i, n in enumerate(lengths)]
     decode = mx.random.normal((steps, rows, 1, 64), key=keys[-1])
@@ -121,29 +117,22 @@ def batched_vs_alone(attention: Any, lengths: tuple[int, ...] = (5, 9), steps: i
         outs = [attention(prompt, mask="causal", cache=cache)[:, -1]]
         outs += [attention(decode[s, row : row + 1], cache=cache)[:, -1] for s in range(steps)]
         alone.append(outs)
-    padding = [longest - n for n in lengths]
-    batch = mx.concatenate([mx.pad(p, [(0, 0), (pad, 0), (0, 0)]) for p, pad in zip(prompts, padding, strict=True)])
+    padding, batch = _reproduce.left_padded(prompts)
     cache = BatchKVCache(padding)
-    outs = [attention(batch, mask=cache.make_mask(longest, return_array=True), cache=cache)[:, -1]]
+    outs = [attention(batch, mask=cache.make_mask(max(lengths), return_array=True), cache=cache)[:, -1]]
     for s in range(steps):
         outs.append(attention(decode[s], mask=cache.make_mask(1, return_array=True), cache=cache)[:, -1])
-    return [max(float(mx.abs(outs[s][row] - alone[row][s][0]).max()) for s in range(steps + 1)) for row in range(rows)]
+    return _reproduce.row_differences(outs, alone)
 
 
 @PATCH.reproduce
 def reproduce() -> Finding:
     """A tiny Qwen3_5Attention over a left-padded batch with per-row cache offsets, against each row alone."""
-    try:
-        attention = tiny_attention()
-    except ImportError as exc:
-        if not upstream_missing(exc):
-            raise
-        return Finding(False, "this mlx-vlm has no qwen3_5 model: nothing to fix")
-    try:
-        errors = batched_vs_alone(attention)
-    except TypeError as exc:
-        text = symptom(exc, "arange(): incompatible").splitlines()[0]
-        return Finding(True, f"Qwen3_5Attention with a batch cache (array offset) raises TypeError: {text}")
+    errors = _reproduce.rows_vs_alone(
+        tiny_attention, batched_vs_alone, "Qwen3_5Attention", "this mlx-vlm has no qwen3_5 model"
+    )
+    if isinstance(errors, Finding):
+        return errors
     if max(errors) > 1e-4:
         return Finding(True, f"left-padded batch rows differ from each row alone by {errors} (prefill and decode)")
     return Finding(False, f"batched rows equal each row alone (max differences {errors})")

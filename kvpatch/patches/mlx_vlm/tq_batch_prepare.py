@@ -39,6 +39,7 @@ import datetime as _dt
 import inspect
 from typing import Any
 
+from kvpatch.patches import _pending
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -70,25 +71,9 @@ def _roll(mx: Any) -> Any:
 
 @PATCH.add("mlx_vlm.turboquant", "BatchTurboQuantKVCache.prepare")
 def _build_prepare(_: Any) -> Any:
-    import mlx.core as mx
     from mlx_vlm.turboquant import BatchTurboQuantKVCache
 
-    refresh = getattr(BatchTurboQuantKVCache, "_refresh_fused_attention_eligibility", None)
-
-    def prepare(self: Any, *, left_padding: Any = None, lengths: Any = None, right_padding: Any = None) -> None:
-        """Batch padding before a prefill (``BatchKVCache.prepare``'s contract; added by kvpatch tq-batch-prepare)."""
-        if left_padding is not None:
-            if self.keys is not None:
-                raise ValueError("Left padding can only be added to an empty BatchTurboQuantKVCache")
-            left_padding = mx.array(left_padding)
-            self.left_padding = self.left_padding + left_padding
-            self.offset = self.offset - left_padding
-            if refresh is not None:
-                refresh(self)
-        if right_padding is not None and max(right_padding) > 0:
-            self._right_padding = mx.array(right_padding)
-
-    return prepare
+    return _pending.prepare(getattr(BatchTurboQuantKVCache, "_refresh_fused_attention_eligibility", None))
 
 
 @PATCH.add("mlx_vlm.turboquant", "BatchTurboQuantKVCache.finalize")

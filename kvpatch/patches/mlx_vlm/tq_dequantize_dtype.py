@@ -28,7 +28,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _reproduce
+from kvpatch.patches import _dtypes, _reproduce
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -48,18 +48,9 @@ PATCH = Patch(
     ),
 )
 
-#: Instance attribute holding ``(keys.dtype, values.dtype)`` of the last update.
-_DTYPES = "_kvpatch_kv_dtypes"
 
-
-@PATCH.replace("mlx_vlm.turboquant", "TurboQuantKVCache.update_and_fetch")
-@PATCH.replace("mlx_vlm.turboquant", "BatchTurboQuantKVCache.update_and_fetch", optional=True)
-def _build_update(original: Any) -> Any:
-    def update_and_fetch(self: Any, keys: Any, values: Any) -> Any:
-        self._kvpatch_kv_dtypes = (keys.dtype, values.dtype)
-        return original(self, keys, values)
-
-    return update_and_fetch
+PATCH.replace("mlx_vlm.turboquant", "BatchTurboQuantKVCache.update_and_fetch", optional=True)(_dtypes.noting)
+PATCH.replace("mlx_vlm.turboquant", "TurboQuantKVCache.update_and_fetch")(_dtypes.noting)
 
 
 @PATCH.replace("mlx_vlm.turboquant", "TurboQuantKVCache.dequantize")
@@ -67,7 +58,7 @@ def _build_update(original: Any) -> Any:
 def _build_dequantize(original: Any) -> Any:
     def dequantize(self: Any, keys_state: Any = None, values_state: Any = None) -> Any:
         keys, values = original(self, keys_state, values_state)
-        dtypes = getattr(self, _DTYPES, None)
+        dtypes = getattr(self, _dtypes.DTYPES, None)
         if dtypes is not None:
             keys, values = keys.astype(dtypes[0]), values.astype(dtypes[1])
         return keys, values
@@ -79,9 +70,9 @@ def _build_dequantize(original: Any) -> Any:
 def _build_extract(original: Any) -> Any:
     def extract(self: Any, idx: int) -> Any:
         row = original(self, idx)
-        dtypes = getattr(self, _DTYPES, None)
+        dtypes = getattr(self, _dtypes.DTYPES, None)
         if dtypes is not None:
-            setattr(row, _DTYPES, dtypes)
+            setattr(row, _dtypes.DTYPES, dtypes)
         return row
 
     return extract
