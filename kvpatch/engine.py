@@ -194,7 +194,6 @@ class Engine:
         with self._lock:
             set_state(self.status[patch_id], State.FAILED, f"failed: {error}", error=error)
 
-    # -- activation --------------------------------------------------------------------------------
     @property
     def active(self) -> bool:
         return self._active
@@ -205,14 +204,12 @@ class Engine:
             if self._active:
                 return
             self._active = True
-            names: dict[str, None] = {}
-            for st in self.status.values():
-                if st.state in (State.PENDING, State.APPLIED):
-                    names.update(dict.fromkeys((st.patch.import_name, *st.record.modules)))
+            live = [st for st in self.status.values() if st.state in (State.PENDING, State.APPLIED)]
+            names = dict.fromkeys(n for st in live for n in (st.patch.import_name, *st.record.modules))
             fresh = [n for n in names if n not in self._hooked]
             self._hooked.update(fresh)
         # Outside the lock: the registry may call the hook at once, and the hook takes the lock itself.
-        for loaded in [sys.modules.get(n) for n in names if n not in fresh]:  # the registry will not call again
+        for loaded in (sys.modules.get(n) for n in names if n not in fresh):  # the registry will not call again
             if loaded is not None:
                 self._hook(loaded)
         if not fresh:
@@ -240,13 +237,12 @@ class Engine:
         with self._lock:
             self._active = False
             statuses = [st for st in self.status.values() if st.installed]
+            orphans, self._orphans = self._orphans, []
         for st in statuses:
             self._uninstall(st)
             with self._lock:
                 if st.state in (State.APPLIED, State.OVERRIDDEN):
                     set_state(st, State.PENDING, st.decision.reason)
-        with self._lock:
-            orphans, self._orphans = self._orphans, []
         for change in reversed(orphans):
             surgery.restore(change)
 
@@ -276,7 +272,6 @@ class Engine:
         except Exception as exc:  # pragma: no cover - _advance catches its own errors
             emit(f"kvpatch hook for {getattr(module, '__name__', module)} failed: {exc}", key="hook-crash")
 
-    # -- the life of one patch ---------------------------------------------------------------------
     def _advance(self, st: PatchStatus) -> None:
         """Install whatever of ``st`` can be installed now; verify first where the facts say so."""
         if st.suspended:
@@ -521,12 +516,9 @@ class Engine:
         owner = surgery.owner_of(target, module)
         if owner is _MISSING:
             return _MISSING
-        for change in self._changes:
-            if change.owner is owner and change.name == target.attribute:
-                raw = change.raw_original
-                if raw is _MISSING:
-                    break
-                return getattr(raw, "__func__", raw)
+        first = next((c for c in self._changes if c.owner is owner and c.name == target.attribute), None)
+        if first is not None and first.raw_original is not _MISSING:
+            return getattr(first.raw_original, "__func__", first.raw_original)
         static = inspect.getattr_static(owner, target.attribute, _MISSING)
         static = getattr(static, "__func__", static)
         # only kvpatch's own objects (an attribute a patch added): no upstream code to compare
@@ -583,7 +575,6 @@ class Engine:
         set_state(st, state, f"{state.value}: {error}", error=error)
         emit(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
 
-    # -- live truth --------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Re-read every installed replacement (:func:`refresh_status`). A target module executed again
         (``importlib.reload``: no hook fires) gets its patches again first; the changes on the objects it no longer
@@ -596,13 +587,10 @@ class Engine:
             if self.status[pid].state in (State.APPLIED, State.OVERRIDDEN):
                 self._advance(self.status[pid])
         with self._lock:
-            by_patch: dict[str, list[Change]] = {}
-            for change in self._changes:
-                by_patch.setdefault(change.patch_id, []).append(change)
-        for pid, changes in by_patch.items():
-            refresh_status(self.status[pid], changes, self._lock)
+            changes = list(self._changes)
+        for pid in dict.fromkeys(c.patch_id for c in changes):
+            refresh_status(self.status[pid], [c for c in changes if c.patch_id == pid], self._lock)
 
-    # -- public helpers ----------------------------------------------------------------------------
     def suspend(self, patch_id: str) -> None:
         """Take one patch out (restoring the originals) without forgetting its decision."""
         st = self.status[patch_id]
@@ -736,13 +724,12 @@ def _reexecuted(change: Change) -> bool:
     if module is None or _executing(module):
         return False
     owner = surgery.owner_of(change.target, module)
-    if owner is _MISSING or owner is not change.owner:
+    if owner is not change.owner:
         return owner is not _MISSING
-    if change.target.owner_path:
-        return False
     current = vars(owner).get(change.name, _MISSING)
     return (
-        type(current) is types.FunctionType
+        not change.target.owner_path
+        and type(current) is types.FunctionType
         and current is not change.original
         and current.__globals__ is vars(owner)
         and surgery.mark_of(current) is None
