@@ -185,8 +185,7 @@ class Engine:
 
     @staticmethod
     def record_of(st: PatchStatus) -> Patch:
-        patch = st.patch
-        return patch if isinstance(patch, Patch) else patch.resolve()
+        return st.patch if isinstance(st.patch, Patch) else st.patch.resolve()
 
     def import_failed(self, patch_id: str, module: str, exc: BaseException) -> None:
         """A target module failed to import outside the hooks (``status`` settling it): the patch failed."""
