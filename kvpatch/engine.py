@@ -3,23 +3,21 @@ that apply when it arrives, and put the originals back on request.
 
 The engine's lock guards its bookkeeping only: it is never held while importing, building a replacement (builders
 may import), registering hooks or warning. Nothing in a hook raises into the user's import: errors become the
-patch's state (``failed``, ``target missing``) and one warning. The mechanics on someone else's objects live in
-:mod:`kvpatch.surgery`.
+patch's state and one warning. The mechanics on someone else's objects live in :mod:`kvpatch.surgery`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import importlib
 import inspect
-import logging
 import sys
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from . import fingerprints, measurer, surgery, verdicts
@@ -33,18 +31,8 @@ from .surgery import MISSING as _MISSING
 from .surgery import Change, TargetMissing
 from .verdicts import Outcome
 
-__all__ = [
-    "Engine",
-    "KvpatchWarning",
-    "Measurement",
-    "PatchStatus",
-    "State",
-    "hook_registry",
-    "refresh_status",
-    "set_state",
-]
+__all__ = ["Engine", "KvpatchWarning", "PatchStatus", "State"]
 
-log = logging.getLogger(__name__)
 _KEEP: Any = object()
 
 
@@ -65,15 +53,7 @@ class State(enum.Enum):
 
 
 #: The state a patch starts in, per decision of the gate.
-FROM_ACTION = {
-    Action.APPLY: State.PENDING,
-    Action.VERIFY: State.PENDING,
-    Action.NOT_NEEDED: State.NOT_NEEDED,
-    Action.OUT_OF_RANGE: State.OUT_OF_RANGE,
-    Action.NOT_INSTALLED: State.NOT_INSTALLED,
-    Action.DISABLED: State.DISABLED,
-    Action.OPT_IN: State.OPT_IN,
-}
+FROM_ACTION = {a: State.PENDING if a in (Action.APPLY, Action.VERIFY) else State(a.value) for a in Action}
 
 
 @dataclass(frozen=True)
@@ -106,20 +86,17 @@ class PatchStatus:
     notes: list[str] = field(default_factory=list)  # what restore had to leave in place, newest last
     wrapped: list[str] = field(default_factory=list)  # targets reached only through someone else's wrapper
     foreign: list[str] = field(default_factory=list)  # targets holding another library's replacement
-    #: The module of the vendored copy this status is about (:func:`kvpatch.register_copy`); None: upstream's.
-    copy: str | None = None
+    copy: str | None = None  # the vendored copy's module (:func:`kvpatch.register_copy`); None: upstream's
     measurement: Measurement | None = None  # the runs without and with the patch, when this process measured
-    #: Per target, the original the builder was last given and what it returned (the original: declined). A build
-    #: is kept until installed, so deciding whether the patch declines does not build it a second time.
+    #: Per target, (original given, builder's result) until installed: deciding it declines does not build twice.
     built: dict[Target, tuple[Any, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def record(self) -> Patch:
         """``patch`` as its record: the engine resolves a stub before it installs, verifies or restores it."""
-        patch = self.patch
-        if not isinstance(patch, Patch):
-            raise TypeError(f"{patch!r} is not resolved")
-        return patch
+        if not isinstance(self.patch, Patch):
+            raise TypeError(f"{self.patch!r} is not resolved")
+        return self.patch
 
 
 class Engine:
@@ -141,8 +118,7 @@ class Engine:
         self.status: dict[str, PatchStatus] = {}
         self._changes: list[Change] = []  # in install order
         self._orphans: list[Change] = []  # changes on objects a reloaded module no longer holds
-        #: (id(owner), name) -> the change whose restore spliced the original in under a foreign wrapt proxy: resuming
-        #: the patch puts its replacement back under that proxy, not on top of it.
+        #: (id(owner), name) -> the change whose restore spliced the original in under a foreign wrapt proxy
         self._spliced: dict[tuple[int, str], Change] = {}
         self._hooked: set[str] = set()
         self._ready: set[str] = set()  # top-level upstream packages fully imported
@@ -180,7 +156,7 @@ class Engine:
         self._decide_all()
 
     def materialise(self) -> list[Patch]:
-        """Every patch as its record, in install order, importing the units still stubs (:meth:`_resolve`)."""
+        """Every patch as its record, in install order, importing the units still stubs."""
         with self._lock:
             stubs = [p for p in self.patches if isinstance(p, Stub)]
         self._resolve(stubs)
@@ -198,9 +174,7 @@ class Engine:
             except Exception as exc:
                 failed[stub.module] = _describe(exc)
         with self._lock:
-            for stub in stubs:
-                if stub not in self.patches:
-                    continue
+            for stub in (s for s in stubs if s in self.patches):
                 if stub.id in resolved:
                     self.patches[self.patches.index(stub)] = self.status[stub.id].patch = resolved[stub.id]
                 else:
@@ -211,8 +185,7 @@ class Engine:
 
     @staticmethod
     def record_of(st: PatchStatus) -> Patch:
-        patch = st.patch
-        return patch if isinstance(patch, Patch) else patch.resolve()
+        return st.patch if isinstance(st.patch, Patch) else st.patch.resolve()
 
     def import_failed(self, patch_id: str, module: str, exc: BaseException) -> None:
         """A target module failed to import outside the hooks (``status`` settling it): the patch failed."""
@@ -220,7 +193,6 @@ class Engine:
         with self._lock:
             set_state(self.status[patch_id], State.FAILED, f"failed: {error}", error=error)
 
-    # -- activation --------------------------------------------------------------------------------
     @property
     def active(self) -> bool:
         return self._active
@@ -231,16 +203,13 @@ class Engine:
             if self._active:
                 return
             self._active = True
-            names: dict[str, None] = {}
-            for st in self.status.values():
-                if st.state in (State.PENDING, State.APPLIED):
-                    names.update(dict.fromkeys((st.patch.import_name, *st.record.modules)))
+            live = [st for st in self.status.values() if st.state in (State.PENDING, State.APPLIED)]
+            names = dict.fromkeys(n for st in live for n in (st.patch.import_name, *st.record.modules))
             fresh = [n for n in names if n not in self._hooked]
             self._hooked.update(fresh)
         # Outside the lock: the registry may call the hook at once, and the hook takes the lock itself.
-        for name in names:
-            loaded = sys.modules.get(name)
-            if name not in fresh and loaded is not None:  # hooked before: the registry will not call again
+        for loaded in (sys.modules.get(n) for n in names if n not in fresh):  # the registry will not call again
+            if loaded is not None:
                 self._hook(loaded)
         if not fresh:
             return
@@ -267,13 +236,12 @@ class Engine:
         with self._lock:
             self._active = False
             statuses = [st for st in self.status.values() if st.installed]
+            orphans, self._orphans = self._orphans, []
         for st in statuses:
             self._uninstall(st)
             with self._lock:
                 if st.state in (State.APPLIED, State.OVERRIDDEN):
                     set_state(st, State.PENDING, st.decision.reason)
-        with self._lock:
-            orphans, self._orphans = self._orphans, []
         for change in reversed(orphans):
             surgery.restore(change)
 
@@ -287,26 +255,22 @@ class Engine:
             if not self._active:
                 return
             name = module.__name__
+            top = name in DISTRIBUTIONS.values()
+            if top:
+                self._ready.add(name)
             hooking = self._hooking()
             hooking.add(name)
             try:
-                self._dispatch(name)
+                for st in [self.status[p.id] for p in self.patches]:
+                    if top and st.state is State.PENDING and st.patch.import_name == name:
+                        self._advance(st)
+                    elif not top and st.state in (State.PENDING, State.APPLIED) and name in st.record.modules:
+                        self._advance(st)
             finally:
                 hooking.discard(name)
         except Exception as exc:  # pragma: no cover - _advance catches its own errors
             emit(f"kvpatch hook for {getattr(module, '__name__', module)} failed: {exc}", key="hook-crash")
 
-    def _dispatch(self, name: str) -> None:
-        top = name in DISTRIBUTIONS.values()
-        if top:
-            self._ready.add(name)
-        for st in [self.status[p.id] for p in self.patches]:
-            if top and st.state is State.PENDING and st.patch.import_name == name:
-                self._advance(st)
-            elif not top and st.state in (State.PENDING, State.APPLIED) and name in st.record.modules:
-                self._advance(st)
-
-    # -- the life of one patch ---------------------------------------------------------------------
     def _advance(self, st: PatchStatus) -> None:
         """Install whatever of ``st`` can be installed now; verify first where the facts say so."""
         if st.suspended:
@@ -315,7 +279,8 @@ class Engine:
             if not st.verified:
                 self._check_drift(st)
                 if st.decision.action is Action.VERIFY or st.drift:
-                    if not self._package_ready(st.patch.import_name):
+                    package = sys.modules.get(st.patch.import_name)
+                    if st.patch.import_name not in self._ready and (package is None or _executing(package)):
                         return  # reproductions import freely: wait until the package is fully imported
                     if st.installed:
                         self._uninstall(st)  # a newly arrived target drifted: judge the whole patch
@@ -327,18 +292,9 @@ class Engine:
         except Exception as exc:
             self._fail(st, exc)
 
-    def _package_ready(self, name: str) -> bool:
-        if name not in self._ready:
-            module = sys.modules.get(name)
-            if module is None or _executing(module):
-                return False
-            self._ready.add(name)
-        return True
-
     def _check_drift(self, st: PatchStatus) -> None:
-        """Compare each replaced target's source fingerprint with those recorded for the affected releases (shipped
-        data); a mismatch sends the patch to its verdict. A VERIFY decision goes there anyway: its verdict's key
-        covers the target files."""
+        """Compare each replaced target's source fingerprint with those recorded for the affected releases: a
+        mismatch sends the patch to its verdict (where a VERIFY decision goes anyway)."""
         patch = st.record
         known = fingerprints.validated(patch) if st.decision.action is not Action.VERIFY else None
         if not known:
@@ -356,8 +312,7 @@ class Engine:
             if fp in recorded:
                 continue
             top = target.module.split(".", 1)[0]
-            # a proxy forwards upstream's name and is looked through by the fingerprint: only a plain function of
-            # another library is someone else's code here
+            # only a plain function is another library's code here: a proxy is looked through by the fingerprint
             where = surgery.foreign(original, top) if type(original) is types.FunctionType else None
             if where is None:
                 st.drift.append(
@@ -366,17 +321,11 @@ class Engine:
                 )
                 continue
             inner = next(
-                (
-                    node
-                    for node in surgery.reachable(original)
-                    if surgery.mark_of(node) is None and str(getattr(node, "__module__", "")).split(".", 1)[0] == top
-                ),
-                None,
+                (n for n in surgery.reachable(original) if surgery.mark_of(n) is None and _module_top(n) == top), None
             )
             if inner is not None and fingerprints.cached(inner) in recorded:
                 continue  # another library's wrapper around upstream code kvpatch validated
-            # Another library's replacement that does not reach upstream's code: no verdict (measured on upstream's
-            # code in a clean process) can vouch for it.
+            # a replacement not reaching upstream's code: no verdict (measured on upstream's code) vouches for it
             st.foreign.append(target.path)
             st.drift.append(
                 f"{target.path} is {where}, another library's replacement of {patch.distribution}'s "
@@ -385,11 +334,9 @@ class Engine:
         fingerprints.save(wait=measurer.measuring() is not None)
 
     def _verify_and_apply(self, st: PatchStatus) -> None:
-        """Settle a patch the facts leave to its reproduction, from this environment's verdict.
-
-        A user's process only reads the verdict cache: with no verdict the patch is not applied and one background
-        verification is requested. Only a verification process (:func:`kvpatch.measurer.measuring`) measures.
-        """
+        """Settle a patch the facts leave to its reproduction, from this environment's verdict. A user's process only
+        reads verdicts (none: not applied, one background verification requested); only a verification process
+        (:func:`kvpatch.measurer.measuring`) measures."""
         patch = st.record
         why = "; ".join(st.drift) or st.decision.reason
         if self._declined(st):
@@ -417,37 +364,34 @@ class Engine:
             set_state(st, State.UNVERIFIED, f"{why}; {measurer.request_verification([verdict_key])}")
             return
         st.verified = found.describe()
-        verdict = f"{why}; verdict: {st.verified}"
-        if found.outcome is Outcome.FIXED:
-            set_state(st, State.PENDING, verdict)  # installed now where imported, by hooks later
+        outcome = Outcome.NOT_FIXED if found.outcome is Outcome.SKIPPED and st.drift else found.outcome
+        if outcome is Outcome.FIXED:
+            set_state(st, State.PENDING, f"{why}; verdict: {st.verified}")  # installed now, or by hooks later
             self._install_available(st)
             if st.drift:
                 emit(
                     f"kvpatch: {patch.id} applied to drifted code after its reproduction confirmed it: {why}",
                     key=f"drift:{patch.id}",
                 )
-        elif found.outcome is Outcome.ABSENT:
-            set_state(st, State.NOT_NEEDED, verdict)
-        elif found.outcome is Outcome.INCONCLUSIVE:
-            why_not = f"{why}; the reproduction was inconclusive here ({found.detail}): not applied"
-            set_state(st, State.INCONCLUSIVE, why_not, error=found.detail)
+            return
+        state, tail = {
+            Outcome.ABSENT: (State.NOT_NEEDED, f"verdict: {st.verified}"),
+            Outcome.INCONCLUSIVE: (State.INCONCLUSIVE, f"the reproduction was inconclusive here ({found.detail})"),
+            Outcome.SKIPPED: (State.NOT_NEEDED, f"the reproduction cannot run on this backend ({found.detail})"),
+        }.get(outcome, (State.DRIFTED, f"verdict: {st.verified}"))
+        tail += "" if outcome is Outcome.ABSENT else ": not applied"
+        set_state(st, state, f"{why}; {tail}", error=found.detail if state is State.INCONCLUSIVE else _KEEP)
+        if state is State.INCONCLUSIVE:
             emit(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"verdict:{patch.id}")
-        elif found.outcome is Outcome.SKIPPED and not st.drift:
-            why_not = f"{why}; the reproduction cannot run on this backend ({found.detail}): not applied"
-            set_state(st, State.NOT_NEEDED, why_not)
-        else:  # NOT_FIXED, or SKIPPED on drifted code
-            set_state(st, State.DRIFTED, f"{why}; verdict: {st.verified}: not applied")
+        elif state is State.DRIFTED:
             emit(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
 
     def measure(self, patch: Patch, *, install: bool = True) -> Measurement:
-        """Run ``patch``'s reproduction without the patch and with it: kvpatch's one "with and without".
-
-        *Without*: the patch's own changes and those of every other installed patch on one of its targets taken
-        out (one on the same attribute can hide the same symptom), enablers kept (:attr:`Patch.enabler`: without
-        them the reproduction cannot run on this backend). ``foreign`` names targets that then hold another
-        library's code. *With*: the patch as this process has it; when it is not installed and ``install`` is on,
-        installed for that run if the bug was present without it. The target modules are imported first.
-        """
+        """Run ``patch``'s reproduction without the patch and with it: kvpatch's one "with and without", after
+        importing its target modules. *Without*: every installed patch on one of its targets taken out (one on the
+        same attribute can hide the same symptom) except enablers (:attr:`Patch.enabler`: needed to run at all);
+        ``foreign`` names targets then holding another library's code. *With*: as this process has it; not
+        installed, installed for that run when ``install`` is on and the bug was present without it."""
         import_target_modules(patch)
         st = self.status[patch.id]
         with self.without(*self._sharing(patch)):
@@ -477,11 +421,11 @@ class Engine:
 
     def _install_available(self, st: PatchStatus) -> None:
         for target in st.record.targets:
-            if target in st.installed:
-                continue
             module = sys.modules.get(target.module)
-            if module is None or (target.module not in self._hooking() and _executing(module)):
-                continue  # not imported yet, or still executing (a circular import): its own hook will come
+            if target in st.installed or module is None:
+                continue
+            if target.module not in self._hooking() and _executing(module):
+                continue  # a circular import still executing it: its own hook will come
             try:
                 self._install_target(st, target, module)
             except Exception:
@@ -495,9 +439,8 @@ class Engine:
 
     def _declined(self, st: PatchStatus) -> bool:
         """True (and the patch settled as not needed) when every builder whose target is imported returns the
-        original: the patch decided, from this process's backend or versions, that nothing needs changing here.
-        A patch with a required target not imported yet stays pending."""
-        seen = 0
+        original (nothing to change on this backend); a required target not imported yet keeps it pending."""
+        seen = False
         for target in st.record.targets:
             module = sys.modules.get(target.module)
             if target.kind is not Kind.REPLACE:
@@ -509,12 +452,11 @@ class Engine:
                 return False
             if self._build(st, target, surgery.owner_of(target, module), original) is not original:
                 return False
-            seen += 1
-        if not seen:
-            return False
-        why = f"{st.decision.reason}; nothing to change here: the patch declined this backend (see its record)"
-        set_state(st, State.NOT_NEEDED, why)
-        return True
+            seen = True
+        if seen:
+            why = f"{st.decision.reason}; nothing to change here: the patch declined this backend (see its record)"
+            set_state(st, State.NOT_NEEDED, why)
+        return seen
 
     @staticmethod
     def _build(st: PatchStatus, target: Target, owner: Any, original: Any) -> Any:
@@ -526,73 +468,56 @@ class Engine:
         st.built[target] = (original, function)
         return function
 
-    def _install_target(self, st: PatchStatus, target: Target, module: types.ModuleType) -> Change | None:
-        """Install one target (:func:`kvpatch.surgery.install`): built outside the lock (builders may import),
-        committed under it. A target that reaches the replacement already is adopted; one whose restore spliced the
-        original in under a foreign proxy gets the replacement spliced back there."""
+    def _install_target(self, st: PatchStatus, target: Target, module: types.ModuleType) -> None:
+        """Install one target (:func:`kvpatch.surgery.install`: built outside the lock, committed under it). One
+        reaching the replacement already (re-exported, or under a foreign wrapper restore left) is adopted."""
         patch = st.record
         owner = surgery.owner_of(target, module)
         if owner is _MISSING:
             if target.optional:
-                return None
+                return
             raise TargetMissing(f"{target.path}: {'.'.join(target.owner_path)} not found in {target.module}")
         present = inspect.getattr_static(owner, target.attribute, _MISSING)
         if present is not _MISSING and surgery.carries(present, patch.id):
-            self._adopt(st, target)
-            return None
-        spliced = self._spliced.get((id(owner), target.attribute))
-        if spliced is not None and spliced.patch_id == patch.id and present is not _MISSING:
-            return self._splice_back(st, spliced, present)
+            with self._lock:
+                note = f"{target.path}: already carries kvpatch's {patch.id}"
+                if note not in st.notes:
+                    st.notes.append(note)
+                if st.state is State.PENDING:
+                    set_state(st, State.APPLIED, f"{st.decision.reason}; its replacement is in place already")
+            return
+        old = self._spliced.get((id(owner), target.attribute))
+        if old is not None and old.patch_id == patch.id and present is not _MISSING:
+            # its restore spliced the original in under a foreign proxy: splice the fix back there (or, the proxy
+            # changed or went, install afresh next time the module is seen)
+            function = surgery.prepare(patch, old.target, owner, old.original, patch.builders[old.target])
+            with self._lock:
+                self._spliced.pop((id(owner), target.attribute), None)
+                if present is old.spliced_into and surgery.splice_under(present, old.original, function):
+                    self._changes.append(replace(old, function=function, spliced_into=None))
+                    st.installed.append(old.target)
+            return
 
         def record(change: Change) -> None:
             st.built.pop(target, None)  # a build is installed once: another install builds afresh
             self._changes.append(change)
             st.installed.append(target)
 
-        def make(original: Any) -> Any:
-            return self._build(st, target, owner, original)
-
+        make = partial(self._build, st, target, owner)
         change = surgery.install(patch, target, owner, make=make, lock=self._lock, record=record)
         if change is not None and isinstance(owner, types.ModuleType) and change.original is not None:
-            # Late activation (the module was imported before kvpatch): any module may hold the original by
-            # name. At a fresh import only the upstream packages can.
+            # late activation: any module may hold the original by name; at a fresh import only upstream's can
             everywhere = target.module not in self._hooking()
             surgery.rebind_aliases(change.original, change.function, skip=owner, everywhere=everywhere)
-        return change
-
-    def _splice_back(self, st: PatchStatus, old: Change, proxy: Any) -> Change | None:
-        """Resume a patch whose restore spliced the original in under a foreign proxy: splice the fix back there."""
-        function = surgery.prepare(st.record, old.target, old.owner, old.original, st.record.builders[old.target])
-        with self._lock:
-            self._spliced.pop((id(old.owner), old.name), None)
-            if proxy is not old.spliced_into or not surgery.splice_under(proxy, old.original, function):
-                return None  # the proxy changed or went: install afresh next time the module is seen
-            change = dataclasses.replace(old, function=function, spliced_into=None)
-            self._changes.append(change)
-            st.installed.append(old.target)
-        return change
-
-    def _adopt(self, st: PatchStatus, target: Target) -> None:
-        """The target already reaches this patch's replacement: it is the object of another of its targets (a class
-        re-exported by another module), or a foreign wrapper restore had to leave holds it."""
-        with self._lock:
-            note = f"{target.path}: already carries kvpatch's {st.patch.id}"
-            if note not in st.notes:
-                st.notes.append(note)
-            if st.state is State.PENDING:
-                set_state(st, State.APPLIED, f"{st.decision.reason}; its replacement is in place already")
 
     def upstream_original(self, target: Target, module: types.ModuleType) -> Any:
         """The upstream object at ``target``, looking through kvpatch's own replacements (``_MISSING``: none)."""
         owner = surgery.owner_of(target, module)
         if owner is _MISSING:
             return _MISSING
-        for change in self._changes:
-            if change.owner is owner and change.name == target.attribute:
-                raw = change.raw_original
-                if raw is _MISSING:
-                    break
-                return getattr(raw, "__func__", raw)
+        first = next((c for c in self._changes if c.owner is owner and c.name == target.attribute), None)
+        if first is not None and first.raw_original is not _MISSING:
+            return getattr(first.raw_original, "__func__", first.raw_original)
         static = inspect.getattr_static(owner, target.attribute, _MISSING)
         static = getattr(static, "__func__", static)
         # only kvpatch's own objects (an attribute a patch added): no upstream code to compare
@@ -607,15 +532,9 @@ class Engine:
             if not mine:
                 return
             keys = {(id(c.owner), c.name) for c in mine}
-            first = min(self._changes.index(c) for c in mine)
-            above = [c for c in self._changes[first:] if c.patch_id != st.patch.id and (id(c.owner), c.name) in keys]
-            undo = [c for c in reversed(self._changes[first:]) if c in mine or c in above]
-            for change in undo:
-                self._changes.remove(change)
-            for change in above:
-                other = self.status[change.patch_id]
-                if change.target in other.installed:
-                    other.installed.remove(change.target)
+            later = self._changes[self._changes.index(mine[0]) :]
+            undo = [c for c in reversed(later) if (id(c.owner), c.name) in keys]  # this patch's and those above it
+            self._drop(undo)
         for change in undo:
             note = surgery.restore(change)
             if change.spliced_into is not None:
@@ -624,63 +543,53 @@ class Engine:
             if note:
                 self.status[change.patch_id].notes.append(note)
                 emit(f"kvpatch: {note}", key=f"restore:{change.target.path}:{note}")
-        for patch_id in dict.fromkeys(c.patch_id for c in undo):
-            self._after_restore(self.status[patch_id])
-        for change in above:  # reinstall what was stacked above, on top of the restored original
+        for pid in dict.fromkeys(c.patch_id for c in undo):
+            restored = self.status[pid]
+            for hook in restored.record.restore_hooks:
+                try:
+                    hook()
+                except Exception as exc:  # noted and warned about once, never raised
+                    note = f"restore hook {getattr(hook, '__qualname__', hook)} raised: {_describe(exc)}"
+                    with self._lock:
+                        if note not in restored.notes:
+                            restored.notes.append(note)
+                    emit(f"kvpatch: {pid}: {note}", key=f"restore-hook:{pid}")
+        for change in reversed(undo):  # reinstall what was stacked above, on top of the restored original
             module = sys.modules.get(change.target.module)
-            if module is not None:
+            if change.patch_id != st.patch.id and module is not None:
                 self._install_target(self.status[change.patch_id], change.target, module)
 
-    def _after_restore(self, st: PatchStatus) -> None:
-        """Run the patch's restore hooks; one that raises is noted and warned about once, never raised."""
-        for hook in st.record.restore_hooks:
-            try:
-                hook()
-            except Exception as exc:
-                note = f"restore hook {getattr(hook, '__qualname__', hook)} raised: {_describe(exc)}"
-                with self._lock:
-                    if note not in st.notes:
-                        st.notes.append(note)
-                emit(f"kvpatch: {st.patch.id}: {note}", key=f"restore-hook:{st.patch.id}")
+    def _drop(self, changes: list[Change]) -> None:
+        """Forget ``changes`` (under the lock): their patches no longer count their targets as installed."""
+        for change in changes:
+            self._changes.remove(change)
+            installed = self.status[change.patch_id].installed
+            if change.target in installed:
+                installed.remove(change.target)
 
     def _fail(self, st: PatchStatus, exc: BaseException, state: State = State.FAILED) -> None:
-        try:
+        with suppress(Exception):  # restoring failed too: the first error is the one to report
             self._uninstall(st)
-        except Exception as inner:  # pragma: no cover - restoring failed too
-            log.error("kvpatch: restoring %s failed: %s", st.patch.id, inner)
         error = _describe(exc)
         set_state(st, state, f"{state.value}: {error}", error=error)
         emit(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
 
-    # -- live truth --------------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Re-read every installed replacement (:func:`refresh_status`); a target module executed again
-        (``importlib.reload``) gets its patches again first."""
-        self._reinstall_reloaded()
-        with self._lock:
-            by_patch: dict[str, list[Change]] = {}
-            for change in self._changes:
-                by_patch.setdefault(change.patch_id, []).append(change)
-        for pid, changes in by_patch.items():
-            refresh_status(self.status[pid], changes, self._lock)
-
-    def _reinstall_reloaded(self) -> None:
-        """Install again on the new objects of a re-executed target module (no import hook fires for a reload). The
-        changes on the objects it no longer holds stay (instances made before still use them) until deactivate."""
+        """Re-read every installed replacement (:func:`refresh_status`). A target module executed again
+        (``importlib.reload``: no hook fires) gets its patches again first; the changes on the objects it no longer
+        holds stay (instances made before still use them) until deactivate."""
         with self._lock:
             stale = [c for c in self._changes if _reexecuted(c)]
-            for change in stale:
-                self._changes.remove(change)
-                self._orphans.append(change)
-                st = self.status[change.patch_id]
-                if change.target in st.installed:
-                    st.installed.remove(change.target)
-            again = [self.status[pid] for pid in dict.fromkeys(c.patch_id for c in stale)]
-        for st in again:
-            if st.state in (State.APPLIED, State.OVERRIDDEN) and not st.suspended:
-                self._advance(st)
+            self._drop(stale)
+            self._orphans.extend(stale)
+        for pid in dict.fromkeys(c.patch_id for c in stale):
+            if self.status[pid].state in (State.APPLIED, State.OVERRIDDEN):
+                self._advance(self.status[pid])
+        with self._lock:
+            changes = list(self._changes)
+        for pid in dict.fromkeys(c.patch_id for c in changes):
+            refresh_status(self.status[pid], [c for c in changes if c.patch_id == pid], self._lock)
 
-    # -- public helpers ----------------------------------------------------------------------------
     def suspend(self, patch_id: str) -> None:
         """Take one patch out (restoring the originals) without forgetting its decision."""
         st = self.status[patch_id]
@@ -699,10 +608,8 @@ class Engine:
         attribute is as it was after the block whatever order the ids were named in."""
         ids = [pid for pid in patch_ids if self.status[pid].installed or self.status[pid].state is State.APPLIED]
         with self._lock:
-            installed_at: dict[str, int] = {}
-            for i, change in enumerate(self._changes):
-                installed_at.setdefault(change.patch_id, i)
-        ids.sort(key=lambda pid: installed_at.get(pid, len(self._changes)))
+            order = list(dict.fromkeys(c.patch_id for c in self._changes))
+        ids.sort(key=lambda pid: order.index(pid) if pid in order else len(order))
         for pid in reversed(ids):
             self.suspend(pid)
         try:
@@ -717,16 +624,14 @@ class Engine:
 
 
 def hook_registry() -> Any:
-    """``register_post_import_hook(hook, name)`` of kvpatch's bootstrap (runs hooks after each module's code,
-    never inside the import system's lock), else wrapt's; or the error when neither loads."""
-    try:
-        from ._site import hooks
+    """``register_post_import_hook(hook, name)`` of kvpatch's bootstrap (never inside the import lock), else, for an
+    install without its top-level files, wrapt's (its finder can deadlock threaded imports: still better than no
+    fix); else the error."""
+    from ._site import hooks
 
-        registry = hooks()
-        if registry is not None:
-            return registry.register_post_import_hook
-    except Exception:  # fall back to wrapt
-        pass
+    registry = hooks()
+    if registry is not None:
+        return registry.register_post_import_hook
     try:
         import wrapt
     except Exception as exc:
@@ -735,9 +640,9 @@ def hook_registry() -> Any:
 
 
 def import_target_modules(patch: Patch, failed: Callable[[str, Exception], None] | None = None) -> None:
-    """Import every module the patch targets (the hooks run). A module holding only optional targets may fail in
-    any way (some raise at import without Metal): its targets count as absent. Another module's failure raises, or
-    with ``failed`` is given to it with the module's name and the remaining modules are still imported."""
+    """Import every module the patch targets (the hooks run). One holding only optional targets may fail (some
+    raise without Metal): they count as absent. Another's failure raises, or goes to ``failed`` and the rest
+    are still imported."""
     for module in patch.modules:
         try:
             importlib.import_module(module)
@@ -774,22 +679,22 @@ def _mlx_state_kept() -> Iterator[None]:
     """mlx up to 0.31 keeps its random key in a plain list, which is put back; newer mlx's ``_RandomState`` cannot
     be set back, one reason reproductions never run in a user's process."""
     mx: Any = sys.modules.get("mlx.core") or importlib.import_module("mlx.core")
-    state = getattr(mx.random, "state", None)
+    state: Any = getattr(mx.random, "state", None)
     saved = list(state) if isinstance(state, list) else None
     device = mx.default_device()
     stream = mx.default_stream(device)
     try:
         yield
     finally:
-        if saved is not None and isinstance(state, list):
+        if saved is not None:
             state[:] = saved
         mx.set_default_device(device)
         mx.set_default_stream(stream)
 
 
 def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _KEEP) -> None:
-    """The one place a patch's state changes (``reason`` None / ``error`` unset keep the current one). Callers hold
-    the engine's lock where another thread may change the same status."""
+    """The one place a patch's state changes (``reason`` None / ``error`` unset: kept); callers hold the engine's
+    lock where another thread may change the same status."""
     st.state = state
     if reason is not None:
         st.reason = reason
@@ -818,17 +723,20 @@ def _reexecuted(change: Change) -> bool:
     if module is None or _executing(module):
         return False
     owner = surgery.owner_of(change.target, module)
-    if owner is _MISSING or owner is not change.owner:
+    if owner is not change.owner:
         return owner is not _MISSING
-    if change.target.owner_path:
-        return False
     current = vars(owner).get(change.name, _MISSING)
     return (
-        type(current) is types.FunctionType
+        not change.target.owner_path
+        and type(current) is types.FunctionType
         and current is not change.original
         and current.__globals__ is vars(owner)
         and surgery.mark_of(current) is None
     )
+
+
+def _module_top(obj: Any) -> str:
+    return str(getattr(obj, "__module__", "")).split(".", 1)[0]
 
 
 def _executing(module: types.ModuleType) -> bool:
