@@ -1,9 +1,6 @@
-"""The fingerprints a patch was validated on, and a cache of live targets' fingerprints.
-
-Each replaced target's source fingerprint is compared with those recorded on every release of the patch's
-affected range (``kvpatch/data/fingerprints.json``, written by ``scripts/record_fingerprints.py``). Computing one
-reads the target's source, so it is cached in the verdict file (:mod:`kvpatch.verdicts`) by the defining file's
-path, size and mtime: a verified environment reads no source at import.
+"""The fingerprints a patch was validated on (``kvpatch/data/fingerprints.json``, written by
+``scripts/record_fingerprints.py``), and live targets' fingerprints, cached in the verdict file
+(:mod:`kvpatch.verdicts`) by the defining file's path, size and mtime: a verified environment reads no source.
 """
 
 from __future__ import annotations
@@ -22,8 +19,6 @@ from .locate import stamp
 if TYPE_CHECKING:
     from .record import Patch
 
-__all__ = ["SHIPPED", "cached", "fingerprint", "fingerprint_source", "save", "shipped", "validated"]
-
 SHIPPED = Path(__file__).resolve().parent / "data" / "fingerprints.json"
 _shipped: dict[str, dict[str, frozenset[str]]] | None = None
 #: Computed in this process, not yet in the cache: file key -> {line:qualname -> fingerprint}.
@@ -36,13 +31,16 @@ def fingerprint(obj: Any) -> str | None:
     its setter, else its getter (as ``scripts/record_fingerprints.py`` finds it)."""
     if isinstance(obj, property):
         obj = obj.fset or obj.fget
-    func = inspect.unwrap(obj) if callable(obj) else obj
-    func = getattr(func, "__func__", func)
     try:
-        text = inspect.getsource(func)
+        return fingerprint_source(inspect.getsource(_function(obj)))
     except (OSError, TypeError):
         return None
-    return fingerprint_source(text)
+
+
+def _function(obj: Any) -> Any:
+    """``obj`` with kvpatch's replacements and a method's binding looked through."""
+    func = inspect.unwrap(obj) if callable(obj) else obj
+    return getattr(func, "__func__", func)
 
 
 def fingerprint_source(text: str) -> str:
@@ -74,8 +72,7 @@ def validated(patch: Patch) -> dict[str, frozenset[str]]:
 
 def cached(obj: Any) -> str | None:
     """:func:`fingerprint` of ``obj``, cached by the defining file's path, size and mtime."""
-    func = inspect.unwrap(obj) if callable(obj) else obj
-    func = getattr(func, "__func__", func)
+    func = _function(obj)
     code = getattr(func, "__code__", None)
     size_mtime = stamp(getattr(code, "co_filename", None))
     if code is None or size_mtime is None:
@@ -85,9 +82,7 @@ def cached(obj: Any) -> str | None:
     known = verdicts.tables()["fingerprints"].get(file_key)
     if isinstance(known, dict) and isinstance(known.get(sub), str):
         return str(known[sub])
-    if sub in _new.get(file_key, {}):
-        return _new[file_key][sub]
-    value = fingerprint(obj)
+    value = _new.get(file_key, {}).get(sub) or fingerprint(obj)
     if value is not None:
         _new.setdefault(file_key, {})[sub] = value
     return value
@@ -103,8 +98,7 @@ def save(*, wait: bool = False) -> None:
     def change(data: dict[str, Any]) -> None:
         for file_key, subs in new.items():
             entry = data["fingerprints"].get(file_key)
-            entry = {**(entry if isinstance(entry, dict) else {}), **subs, "at": now}
-            data["fingerprints"][file_key] = entry
+            data["fingerprints"][file_key] = {**(entry if isinstance(entry, dict) else {}), **subs, "at": now}
 
     if verdicts.update(change, wait=wait) is None:
         _new.clear()

@@ -1,19 +1,10 @@
 """Verdicts: what a patch's reproduction found in this environment, measured outside the user's import, then read.
 
-A reproduction is a workload, so it runs only in a verification process (``kvpatch verify``, ``status --verify``,
-the pytest plugin, the background verifier of :mod:`kvpatch.measurer`); the user's process reads the verdict
-(one file read, one ``stat`` per target module; reading each target's source would cost tens of milliseconds).
-
-The file: ``verdicts.json`` in the places of :func:`kvpatch.store.verdict_places`; readers merge them (the first
-wins), so a verdict stored at image build time serves every user; writes go to the first usable place, under a
-lock. It also holds the background verifier's attempts and the fingerprint cache (:mod:`kvpatch.fingerprints`).
-Where nothing can be written the tables live in memory, one warning says so, and :func:`unstored` lets
-``kvpatch verify`` fail.
-
-What a verdict may do: turn a patch that the reproduction decides on or off, for its exact key; it never touches
-a patch decided by release, and never runs code. Its trust is its directory's (:func:`kvpatch.store.refusal`).
-The key hashes everything the outcome depends on (:func:`key_parts`), the kvpatch version included: anything
-changed means no verdict, and the patch goes back to verification.
+A reproduction is a workload, so it runs only in a verification process (:mod:`kvpatch.measurer`); the user's
+process reads ``verdicts.json`` from the places of :func:`kvpatch.store.verdict_places` (merged, the first wins,
+so a verdict stored at image build time serves every user). It also holds the background verifier's attempts and
+the fingerprint cache (:mod:`kvpatch.fingerprints`). A verdict only turns a patch the reproduction decides on or
+off, for its exact :func:`key`: anything it depends on changed means no verdict, and the patch is measured again.
 """
 
 from __future__ import annotations
@@ -36,24 +27,8 @@ if TYPE_CHECKING:
     from .detect import Upstream
     from .record import Finding, Patch
 
-__all__ = [
-    "Outcome",
-    "Verdict",
-    "digest",
-    "judge",
-    "key",
-    "lookup",
-    "store",
-    "tables",
-    "unstored",
-    "update",
-    "verdict_of",
-    "write_place",
-]
-
 SCHEMA = "kvpatch.verdicts/1"
 FILE = "verdicts.json"
-LOCK = "verdicts.lock"
 #: Entries kept per table (oldest dropped first).
 MAX_ENTRIES = 512
 _TABLES = ("verdicts", "attempts", "fingerprints")
@@ -123,10 +98,6 @@ def verdict_of(before: Finding, after: Finding | None, *, by: str = "") -> Verdi
     return Verdict(outcome, detail, time.time(), by)
 
 
-# ------------------------------------------------------------------------------------------------
-# The file
-
-
 def write_place() -> _store.Place | None:
     """The place verdicts are written to (``None``: no usable one; they are kept in memory)."""
     return next((p for p in _store.verdict_places() if _store.usable(p, "verdicts")), None)
@@ -134,9 +105,8 @@ def write_place() -> _store.Place | None:
 
 def _parse(data: Any) -> dict[str, Any]:
     """A verdict file's tables; anything absent, corrupt or foreign reads as empty."""
-    ok = isinstance(data, dict) and data.get("schema") == SCHEMA
-    tables = {t: data.get(t) if ok else None for t in _TABLES}
-    return {"schema": SCHEMA, **{t: v if isinstance(v, dict) else {} for t, v in tables.items()}}
+    data = data if isinstance(data, dict) and data.get("schema") == SCHEMA else {}
+    return {"schema": SCHEMA, **{t: data[t] if isinstance(data.get(t), dict) else {} for t in _TABLES}}
 
 
 def _prune(table: dict[str, Any]) -> None:
@@ -147,11 +117,9 @@ def _prune(table: dict[str, Any]) -> None:
 
 #: Tables changed in this process that no file holds.
 _memory: dict[str, Any] = _parse(None)
-#: Verdict key -> why its :func:`store` reached no file.
-_unstored: dict[str, str] = {}
+#: Verdict keys measured in this process that no file holds -> why (``kvpatch verify`` fails on them).
+unstored: dict[str, str] = {}
 _loaded: dict[str, Any] | None = None
-#: Verdict key -> the file its stored verdict was read from.
-_origins: dict[str, str] = {}
 
 
 def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> str | None:
@@ -163,7 +131,7 @@ def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> st
     try:
         place = write_place()
         if place is not None:
-            with _store.locked(place, LOCK, wait=wait, what="verdicts") as held:
+            with _store.locked(place, "verdicts.lock", wait=wait, what="verdicts") as held:
                 if not held:
                     return "another process held the lock"  # this change waits for a later process
                 data = _parse(_store.read_json(place, FILE, "verdicts"))
@@ -183,41 +151,31 @@ def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> st
 
 
 def tables() -> dict[str, Any]:
-    """Every readable file's tables merged (earlier places win), then this process's memory; read once."""
+    """Every readable file's tables merged (earlier places win), then this process's memory; read once. A verdict
+    read from a file names it as its ``source``."""
     global _loaded
     if _loaded is None:
         merged = _parse(None)
-        _origins.clear()
         for place in reversed(_store.verdict_places()):
             data = _parse(_store.read_json(place, FILE, "verdicts"))
+            source = {"source": str(place / FILE)}
+            data["verdicts"] = {k: {**v, **source} if isinstance(v, dict) else v for k, v in data["verdicts"].items()}
             for table in _TABLES:
                 merged[table].update(data[table])
-            _origins.update(dict.fromkeys(data["verdicts"], str(place / FILE)))
         for table in _TABLES:
             merged[table].update(_memory[table])
-        for k in _memory["verdicts"]:
-            _origins.pop(k, None)
         _loaded = merged
     return _loaded
 
 
-def unstored() -> dict[str, str]:
-    """Verdict keys measured in this process that no file holds, with the reason (empty: all stored)."""
-    return dict(_unstored)
-
-
 def digest() -> str:
-    """A hash of the stored verdicts, cached fingerprints and where they were read: what a settled ``status``
-    outcome depends on. Never raises."""
+    """A hash of the stored verdicts (with where they were read) and cached fingerprints: what a settled
+    ``status`` outcome depends on. Never raises."""
     try:
-        parts = [tables()["verdicts"], tables()["fingerprints"], sorted(_origins.items())]
+        parts = [tables()["verdicts"], tables()["fingerprints"]]
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
     except Exception:
         return ""
-
-
-# ------------------------------------------------------------------------------------------------
-# Keys and verdicts
 
 
 def _kvpatch_version() -> str:
@@ -228,12 +186,12 @@ def _kvpatch_version() -> str:
     return str(__version__)
 
 
-def key_parts(patch: Patch, upstream: Mapping[str, Upstream]) -> dict[str, Any]:
-    """What a verdict for ``patch`` depends on: kvpatch's version, the patch and its unit's file, Python, the
-    version and PEP 610 source of each upstream, and each target module's file (path, size, mtime)."""
+def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
+    """A hash of what a verdict for ``patch`` depends on: kvpatch's version, the patch and its unit's file, Python,
+    the version and PEP 610 source of each upstream, and each target module's file (path, size, mtime)."""
     patch_file = getattr(sys.modules.get(patch.module), "__file__", None) if patch.module else None
     files = [[name, path, stamp(path)] for name in patch.modules for path in [module_file(name)]]
-    return {
+    parts = {
         "kvpatch": _kvpatch_version(),
         "patch": [patch.id, patch_file, stamp(patch_file)],
         "python": [sys.version_info[0], sys.version_info[1], sys.platform],
@@ -242,10 +200,7 @@ def key_parts(patch: Patch, upstream: Mapping[str, Upstream]) -> dict[str, Any]:
         },
         "files": files,
     }
-
-
-def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
-    text = json.dumps(key_parts(patch, upstream), sort_keys=True, default=str)
+    text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
@@ -262,7 +217,7 @@ def lookup(verdict_key: str) -> Verdict | None:
             str(entry.get("detail", "")),
             float(entry.get("at", 0)),
             str(entry.get("by", "")),
-            _origins.get(verdict_key, ""),
+            str(entry.get("source", "")),
         )
     except Exception:
         return None
@@ -270,7 +225,7 @@ def lookup(verdict_key: str) -> Verdict | None:
 
 def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[str, Upstream]) -> bool:
     """Keep ``verdict`` for every later process (waits for the lock; never raises). False: kept in this
-    process's memory only (:func:`unstored` says why)."""
+    process's memory only (:data:`unstored` says why)."""
     up = upstream.get(patch.distribution)
     entry = {
         "patch": patch.id,
@@ -288,7 +243,7 @@ def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[st
 
     why = update(change)
     if why is None:
-        _unstored.pop(verdict_key, None)
+        unstored.pop(verdict_key, None)
         return True
-    _unstored[verdict_key] = why
+    unstored[verdict_key] = why
     return False

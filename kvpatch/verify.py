@@ -1,14 +1,9 @@
 """``python -m kvpatch verify``: settle, in this process, every verdict the environment's imports will read.
 
-The process's engine decides every patch again with all of them considered (a verdict does not depend on
-``KVPATCH_DISABLE`` / ``KVPATCH_ENABLE``), imports every target module, and measures each patch the facts leave to its
-reproduction (:mod:`kvpatch.gate`), storing the verdict (:mod:`kvpatch.verdicts`) and the targets' fingerprints.
-``--background`` is what a user's process starts when it finds no verdict (detached, ``nice`` 10, one per
-environment, only what is missing).
-
-Exit status: 0 when every patch is settled; 1 when a verdict is inconclusive, a patch drifted or failed, or a
-verification could not run; 74 (EX_IOERR) when a verdict was measured but could not be stored, so that a build step
-running ``kvpatch verify`` fails.
+Every patch is decided again with all of them enabled (a verdict does not depend on ``KVPATCH_DISABLE`` /
+``KVPATCH_ENABLE``), every target module imported, and each patch left to its reproduction measured and stored.
+Exit status: 0 when every patch is settled; 1 when one is not or a unit is broken; 74 (EX_IOERR) when a verdict was
+measured but not stored, so that a build step running ``kvpatch verify`` fails.
 """
 
 from __future__ import annotations
@@ -20,8 +15,6 @@ import sys
 from typing import Any
 
 from . import config, fingerprints, measurer, verdicts
-
-__all__ = ["add_arguments", "run"]
 
 _SETTLED = ("applied", "not needed", "out of range", "not installed", "opt-in", "disabled")
 #: A verdict was measured and not stored (sysexits.h EX_IOERR).
@@ -39,8 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    background = bool(args.background)
-    if background and not measurer.background_start(args.lock_fd, [k for k in args.for_keys.split(",") if k]):
+    if args.background and not measurer.background_start(args.lock_fd, [k for k in args.for_keys.split(",") if k]):
         print("kvpatch verify: another verification holds this environment's lock; nothing to do")
         return 0
     os.environ[config.VERIFYING] = "1"  # nothing started from here starts a verification of its own
@@ -52,9 +44,9 @@ def run(args: argparse.Namespace) -> int:
     kvpatch.deactivate()
     engine = kvpatch.get_engine()
     engine.reconsider(Config(enable_all=True))
-    by = "background" if background else "verify"
     errors: dict[str, str] = {}
-    with measurer.measuring_as(by, remeasure=not (background or args.missing)):
+    by = "background" if args.background else "verify"
+    with measurer.measuring_as(by, remeasure=not (args.background or args.missing)):
         engine.activate()
         for patch in engine.materialise():
             if engine.status[patch.id].state is not State.PENDING:
@@ -64,42 +56,28 @@ def run(args: argparse.Namespace) -> int:
             except Exception as exc:
                 errors[patch.id] = f"{type(exc).__name__}: {exc}"
         fingerprints.save(wait=True)
-    rows: list[dict[str, Any]] = []
-    for patch in engine.materialise():
-        st = engine.status[patch.id]
-        state = st.state.value
-        error = errors.get(patch.id) or st.error
-        if patch.id in errors and st.state is State.PENDING:
-            state = "could not run"
-        rows.append(
-            {
-                "id": patch.id,
-                "action": st.decision.action.value,
-                "state": state,
-                "verdict": st.verified,
-                "drift": list(st.drift),
-                "reason": st.reason,
-                "error": error,
-            }
-        )
+    rows: list[dict[str, Any]] = [
+        {
+            "id": st.patch.id,
+            "action": st.decision.action.value,
+            "state": "could not run" if st.patch.id in errors and st.state is State.PENDING else st.state.value,
+            "verdict": st.verified,
+            "drift": list(st.drift),
+            "reason": st.reason,
+            "error": errors.get(st.patch.id) or st.error,
+        }
+        for st in (engine.status[patch.id] for patch in engine.materialise())
+    ]
     engine.deactivate()
     unsettled = [r for r in rows if r["state"] not in _SETTLED and r["state"] != "pending"]
     # "pending": an APPLY patch whose modules imported nothing to patch (optional targets): not a verdict matter
-    code = 1 if unsettled or engine.broken else 0
-    lost = verdicts.unstored()
-    if lost:
-        code = EXIT_NOT_STORED
+    lost = dict(verdicts.unstored)
+    code = EXIT_NOT_STORED if lost else 1 if unsettled or engine.broken else 0
     where = verdicts.write_place()
     if args.json:
-        data = {
-            "schema": "kvpatch.verify/1",
-            "cache": str(where / verdicts.FILE) if where else None,
-            "patches": rows,
-            "broken": dict(engine.broken),
-            "not_stored": lost,
-            "exit": code,
-        }
-        print(json.dumps(data, indent=2))
+        cache = str(where / verdicts.FILE) if where else None
+        data = {"schema": "kvpatch.verify/1", "cache": cache, "patches": rows, "broken": dict(engine.broken)}
+        print(json.dumps({**data, "not_stored": lost, "exit": code}, indent=2))
     else:
         for r in rows:
             if r["verdict"] or r["state"] not in _SETTLED:
