@@ -1,10 +1,9 @@
-"""The fingerprints a patch was validated on (``kvpatch/data/fingerprints.json``, written by
-``scripts/record_fingerprints.py``), and live targets' fingerprints, cached in the verdict file
-(:mod:`kvpatch.verdicts`) by the defining file's path, size and mtime: a verified environment reads no source.
-"""
+"""The fingerprints a patch was validated on (``kvpatch/data/fingerprints.json``), and live targets' fingerprints,
+cached in the verdict file by the defining file's path, size and mtime: a verified environment reads no source."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -20,7 +19,6 @@ if TYPE_CHECKING:
     from .record import Patch
 
 SHIPPED = Path(__file__).resolve().parent / "data" / "fingerprints.json"
-_shipped: dict[str, dict[str, frozenset[str]]] | None = None
 #: Computed in this process, not yet in the cache: file key -> {line:qualname -> fingerprint}.
 _new: dict[str, dict[str, str]] = {}
 
@@ -51,18 +49,15 @@ def fingerprint_source(text: str) -> str:
     return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
+@functools.cache
 def shipped() -> dict[str, dict[str, frozenset[str]]]:
     """``kvpatch/data/fingerprints.json`` as patch id -> target path -> fingerprints (read once)."""
-    global _shipped
-    if _shipped is None:
-        _shipped = {}
-        try:
-            data = json.loads(SHIPPED.read_text(encoding="utf-8"))
-            for pid, targets in data.get("patches", {}).items():
-                _shipped[pid] = {t: frozenset(fps) for t, fps in targets.items()}
-        except Exception as exc:  # a broken data file must not break imports (a test guards it)
-            emit(f"kvpatch cannot read {SHIPPED}: {exc}")
-    return _shipped
+    try:
+        data = json.loads(SHIPPED.read_text(encoding="utf-8"))["patches"]
+        return {pid: {t: frozenset(fps) for t, fps in targets.items()} for pid, targets in data.items()}
+    except Exception as exc:  # a broken data file must not break imports (a test guards it)
+        emit(f"kvpatch cannot read {SHIPPED}: {exc}")
+        return {}
 
 
 def validated(patch: Patch) -> dict[str, frozenset[str]]:

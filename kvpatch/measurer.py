@@ -1,11 +1,6 @@
-"""Who measures verdicts: this process, inside :func:`measuring_as`, or one detached background verifier.
-
-Outside :func:`measuring_as` (the user's process) the engine only reads verdicts. A patch without one is not
-applied there (``pending verification``), and :func:`request_verification` starts ``python -m kvpatch verify
---background`` once: detached, at ``nice`` 10, never waited for (one fork and exec per process at most). At most
-one runs per environment (it holds ``verify.lock``), and a key it tried is not tried again for an hour
-(``kvpatch verify`` settles it at once). ``KVPATCH_VERIFY=never`` turns it off.
-"""
+"""Who measures verdicts: this process inside :func:`measuring_as`, or one detached background verifier that
+:func:`request_verification` starts once per process (at most one per environment: it holds ``verify.lock``; a key
+it tried is not tried again for an hour). Elsewhere (the user's process) the engine only reads verdicts."""
 
 from __future__ import annotations
 
@@ -17,9 +12,6 @@ from collections.abc import Iterator
 
 from . import config, verdicts
 from . import store as _store
-
-#: A background verification is not started again for a key tried this recently (seconds).
-RETRY_AFTER = 3600.0
 
 _measuring: str | None = None
 _remeasure = False
@@ -46,14 +38,13 @@ def measuring_as(by: str, *, remeasure: bool = False) -> Iterator[None]:
 def measuring_patch(patch_id: str) -> Iterator[bool]:
     """Mark ``patch_id`` as being measured for the block; yields False when it is already (a hook fired by the
     measurement's own imports), and then marks nothing."""
-    if patch_id in _patches:
-        yield False
-        return
+    first = patch_id not in _patches
     _patches.add(patch_id)
     try:
-        yield True
+        yield first
     finally:
-        _patches.discard(patch_id)
+        if first:
+            _patches.discard(patch_id)
 
 
 def measuring() -> str | None:
@@ -63,18 +54,6 @@ def measuring() -> str | None:
 
 def remeasure() -> bool:
     return _remeasure
-
-
-def _why_not() -> str | None:
-    if config.verifying() or _measuring is not None:
-        return "this is a verification process"
-    if not config.background_verification():
-        return f"{config.VERIFY}=never"
-    if config.is_off():
-        return "KVPATCH=off"
-    if os.name != "posix":  # pragma: no cover - not POSIX
-        return "no background verification on this platform"
-    return None
 
 
 def request_verification(keys: list[str]) -> str:
@@ -93,19 +72,24 @@ def request_verification(keys: list[str]) -> str:
 
 
 def _start(keys: list[str]) -> str:
-    """Start the verifier detached (no shell, a new session), holding ``verify.lock`` through an inherited
-    descriptor, unless it must not run. No directory kvpatch did not choose is on its ``sys.path``: ``-P``
-    (3.11+), this process's ``-I -E -s -S``, and ``/`` as its working directory (only root can plant a package
-    there)."""
+    """Start the verifier detached (no shell, a new session) holding ``verify.lock``, unless it must not run. No
+    directory kvpatch did not choose is on its ``sys.path``: ``-P`` (3.11+), this process's ``-I -E -s -S``, and
+    ``/`` as its working directory (only root can plant a package there)."""
     import subprocess
 
-    why_not = _why_not()
+    reasons = {
+        "this is a verification process": config.verifying() or _measuring is not None,
+        f"{config.VERIFY}=never": not config.background_verification(),
+        "KVPATCH=off": config.is_off(),
+        "no background verification on this platform": os.name != "posix",
+    }
+    why_not = next((why for why, applies in reasons.items() if applies), None)
     if why_not is not None:
         return f"no verdict for this environment yet ({why_not}):"
     attempts = verdicts.tables()["attempts"]
     for k in keys:
         tried = attempts.get(k)
-        if isinstance(tried, dict) and time.time() - float(tried.get("at", 0)) < RETRY_AFTER:
+        if isinstance(tried, dict) and time.time() - float(tried.get("at", 0)) < 3600:
             when = time.strftime("%H:%M", time.localtime(float(tried["at"])))
             return f"no verdict yet: a background verification started at {when} has not settled it;"
     place = verdicts.write_place()
@@ -148,12 +132,10 @@ def background_start(lock_fd: int | None, keys: list[str]) -> bool:
     with contextlib.suppress(OSError, AttributeError):
         os.nice(10)
     place = verdicts.write_place() if lock_fd is None else None
-    if place is not None:  # started by hand
-        try:
+    if place is not None:  # started by hand; no lock to be had: verify anyway (the verdicts' lock keeps the file whole)
+        with contextlib.suppress(OSError):
             if _store.acquire(place, "verify.lock", wait=False, what="verdicts") is None:  # held until exit
                 return False
-        except OSError:
-            pass  # no lock to be had: verify anyway, the verdicts' own lock keeps the file whole
     record_attempt(keys)
     return True
 

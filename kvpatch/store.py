@@ -1,13 +1,7 @@
-"""kvpatch's state on disk: where it lives, who must own it, and the only code that reads or writes it.
-
-kvpatch runs in every Python process of an environment, so what it reads from disk crosses a trust boundary.
-Its state lives in ``<sys.prefix>/var/cache/kvpatch`` (read by every user; only when kvpatch is installed under
-``sys.prefix``), in the per-user ``<cache root>/state/<hash of sys.prefix>``, or, for verdicts only, in
-``$KVPATCH_VERDICTS``. A directory is used only if it and each parent up to the one kvpatch chose is a real
-directory, owned by the current user or root, and not writable by group or others unless sticky (as ssh and pip
-check theirs). Reads follow no symlink, never block and take regular files of at most :data:`MAX_BYTES`; writes
-are atomic and raise :class:`OSError` to the caller, who degrades to memory with one warning.
-"""
+"""kvpatch's state on disk, and the only code that reads or writes it. A directory is used only if it and each parent
+up to the one kvpatch chose is a real directory owned by the current user or root and not writable by group or others
+unless sticky (as ssh and pip check theirs). Reads follow no symlink, never block and take regular files of at most
+4 MiB; writes are atomic and raise :class:`OSError` to the caller, who degrades to memory with one warning."""
 
 from __future__ import annotations
 
@@ -35,7 +29,6 @@ except ImportError:  # pragma: no cover - Windows
 
 log = logging.getLogger(__name__)
 
-#: The largest state file kvpatch reads (bigger ones read as absent).
 MAX_BYTES = 4 << 20
 _SAFE_OPEN = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -76,11 +69,8 @@ def env_dir() -> Place | None:
 
 def _prefix_place() -> Place | None:
     """``<sys.prefix>/var/cache/kvpatch`` when kvpatch is installed under ``sys.prefix`` (not --user/--target)."""
-    try:
-        prefix = os.path.realpath(sys.prefix)
-        if os.path.commonpath([prefix, os.path.realpath(os.path.dirname(__file__))]) != prefix:
-            return None
-    except ValueError:  # different drives
+    package = os.path.realpath(os.path.dirname(__file__))
+    if not package.startswith(os.path.join(os.path.realpath(sys.prefix), "")):
         return None
     base = Path(sys.prefix) / "var"
     return Place(base / "cache" / "kvpatch", base)
@@ -98,8 +88,7 @@ def verdict_places() -> tuple[Place, ...]:
 def _check(place: Place) -> tuple[str, bool] | None:
     """Why ``place`` must not be used and whether that is a matter of trust (``None``: it may be used)."""
     uid = os.geteuid() if hasattr(os, "geteuid") else None
-    path = place.path
-    while True:
+    for path in (place.path, *place.path.parents):
         try:
             st = os.stat(path) if path == place.anchor else os.lstat(path)
         except FileNotFoundError:
@@ -113,15 +102,14 @@ def _check(place: Place) -> tuple[str, bool] | None:
                 return f"The directory {path} is not owned by the current user (owner uid {st.st_uid})", True
             if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
                 return f"The directory {path} is writable by others", True
-        if path == place.anchor or path.parent == path or place.anchor not in path.parents:
-            return None
-        path = path.parent
+        if path == place.anchor or place.anchor not in path.parents:
+            break
+    return None
 
 
 def untrusted(place: Place) -> bool:
     """Whether ``place`` fails the trust check (owner, mode, a symlinked part): warned about once when used."""
-    found = _check(place)
-    return bool(found and found[1])
+    return (_check(place) or ("", False))[1]
 
 
 def _refused(place: Place, what: str) -> str | None:
@@ -142,11 +130,7 @@ def usable(place: Place, what: str = "state") -> bool:
     try:
         if _refused(place, what):
             return False
-        path = place.path
-        while not os.path.lexists(path):
-            if path.parent == path:
-                return False
-            path = path.parent
+        path = next(p for p in (place.path, *place.path.parents) if os.path.lexists(p))
         return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
     except Exception:  # PermissionError and friends: not usable
         return False
@@ -161,21 +145,20 @@ def _open(path: Path, flags: int, mode: int = 0o600) -> int:
     return fd
 
 
-def read_bytes(path: Path, limit: int = MAX_BYTES) -> bytes | None:
-    """The bytes of a regular file of at most ``limit`` bytes (``None``: absent, refused or unreadable)."""
+def read_bytes(path: Path) -> bytes | None:
+    """The bytes of a regular file of at most :data:`MAX_BYTES` (``None``: absent, refused or unreadable)."""
     try:
         with os.fdopen(_open(path, os.O_RDONLY), "rb") as file:
-            data = file.read(limit + 1)
+            data = file.read(MAX_BYTES + 1)
+        if len(data) <= MAX_BYTES:
+            return data
+        why = f"larger than {MAX_BYTES} bytes"
     except FileNotFoundError:
         return None
     except OSError as exc:  # a symlink (ELOOP), a FIFO or device, no permission
         why = "a symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-        emit(f"kvpatch ignores {path}: {why}", key=f"store-read:{path}")
-        return None
-    if len(data) > limit:
-        emit(f"kvpatch ignores {path}: larger than {limit} bytes", key=f"store-read:{path}")
-        return None
-    return data
+    emit(f"kvpatch ignores {path}: {why}", key=f"store-read:{path}")
+    return None
 
 
 def read_json(place: Place, name: str, what: str = "state") -> Any:
@@ -237,7 +220,7 @@ def acquire(place: Place, name: str, *, wait: bool, what: str = "state") -> int 
 
 @contextlib.contextmanager
 def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[bool]:
-    """Hold the lock ``name`` for the block; yields False when ``wait`` is off and it is taken."""
+    """:func:`acquire` for the block; yields False when ``wait`` is off and the lock is taken."""
     fd = acquire(place, name, wait=wait, what=what)
     try:
         yield fd is not None

@@ -1,14 +1,11 @@
-"""Verdicts: what a patch's reproduction found in this environment, measured outside the user's import, then read.
-
-A reproduction is a workload, so it runs only in a verification process (:mod:`kvpatch.measurer`); the user's
-process reads ``verdicts.json`` from the places of :func:`kvpatch.store.verdict_places` (merged, the first wins,
-so a verdict stored at image build time serves every user). It also holds the background verifier's attempts and
-the fingerprint cache (:mod:`kvpatch.fingerprints`). A verdict only turns a patch the reproduction decides on or
-off, for its exact :func:`key`: anything it depends on changed means no verdict, and the patch is measured again.
-"""
+"""Verdicts: what a patch's reproduction found in this environment, measured only in a verification process
+(:mod:`kvpatch.measurer`) and read by every other. ``verdicts.json`` (also holding the background verifier's attempts
+and the fingerprint cache) is merged from the places of :func:`kvpatch.store.verdict_places`, the first winning, so a
+verdict stored at image build time serves every user. A verdict holds only for its exact :func:`key`."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import json
@@ -29,7 +26,6 @@ if TYPE_CHECKING:
 
 SCHEMA = "kvpatch.verdicts/1"
 FILE = "verdicts.json"
-#: Entries kept per table (oldest dropped first).
 MAX_ENTRIES = 512
 _TABLES = ("verdicts", "attempts", "fingerprints")
 
@@ -53,13 +49,13 @@ STORED = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.NOT_FIXED, Outcome.IN
 
 @dataclass(frozen=True)
 class Verdict:
+    """An outcome, when (epoch seconds) and by what (``verify``, ``background``, ``status --verify``) it was
+    measured, and the file it was read from (``""``: measured in this process, or kept in memory)."""
+
     outcome: Outcome
     detail: str = ""
-    #: When it was measured (seconds since the epoch).
     at: float = 0.0
-    #: What measured it: ``verify``, ``background``, ``status --verify``.
     by: str = ""
-    #: The file it was read from (``""``: measured in this process, or kept in memory).
     source: str = ""
 
     def describe(self) -> str:
@@ -109,12 +105,6 @@ def _parse(data: Any) -> dict[str, Any]:
     return {"schema": SCHEMA, **{t: data[t] if isinstance(data.get(t), dict) else {} for t in _TABLES}}
 
 
-def _prune(table: dict[str, Any]) -> None:
-    by_age = sorted(table, key=lambda k: table[k].get("at", 0) if isinstance(table[k], dict) else 0)
-    for k in by_age[: max(0, len(table) - MAX_ENTRIES)]:
-        del table[k]
-
-
 #: Tables changed in this process that no file holds.
 _memory: dict[str, Any] = _parse(None)
 #: Verdict keys measured in this process that no file holds -> why (``kvpatch verify`` fails on them).
@@ -136,8 +126,9 @@ def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> st
                     return "another process held the lock"  # this change waits for a later process
                 data = _parse(_store.read_json(place, FILE, "verdicts"))
                 change(data)
-                for table in _TABLES:
-                    _prune(data[table])
+                for t in _TABLES:  # the newest MAX_ENTRIES of each table
+                    by_age = sorted(data[t].items(), key=lambda e: e[1].get("at", 0) if isinstance(e[1], dict) else 0)
+                    data[t] = dict(by_age[-MAX_ENTRIES:])
                 _store.write_json(place, FILE, data, "verdicts")
             _loaded = None
             return None
@@ -168,16 +159,6 @@ def tables() -> dict[str, Any]:
     return _loaded
 
 
-def digest() -> str:
-    """A hash of the stored verdicts (with where they were read) and cached fingerprints: what a settled
-    ``status`` outcome depends on. Never raises."""
-    try:
-        parts = [tables()["verdicts"], tables()["fingerprints"]]
-        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    except Exception:
-        return ""
-
-
 def _kvpatch_version() -> str:
     try:
         from . import __version__
@@ -206,21 +187,12 @@ def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
 
 def lookup(verdict_key: str) -> Verdict | None:
     """The stored verdict for ``verdict_key`` written by this kvpatch version, or ``None``. Never raises."""
-    try:
-        entry = tables()["verdicts"].get(verdict_key)
-        if not isinstance(entry, dict) or entry.get("outcome") not in STORED:
-            return None
-        if entry.get("kvpatch") != _kvpatch_version():
-            return None
-        return Verdict(
-            Outcome(entry["outcome"]),
-            str(entry.get("detail", "")),
-            float(entry.get("at", 0)),
-            str(entry.get("by", "")),
-            str(entry.get("source", "")),
-        )
-    except Exception:
-        return None
+    with contextlib.suppress(Exception):  # absent, corrupt or another kvpatch version's
+        entry = tables()["verdicts"][verdict_key]
+        if entry["outcome"] in STORED and entry["kvpatch"] == _kvpatch_version():
+            detail, by, source = (str(entry.get(k, "")) for k in ("detail", "by", "source"))
+            return Verdict(Outcome(entry["outcome"]), detail, float(entry.get("at", 0)), by, source)
+    return None
 
 
 def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[str, Upstream]) -> bool:
@@ -242,8 +214,7 @@ def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[st
         data["attempts"].pop(verdict_key, None)
 
     why = update(change)
-    if why is None:
-        unstored.pop(verdict_key, None)
-        return True
-    unstored[verdict_key] = why
-    return False
+    unstored.pop(verdict_key, None)
+    if why is not None:
+        unstored[verdict_key] = why
+    return why is None

@@ -1,10 +1,8 @@
-"""``python -m kvpatch verify``: settle, in this process, every verdict the environment's imports will read.
+"""``python -m kvpatch verify``: measure and store, in this process, every verdict the environment's imports read.
 
-Every patch is decided again with all of them enabled (a verdict does not depend on ``KVPATCH_DISABLE`` /
-``KVPATCH_ENABLE``), every target module imported, and each patch left to its reproduction measured and stored.
-Exit status: 0 when every patch is settled; 1 when one is not or a unit is broken; 74 (EX_IOERR) when a verdict was
-measured but not stored, so that a build step running ``kvpatch verify`` fails.
-"""
+Every patch is decided with all of them enabled (a verdict does not depend on ``KVPATCH_DISABLE``/``KVPATCH_ENABLE``).
+Exit 0 when every patch is settled, 1 when one is not or a unit is broken, 74 (EX_IOERR) when a verdict was measured
+but not stored, so that a build step running ``kvpatch verify`` fails."""
 
 from __future__ import annotations
 
@@ -36,13 +34,12 @@ def run(args: argparse.Namespace) -> int:
         print("kvpatch verify: another verification holds this environment's lock; nothing to do")
         return 0
     os.environ[config.VERIFYING] = "1"  # nothing started from here starts a verification of its own
-    import kvpatch
-
+    from . import deactivate, get_engine
     from .config import Config
     from .engine import State, import_target_modules
 
-    kvpatch.deactivate()
-    engine = kvpatch.get_engine()
+    deactivate()
+    engine = get_engine()
     engine.reconsider(Config(enable_all=True))
     errors: dict[str, str] = {}
     by = "background" if args.background else "verify"
