@@ -9,7 +9,6 @@ import contextlib
 import errno
 import hashlib
 import json
-import logging
 import os
 import stat
 import sys
@@ -26,8 +25,6 @@ try:  # POSIX; elsewhere locks are no-ops
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
-
-log = logging.getLogger(__name__)
 
 MAX_BYTES = 4 << 20
 _SAFE_OPEN = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -116,24 +113,18 @@ def _refused(place: Place, what: str) -> str | None:
     """Why ``place`` must not be used (``None``: it may be), warned once if a matter of trust. (One that merely
     cannot be entered is the concern of the caller that loses a write, which says so once.)"""
     found = _check(place)
-    if found is None:
-        return None
-    if found[1]:
+    if found and found[1]:
         emit(f"{found[0]}; kvpatch does not use it and keeps its {what} in memory", key=f"store:{place.path}")
-    else:
-        log.debug("kvpatch: %s", found[0])
-    return found[0]
+    return found[0] if found else None
 
 
 def usable(place: Place, what: str = "state") -> bool:
     """``place`` passes the trust check (warns once if not) and exists or can be created and written."""
-    try:
-        if _refused(place, what):
-            return False
-        path = next(p for p in (place.path, *place.path.parents) if os.path.lexists(p))
-        return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
-    except Exception:  # PermissionError and friends: not usable
-        return False
+    with contextlib.suppress(Exception):  # PermissionError and friends: not usable
+        if not _refused(place, what):
+            path = next(p for p in (place.path, *place.path.parents) if os.path.lexists(p))
+            return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+    return False
 
 
 def _open(path: Path, flags: int, mode: int = 0o600) -> int:
@@ -163,21 +154,16 @@ def read_bytes(path: Path) -> bytes | None:
 
 def read_json(place: Place, name: str, what: str = "state") -> Any:
     """The JSON document ``name`` in ``place`` (``None``: absent, refused, unreadable or corrupt). Never raises."""
-    try:
-        if _refused(place, what):
-            return None
-        data = read_bytes(place / name)
+    with contextlib.suppress(Exception):
+        data = None if _refused(place, what) else read_bytes(place / name)
         return None if data is None else json.loads(data)
-    except Exception as exc:
-        log.debug("kvpatch: ignoring %s: %s", place / name, exc)
-        return None
+    return None
 
 
 def _ensure(place: Place, what: str) -> None:
     """Create ``place`` if needed (0755), checked before and after; raise :class:`OSError` if it must not be used."""
     for create in (True, False):
-        why = _refused(place, what)
-        if why:
+        if why := _refused(place, what):
             raise PermissionError(errno.EACCES, why, str(place.path))
         if create:
             os.makedirs(place.path, mode=0o755, exist_ok=True)

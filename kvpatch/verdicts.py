@@ -171,7 +171,6 @@ def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
     """A hash of what a verdict for ``patch`` depends on: kvpatch's version, the patch and its unit's file, Python,
     the version and PEP 610 source of each upstream, and each target module's file (path, size, mtime)."""
     patch_file = getattr(sys.modules.get(patch.module), "__file__", None) if patch.module else None
-    files = [[name, path, stamp(path)] for name in patch.modules for path in [module_file(name)]]
     parts = {
         "kvpatch": _kvpatch_version(),
         "patch": [patch.id, patch_file, stamp(patch_file)],
@@ -179,7 +178,7 @@ def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
         "upstream": {
             name: [up.version, up.source.kind, up.source.url, up.source.commit] for name, up in sorted(upstream.items())
         },
-        "files": files,
+        "files": [[name, path, stamp(path)] for name in patch.modules for path in [module_file(name)]],
     }
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]
