@@ -24,9 +24,8 @@ _new: dict[str, dict[str, str]] = {}
 
 
 def fingerprint(obj: Any) -> str | None:
-    """A short hash of an object's source (:func:`fingerprint_source`), looking through kvpatch's replacements;
-    ``None`` when the source cannot be read. Source, not bytecode: the same on every Python. A property counts by
-    its setter, else its getter (as ``scripts/record_fingerprints.py`` finds it)."""
+    """A short hash of an object's source (the same on every Python; ``None``: unreadable), looking through kvpatch's
+    replacements. A property counts by its setter, else its getter (as ``scripts/record_fingerprints.py`` does)."""
     if isinstance(obj, property):
         obj = obj.fset or obj.fget
     try:
@@ -42,8 +41,8 @@ def _function(obj: Any) -> Any:
 
 
 def fingerprint_source(text: str) -> str:
-    """The one normalisation of a definition's source (live objects, vendored files, the recorded data): non-blank
-    lines stripped, comment lines dropped, hashed."""
+    """The one normalisation of a definition's source (live, vendored, recorded): lines stripped, blank and comment
+    lines dropped, hashed."""
     lines = [line.strip() for line in text.splitlines()]
     body = "\n".join(line for line in lines if line and not line.startswith("#"))
     return hashlib.sha256(body.encode()).hexdigest()[:12]

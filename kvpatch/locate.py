@@ -27,12 +27,8 @@ def module_file(name: str) -> str | None:
             if not rest:
                 return str(spec.origin) if spec.origin else None
             locations = list(spec.submodule_search_locations or ())
-        for base in locations:
-            stem = os.path.join(base, *rest.split("."))
-            for candidate in (stem + ".py", os.path.join(stem, "__init__.py")):
-                if os.path.isfile(candidate):
-                    return candidate
-        return None
+        stems = [os.path.join(base, *rest.split(".")) for base in locations]
+        return next((c for s in stems for c in (s + ".py", os.path.join(s, "__init__.py")) if os.path.isfile(c)), None)
     except Exception:  # ImportError, ValueError, a broken finder: not found
         return None
 

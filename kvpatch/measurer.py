@@ -22,9 +22,8 @@ _patches: set[str] = set()
 
 @contextlib.contextmanager
 def measuring_as(by: str, *, remeasure: bool = False) -> Iterator[None]:
-    """Within the block the engine measures verdicts and stores them, as ``by`` (``verify``, ``background``,
-    ``status --verify``); ``remeasure``: also where a verdict is stored (the background child measures only
-    what is missing)."""
+    """Within the block the engine measures and stores verdicts as ``by`` (``verify``, ``background``, ``status
+    --verify``); ``remeasure``: also where one is stored (the background child measures only what is missing)."""
     global _measuring, _remeasure
     saved = (_measuring, _remeasure)
     _measuring, _remeasure = by, remeasure
@@ -36,8 +35,7 @@ def measuring_as(by: str, *, remeasure: bool = False) -> Iterator[None]:
 
 @contextlib.contextmanager
 def measuring_patch(patch_id: str) -> Iterator[bool]:
-    """Mark ``patch_id`` as being measured for the block; yields False when it is already (a hook fired by the
-    measurement's own imports), and then marks nothing."""
+    """Mark ``patch_id`` measured for the block; yields False if it already is (the measurement's own imports)."""
     first = patch_id not in _patches
     _patches.add(patch_id)
     try:
@@ -57,17 +55,15 @@ def remeasure() -> bool:
 
 
 def request_verification(keys: list[str]) -> str:
-    """Start one background verification unless one runs or was tried; return what ``status`` shows after
-    "pending verification". Never raises."""
+    """Start one background verification unless one runs or was tried; the note ``status`` shows. Never raises."""
     global _requested
     if _requested is None:
         settle = "run `python -m kvpatch verify` to settle it now"
         try:
             _requested = f"{_start(keys)} {settle}"
         except Exception as exc:  # never break the import
-            _requested = (
-                f"no verdict yet (background verification could not start: {type(exc).__name__}: {exc}); {settle}"
-            )
+            why = f"{type(exc).__name__}: {exc}"
+            _requested = f"no verdict yet (background verification could not start: {why}); {settle}"
     return _requested
 
 
@@ -86,9 +82,7 @@ def _start(keys: list[str]) -> str:
     why_not = next((why for why, applies in reasons.items() if applies), None)
     if why_not is not None:
         return f"no verdict for this environment yet ({why_not}):"
-    attempts = verdicts.tables()["attempts"]
-    for k in keys:
-        tried = attempts.get(k)
+    for tried in [verdicts.tables()["attempts"].get(k) for k in keys]:
         if isinstance(tried, dict) and time.time() - float(tried.get("at", 0)) < 3600:
             when = time.strftime("%H:%M", time.localtime(float(tried["at"])))
             return f"no verdict yet: a background verification started at {when} has not settled it;"
@@ -120,7 +114,7 @@ def _start(keys: list[str]) -> str:
             )
         finally:
             os.close(out)
-        where = f"pid {proc.pid}, log {place / 'verify.log'}"
+        where = f"pid {proc.pid}, log {place.path / 'verify.log'}"
         return f"no verdict for this environment yet: verifying in the background ({where});"
     finally:
         os.close(fd)  # the verifier holds the lock through its own copy of the descriptor

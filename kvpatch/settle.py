@@ -20,8 +20,6 @@ from .locate import module_file, stamp
 if TYPE_CHECKING:
     from .engine import Engine
 
-_FILE = "settled.json"
-
 
 @dataclass(frozen=True)
 class Settled:
@@ -34,19 +32,16 @@ class Settled:
 
 
 def environment_key(engine: Engine) -> str:
-    """A hash of everything that decides what an import does with ``engine``'s patches here: kvpatch's version,
-    location and every file of its package (patch units and data included), the interpreter, every ``KVPATCH*``
-    variable, each upstream's version and install source, each target module's file, and the stored verdicts (and
-    where they were read) and cached fingerprints: a verification since the last settle counts."""
-    from . import __version__
-
+    """A hash of everything that decides what an import does here: kvpatch's location and every file of its package
+    (units, data, ``__version__``), the interpreter, every ``KVPATCH*`` variable, each upstream's version and source,
+    each target module's file, and the stored verdicts (with their files) and cached fingerprints."""
     root = os.path.dirname(os.path.abspath(__file__))
     own_files = []
     for directory, subdirs, files in os.walk(root):
         subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
         paths = [os.path.join(directory, name) for name in sorted(files)]
         own_files += [(os.path.relpath(path, root), stamp(path)) for path in paths]
-    parts: list[Any] = [__version__, root, own_files, os.path.realpath(sys.prefix), sys.version, config.values()]
+    parts: list[Any] = [root, own_files, os.path.realpath(sys.prefix), sys.version, config.values()]
     for name, up in sorted(engine.upstream.items()):
         parts.append((name, up.version, up.source.kind, up.source.url, up.source.commit, up.location))
     patches = engine.materialise()
@@ -64,7 +59,7 @@ def settle(engine: Engine, *, fresh: bool = False) -> Settled:
     key = environment_key(engine)
     place = store.env_dir()
     if not fresh and not engine.changes() and place is not None:
-        data = store.read_json(place, _FILE, "settled status")
+        data = store.read_json(place, "settled.json", "settled status")
         with contextlib.suppress(Exception):  # absent or corrupt: settle again
             if data["key"] == key and isinstance(data["outcomes"], dict):
                 return Settled("cache", float(data["at"]), data["outcomes"])
@@ -81,5 +76,5 @@ def settle(engine: Engine, *, fresh: bool = False) -> Settled:
     if place is not None:
         with contextlib.suppress(OSError):  # a read-only home means settling every time, nothing worse
             data = {"key": environment_key(engine), "at": settled.at, "outcomes": outcomes}
-            store.write_json(place, _FILE, data, "settled status")
+            store.write_json(place, "settled.json", data, "settled status")
     return settled

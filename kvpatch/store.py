@@ -37,20 +37,14 @@ class Place:
     path: Path
     anchor: Path
 
-    def __truediv__(self, name: str) -> Path:
-        return self.path / name
-
 
 def cache_root() -> Path | None:
     """``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else ``~/.cache/kvpatch`` (``None``: no home)."""
     explicit = config.cache_override()
     if explicit:
         return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "kvpatch"
     try:
-        return Path.home() / ".cache" / "kvpatch"
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "kvpatch"
     except (RuntimeError, KeyError, OSError):  # HOME unset and no passwd entry for this uid
         return None
 
@@ -110,8 +104,8 @@ def untrusted(place: Place) -> bool:
 
 
 def _refused(place: Place, what: str) -> str | None:
-    """Why ``place`` must not be used (``None``: it may be), warned once if a matter of trust. (One that merely
-    cannot be entered is the concern of the caller that loses a write, which says so once.)"""
+    """Why ``place`` must not be used (``None``: it may be), warned once if a matter of trust (one that cannot be
+    entered is for the caller that loses a write to say)."""
     found = _check(place)
     if found and found[1]:
         emit(f"{found[0]}; kvpatch does not use it and keeps its {what} in memory", key=f"store:{place.path}")
@@ -155,7 +149,7 @@ def read_bytes(path: Path) -> bytes | None:
 def read_json(place: Place, name: str, what: str = "state") -> Any:
     """The JSON document ``name`` in ``place`` (``None``: absent, refused, unreadable or corrupt). Never raises."""
     with contextlib.suppress(Exception):
-        data = None if _refused(place, what) else read_bytes(place / name)
+        data = None if _refused(place, what) else read_bytes(place.path / name)
         return None if data is None else json.loads(data)
     return None
 
@@ -180,7 +174,7 @@ def write_json(place: Place, name: str, data: Any, what: str = "state") -> None:
             file.write(payload)
             file.flush()
             os.fsync(fd)
-        os.replace(tmp, place / name)
+        os.replace(tmp, place.path / name)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -188,10 +182,9 @@ def write_json(place: Place, name: str, data: Any, what: str = "state") -> None:
 
 
 def acquire(place: Place, name: str, *, wait: bool, what: str = "state") -> int | None:
-    """Lock ``name`` in ``place`` (created 0600, no symlink followed): its descriptor, or ``None`` when
-    ``wait`` is off and another process holds it. Raises :class:`OSError` when it cannot be opened."""
+    """Lock ``name`` in ``place``: its descriptor (``None``: ``wait`` is off and it is taken), or OSError."""
     _ensure(place, what)
-    fd = _open(place / name, os.O_RDWR | os.O_CREAT)
+    fd = _open(place.path / name, os.O_RDWR | os.O_CREAT)
     try:
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -218,4 +211,4 @@ def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Itera
 def open_log(place: Place, name: str, what: str = "state") -> int:
     """``name`` in ``place`` opened for appending (created 0600, no symlink followed). Raises :class:`OSError`."""
     _ensure(place, what)
-    return _open(place / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    return _open(place.path / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)

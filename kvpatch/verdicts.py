@@ -66,9 +66,8 @@ class Verdict:
 
 
 def judge(before: Finding, after: Finding | None, foreign: Sequence[str] = ()) -> tuple[Outcome, str]:
-    """The outcome and its detail of a run without the patch (``before``) and with it (``after``; ``None``: not
-    tried). ``foreign``: targets holding another library's code (:func:`kvpatch.surgery.foreign_targets`) during
-    the run without: an absent bug is then that library's fix, not upstream's."""
+    """The outcome and detail of runs without and with the patch (``after`` ``None``: not tried). ``foreign``: targets
+    holding another library's code during the run without: an absent bug is then its fix, not upstream's."""
     if before.bug is Bug.SKIPPED:
         return Outcome.SKIPPED, before.skipped or ""
     if before.bug is Bug.INCONCLUSIVE:
@@ -113,9 +112,8 @@ _loaded: dict[str, Any] | None = None
 
 
 def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> str | None:
-    """Apply ``change`` to the writable file's tables, read afresh under its lock; never raises. ``wait=False``
-    (the user's process) gives up when another process is writing. Returns why it was not written (``None``:
-    written); ``change`` then went to this process's memory, with one warning, unless the lock was taken."""
+    """Apply ``change`` to the writable file's tables, read afresh under its lock; never raises. Returns why it was
+    not written (``None``: written): ``change`` then went to memory, with one warning, unless the lock was taken."""
     global _loaded
     why = "no usable directory (" + ", ".join(str(p.path) for p in _store.verdict_places()) + ")"
     try:
@@ -142,20 +140,16 @@ def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> st
 
 
 def tables() -> dict[str, Any]:
-    """Every readable file's tables merged (earlier places win), then this process's memory; read once. A verdict
-    read from a file names it as its ``source``."""
+    """Every readable file's tables (earlier places win; a verdict names its file as ``source``), then memory."""
     global _loaded
     if _loaded is None:
-        merged = _parse(None)
+        layers = []
         for place in reversed(_store.verdict_places()):
             data = _parse(_store.read_json(place, FILE, "verdicts"))
-            source = {"source": str(place / FILE)}
+            source = {"source": str(place.path / FILE)}
             data["verdicts"] = {k: {**v, **source} if isinstance(v, dict) else v for k, v in data["verdicts"].items()}
-            for table in _TABLES:
-                merged[table].update(data[table])
-        for table in _TABLES:
-            merged[table].update(_memory[table])
-        _loaded = merged
+            layers.append(data)
+        _loaded = {t: {k: v for layer in [*layers, _memory] for k, v in layer[t].items()} for t in _TABLES}
     return _loaded
 
 
@@ -195,8 +189,7 @@ def lookup(verdict_key: str) -> Verdict | None:
 
 
 def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[str, Upstream]) -> bool:
-    """Keep ``verdict`` for every later process (waits for the lock; never raises). False: kept in this
-    process's memory only (:data:`unstored` says why)."""
+    """Keep ``verdict`` for every later process (never raises). False: only in memory (:data:`unstored` says why)."""
     up = upstream.get(patch.distribution)
     entry = {
         "patch": patch.id,

@@ -10,12 +10,10 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
 
 from . import config, fingerprints, measurer, verdicts
 
 _SETTLED = ("applied", "not needed", "out of range", "not installed", "opt-in", "disabled")
-#: A verdict was measured and not stored (sysexits.h EX_IOERR).
 EXIT_NOT_STORED = 74
 
 
@@ -45,15 +43,13 @@ def run(args: argparse.Namespace) -> int:
     by = "background" if args.background else "verify"
     with measurer.measuring_as(by, remeasure=not (args.background or args.missing)):
         engine.activate()
-        for patch in engine.materialise():
-            if engine.status[patch.id].state is not State.PENDING:
-                continue
+        for patch in [p for p in engine.materialise() if engine.status[p.id].state is State.PENDING]:
             try:
                 import_target_modules(patch)
             except Exception as exc:
                 errors[patch.id] = f"{type(exc).__name__}: {exc}"
         fingerprints.save(wait=True)
-    rows: list[dict[str, Any]] = [
+    rows = [
         {
             "id": st.patch.id,
             "action": st.decision.action.value,
@@ -66,13 +62,12 @@ def run(args: argparse.Namespace) -> int:
         for st in (engine.status[patch.id] for patch in engine.materialise())
     ]
     engine.deactivate()
-    unsettled = [r for r in rows if r["state"] not in _SETTLED and r["state"] != "pending"]
-    # "pending": an APPLY patch whose modules imported nothing to patch (optional targets): not a verdict matter
+    unsettled = [r for r in rows if r["state"] not in (*_SETTLED, "pending")]  # pending: optional targets absent
     lost = dict(verdicts.unstored)
     code = EXIT_NOT_STORED if lost else 1 if unsettled or engine.broken else 0
     where = verdicts.write_place()
     if args.json:
-        cache = str(where / verdicts.FILE) if where else None
+        cache = str(where.path / verdicts.FILE) if where else None
         data = {"schema": "kvpatch.verify/1", "cache": cache, "patches": rows, "broken": dict(engine.broken)}
         print(json.dumps({**data, "not_stored": lost, "exit": code}, indent=2))
     else:
@@ -83,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"BROKEN {module}: {error}")
         verified = sum(1 for r in rows if r["verdict"])
         decided = sum(1 for r in rows if r["action"] in ("apply", "not needed"))
-        stored = f"stored in {where / verdicts.FILE}" if where else "not stored: no writable cache"
+        stored = f"stored in {where.path / verdicts.FILE}" if where else "not stored: no writable cache"
         print(
             f"kvpatch verify: verified {verified} patch(es) whose outcome depends on a reproduction here ({stored}); "
             f"{decided} decided by the installed release need none (`kvpatch status --verify` measures those too); "
