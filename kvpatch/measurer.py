@@ -16,7 +16,6 @@ from . import store as _store
 _measuring: str | None = None
 _remeasure = False
 _requested: str | None = None
-#: Ids of the patches being measured now (a hook fired by importing their targets must not start a second run).
 _patches: set[str] = set()
 
 
@@ -68,9 +67,8 @@ def request_verification(keys: list[str]) -> str:
 
 
 def _start(keys: list[str]) -> str:
-    """Start the verifier detached (no shell, a new session) holding ``verify.lock``, unless it must not run. No
-    directory kvpatch did not choose is on its ``sys.path``: ``-P`` (3.11+), this process's ``-I -E -s -S``, and
-    ``/`` as its working directory (only root can plant a package there)."""
+    """Start the verifier detached (no shell, new session) holding ``verify.lock``, unless it must not run. Its
+    ``sys.path`` has no directory kvpatch did not choose: ``-P``, our ``-I -E -s -S``, cwd ``/`` (only root's)."""
     import subprocess
 
     reasons = {

@@ -64,7 +64,9 @@ def settle(engine: Engine, *, fresh: bool = False) -> Settled:
             if data["key"] == key and isinstance(data["outcomes"], dict):
                 return Settled("cache", float(data["at"]), data["outcomes"])
     if engine.active:
-        for st in [st for st in engine.status.values() if st.state is State.PENDING]:
+        for st in list(engine.status.values()):
+            if st.state is not State.PENDING:  # checked as it goes: one patch's import settles others
+                continue
             # a module that fails to import takes its patch's targets with it: the hooks never ran
             import_target_modules(st.record, functools.partial(engine.import_failed, st.patch.id))
         engine.refresh()

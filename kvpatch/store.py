@@ -104,8 +104,7 @@ def untrusted(place: Place) -> bool:
 
 
 def _refused(place: Place, what: str) -> str | None:
-    """Why ``place`` must not be used (``None``: it may be), warned once if a matter of trust (one that cannot be
-    entered is for the caller that loses a write to say)."""
+    """Why ``place`` must not be used (``None``: it may be); warned once if a matter of trust, else left to callers."""
     found = _check(place)
     if found and found[1]:
         emit(f"{found[0]}; kvpatch does not use it and keeps its {what} in memory", key=f"store:{place.path}")

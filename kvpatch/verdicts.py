@@ -31,8 +31,7 @@ _TABLES = ("verdicts", "attempts", "fingerprints")
 
 
 class Outcome(str, enum.Enum):
-    """What a reproduction run without and with its patch says (:func:`judge`). The values are stored and shown:
-    they never change. The first five are verdicts; the last three only ``status --verify`` says, of this process."""
+    """What runs without and with a patch say (:func:`judge`; the :data:`STORED` ones are verdicts); never changed."""
 
     FIXED = "bug present, fixed by patch"
     ABSENT = "bug absent upstream"

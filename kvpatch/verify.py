@@ -43,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
     by = "background" if args.background else "verify"
     with measurer.measuring_as(by, remeasure=not (args.background or args.missing)):
         engine.activate()
-        for patch in [p for p in engine.materialise() if engine.status[p.id].state is State.PENDING]:
+        for patch in engine.materialise():
+            if engine.status[patch.id].state is not State.PENDING:  # checked as it goes, as in settle
+                continue
             try:
                 import_target_modules(patch)
             except Exception as exc:
