@@ -1,13 +1,9 @@
-"""The fingerprints a patch was validated on, and a cache of live targets' fingerprints.
-
-Each replaced target's source fingerprint is compared with those recorded on every release of the patch's
-affected range (``kvpatch/data/fingerprints.json``, written by ``scripts/record_fingerprints.py``). Computing one
-reads the target's source, so it is cached in the verdict file (:mod:`kvpatch.verdicts`) by the defining file's
-path, size and mtime: a verified environment reads no source at import.
-"""
+"""The fingerprints a patch was validated on (``kvpatch/data/fingerprints.json``), and live targets' fingerprints,
+cached in the verdict file by the defining file's path, size and mtime: a verified environment reads no source."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -22,49 +18,45 @@ from .locate import stamp
 if TYPE_CHECKING:
     from .record import Patch
 
-__all__ = ["SHIPPED", "cached", "fingerprint", "fingerprint_source", "save", "shipped", "validated"]
-
 SHIPPED = Path(__file__).resolve().parent / "data" / "fingerprints.json"
-_shipped: dict[str, dict[str, frozenset[str]]] | None = None
 #: Computed in this process, not yet in the cache: file key -> {line:qualname -> fingerprint}.
 _new: dict[str, dict[str, str]] = {}
 
 
 def fingerprint(obj: Any) -> str | None:
-    """A short hash of an object's source (:func:`fingerprint_source`), looking through kvpatch's replacements;
-    ``None`` when the source cannot be read. Source, not bytecode: the same on every Python. A property counts by
-    its setter, else its getter (as ``scripts/record_fingerprints.py`` finds it)."""
+    """A short hash of an object's source (the same on every Python; ``None``: unreadable), looking through kvpatch's
+    replacements. A property counts by its setter, else its getter (as ``scripts/record_fingerprints.py`` does)."""
     if isinstance(obj, property):
         obj = obj.fset or obj.fget
-    func = inspect.unwrap(obj) if callable(obj) else obj
-    func = getattr(func, "__func__", func)
     try:
-        text = inspect.getsource(func)
+        return fingerprint_source(inspect.getsource(_function(obj)))
     except (OSError, TypeError):
         return None
-    return fingerprint_source(text)
+
+
+def _function(obj: Any) -> Any:
+    """``obj`` with kvpatch's replacements and a method's binding looked through."""
+    func = inspect.unwrap(obj) if callable(obj) else obj
+    return getattr(func, "__func__", func)
 
 
 def fingerprint_source(text: str) -> str:
-    """The one normalisation of a definition's source (live objects, vendored files, the recorded data): non-blank
-    lines stripped, comment lines dropped, hashed."""
+    """The one normalisation of a definition's source (live, vendored, recorded): lines stripped, blank and comment
+    lines dropped, hashed."""
     lines = [line.strip() for line in text.splitlines()]
     body = "\n".join(line for line in lines if line and not line.startswith("#"))
     return hashlib.sha256(body.encode()).hexdigest()[:12]
 
 
+@functools.cache
 def shipped() -> dict[str, dict[str, frozenset[str]]]:
     """``kvpatch/data/fingerprints.json`` as patch id -> target path -> fingerprints (read once)."""
-    global _shipped
-    if _shipped is None:
-        _shipped = {}
-        try:
-            data = json.loads(SHIPPED.read_text(encoding="utf-8"))
-            for pid, targets in data.get("patches", {}).items():
-                _shipped[pid] = {t: frozenset(fps) for t, fps in targets.items()}
-        except Exception as exc:  # a broken data file must not break imports (a test guards it)
-            emit(f"kvpatch cannot read {SHIPPED}: {exc}")
-    return _shipped
+    try:
+        data = json.loads(SHIPPED.read_text(encoding="utf-8"))["patches"]
+        return {pid: {t: frozenset(fps) for t, fps in targets.items()} for pid, targets in data.items()}
+    except Exception as exc:  # a broken data file must not break imports (a test guards it)
+        emit(f"kvpatch cannot read {SHIPPED}: {exc}")
+        return {}
 
 
 def validated(patch: Patch) -> dict[str, frozenset[str]]:
@@ -74,8 +66,7 @@ def validated(patch: Patch) -> dict[str, frozenset[str]]:
 
 def cached(obj: Any) -> str | None:
     """:func:`fingerprint` of ``obj``, cached by the defining file's path, size and mtime."""
-    func = inspect.unwrap(obj) if callable(obj) else obj
-    func = getattr(func, "__func__", func)
+    func = _function(obj)
     code = getattr(func, "__code__", None)
     size_mtime = stamp(getattr(code, "co_filename", None))
     if code is None or size_mtime is None:
@@ -85,9 +76,7 @@ def cached(obj: Any) -> str | None:
     known = verdicts.tables()["fingerprints"].get(file_key)
     if isinstance(known, dict) and isinstance(known.get(sub), str):
         return str(known[sub])
-    if sub in _new.get(file_key, {}):
-        return _new[file_key][sub]
-    value = fingerprint(obj)
+    value = _new.get(file_key, {}).get(sub) or fingerprint(obj)
     if value is not None:
         _new.setdefault(file_key, {})[sub] = value
     return value
@@ -103,8 +92,7 @@ def save(*, wait: bool = False) -> None:
     def change(data: dict[str, Any]) -> None:
         for file_key, subs in new.items():
             entry = data["fingerprints"].get(file_key)
-            entry = {**(entry if isinstance(entry, dict) else {}), **subs, "at": now}
-            data["fingerprints"][file_key] = entry
+            data["fingerprints"][file_key] = {**(entry if isinstance(entry, dict) else {}), **subs, "at": now}
 
     if verdicts.update(change, wait=wait) is None:
         _new.clear()

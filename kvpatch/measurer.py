@@ -1,11 +1,6 @@
-"""Who measures verdicts: this process, inside :func:`measuring_as`, or one detached background verifier.
-
-Outside :func:`measuring_as` (the user's process) the engine only reads verdicts. A patch without one is not
-applied there (``pending verification``), and :func:`request_verification` starts ``python -m kvpatch verify
---background`` once: detached, at ``nice`` 10, never waited for (one fork and exec per process at most). At most
-one runs per environment (it holds ``verify.lock``), and a key it tried is not tried again for an hour
-(``kvpatch verify`` settles it at once). ``KVPATCH_VERIFY=never`` turns it off.
-"""
+"""Who measures verdicts: this process inside :func:`measuring_as`, or one detached background verifier that
+:func:`request_verification` starts once per process (at most one per environment: it holds ``verify.lock``; a key
+it tried is not tried again for an hour). Elsewhere (the user's process) the engine only reads verdicts."""
 
 from __future__ import annotations
 
@@ -14,36 +9,20 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from . import config, verdicts
 from . import store as _store
 
-__all__ = [
-    "background_start",
-    "measuring",
-    "measuring_as",
-    "measuring_patch",
-    "record_attempt",
-    "remeasure",
-    "request_verification",
-]
-
-#: A background verification is not started again for a key tried this recently (seconds).
-RETRY_AFTER = 3600.0
-
 _measuring: str | None = None
 _remeasure = False
 _requested: str | None = None
-#: Ids of the patches being measured now (a hook fired by importing their targets must not start a second run).
 _patches: set[str] = set()
 
 
 @contextlib.contextmanager
 def measuring_as(by: str, *, remeasure: bool = False) -> Iterator[None]:
-    """Within the block the engine measures verdicts and stores them, as ``by`` (``verify``, ``background``,
-    ``status --verify``); ``remeasure``: also where a verdict is stored (the background child measures only
-    what is missing)."""
+    """Within the block the engine measures and stores verdicts as ``by`` (``verify``, ``background``, ``status
+    --verify``); ``remeasure``: also where one is stored (the background child measures only what is missing)."""
     global _measuring, _remeasure
     saved = (_measuring, _remeasure)
     _measuring, _remeasure = by, remeasure
@@ -55,16 +34,14 @@ def measuring_as(by: str, *, remeasure: bool = False) -> Iterator[None]:
 
 @contextlib.contextmanager
 def measuring_patch(patch_id: str) -> Iterator[bool]:
-    """Mark ``patch_id`` as being measured for the block; yields False when it is already (a hook fired by the
-    measurement's own imports), and then marks nothing."""
-    if patch_id in _patches:
-        yield False
-        return
+    """Mark ``patch_id`` measured for the block; yields False if it already is (the measurement's own imports)."""
+    first = patch_id not in _patches
     _patches.add(patch_id)
     try:
-        yield True
+        yield first
     finally:
-        _patches.discard(patch_id)
+        if first:
+            _patches.discard(patch_id)
 
 
 def measuring() -> str | None:
@@ -76,70 +53,51 @@ def remeasure() -> bool:
     return _remeasure
 
 
-def _why_not() -> str | None:
-    if config.verifying() or _measuring is not None:
-        return "this is a verification process"
-    if not config.background_verification():
-        return f"{config.VERIFY}=never"
-    if config.is_off():
-        return "KVPATCH=off"
-    if os.name != "posix":  # pragma: no cover - not POSIX
-        return "no background verification on this platform"
-    return None
-
-
 def request_verification(keys: list[str]) -> str:
-    """Start one background verification unless one runs or was tried; return what ``status`` shows after
-    "pending verification". Never raises."""
+    """Start one background verification unless one runs or was tried; the note ``status`` shows. Never raises."""
     global _requested
-    settle = "run `python -m kvpatch verify` to settle it now"
-    if _requested is not None:
-        return _requested
-    try:
-        why_not = _why_not()
-        if why_not is not None:
-            _requested = f"no verdict for this environment yet ({why_not}): {settle}"
-            return _requested
-        attempts = verdicts.tables()["attempts"]
-        for k in keys:
-            tried = attempts.get(k)
-            if isinstance(tried, dict) and time.time() - float(tried.get("at", 0)) < RETRY_AFTER:
-                when = time.strftime("%H:%M", time.localtime(float(tried["at"])))
-                _requested = f"no verdict yet: a background verification started at {when} has not settled it; {settle}"
-                return _requested
-        place = verdicts.write_place()
-        if place is None:
-            where = ", ".join(str(p.path) for p in _store.verdict_places())
-            _requested = f"no verdict yet, and no writable place for one ({where}); {settle}"
-            return _requested
-        _requested = _spawn(place, keys, settle)
-    except Exception as exc:  # never break the import
-        _requested = f"no verdict yet (background verification could not start: {type(exc).__name__}: {exc}); {settle}"
+    if _requested is None:
+        settle = "run `python -m kvpatch verify` to settle it now"
+        try:
+            _requested = f"{_start(keys)} {settle}"
+        except Exception as exc:  # never break the import
+            why = f"{type(exc).__name__}: {exc}"
+            _requested = f"no verdict yet (background verification could not start: {why}); {settle}"
     return _requested
 
 
-def _spawn(place: _store.Place, keys: list[str], settle: str) -> str:
-    """Start the verifier detached, holding ``verify.lock`` through an inherited descriptor.
-
-    No directory kvpatch did not choose is on its ``sys.path``: ``-P`` (3.11+), this process's ``-I -E -s -S``,
-    and ``/`` as its working directory (only root can plant a package there, which covers Pythons without ``-P``).
-    Its output goes to ``verify.log`` (:func:`kvpatch.store.open_log`); no shell runs. A new session keeps the
-    terminal's signals away. Not waited for: a zombie until this process exits or ``subprocess`` reaps it.
-    """
+def _start(keys: list[str]) -> str:
+    """Start the verifier detached (no shell, new session) holding ``verify.lock``, unless it must not run. Its
+    ``sys.path`` has no directory kvpatch did not choose: ``-P``, our ``-I -E -s -S``, cwd ``/`` (only root's)."""
     import subprocess
 
-    fd = _lock(place)
+    reasons = {
+        "this is a verification process": config.verifying() or _measuring is not None,
+        f"{config.VERIFY}=never": not config.background_verification(),
+        "KVPATCH=off": config.is_off(),
+        "no background verification on this platform": os.name != "posix",
+    }
+    why_not = next((why for why, applies in reasons.items() if applies), None)
+    if why_not is not None:
+        return f"no verdict for this environment yet ({why_not}):"
+    for tried in [verdicts.tables()["attempts"].get(k) for k in keys]:
+        if isinstance(tried, dict) and time.time() - float(tried.get("at", 0)) < 3600:
+            when = time.strftime("%H:%M", time.localtime(float(tried["at"])))
+            return f"no verdict yet: a background verification started at {when} has not settled it;"
+    place = verdicts.write_place()
+    if place is None:
+        where = ", ".join(str(p.path) for p in _store.verdict_places())
+        return f"no verdict yet, and no writable place for one ({where});"
+    fd = _store.acquire(place, "verify.lock", wait=False, what="verdicts")
     if fd is None:
-        return f"no verdict yet: a verification is running for this environment; {settle}"
+        return "no verdict yet: a verification is running for this environment;"
     try:
         flags = ["-P"] if sys.version_info >= (3, 11) and not sys.flags.isolated else []
         flags += [f for f, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment)) if on]
         flags += [f for f, on in (("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site)) if on]
         command = [sys.executable, *flags, "-m", "kvpatch", "verify", "--background", "--lock-fd", str(fd)]
         command += ["--for", ",".join(keys)]
-        env = dict(os.environ)
-        env[config.VERIFYING] = "1"
-        env.pop("PYTHONSTARTUP", None)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"} | {config.VERIFYING: "1"}
         out = _store.open_log(place, "verify.log", "verdicts")
         try:
             proc = subprocess.Popen(
@@ -154,40 +112,27 @@ def _spawn(place: _store.Place, keys: list[str], settle: str) -> str:
             )
         finally:
             os.close(out)
-        where = f"pid {proc.pid}, log {place / 'verify.log'}"
-        return f"no verdict for this environment yet: verifying in the background ({where}); {settle}"
+        where = f"pid {proc.pid}, log {place.path / 'verify.log'}"
+        return f"no verdict for this environment yet: verifying in the background ({where});"
     finally:
         os.close(fd)  # the verifier holds the lock through its own copy of the descriptor
 
 
-def _lock(place: _store.Place) -> int | None:
-    """Take the environment's verification lock without waiting: its descriptor, ``None`` when another holds it."""
-    return _store.acquire(place, "verify.lock", wait=False, what="verdicts")
-
-
 def background_start(lock_fd: int | None, keys: list[str]) -> bool:
     """The background verifier's start: lower priority, hold the verification lock (inherited as ``lock_fd`` from
-    :func:`_spawn`, else taken now), note the keys tried. False: another verification holds the lock."""
+    :func:`_start`, else taken now), note the keys tried. False: another verification holds the lock."""
     with contextlib.suppress(OSError, AttributeError):
         os.nice(10)
     place = verdicts.write_place() if lock_fd is None else None
-    if place is not None:  # started by hand
-        try:
-            if _lock(place) is None:  # held until this process exits
+    if place is not None:  # started by hand; no lock to be had: verify anyway (the verdicts' lock keeps the file whole)
+        with contextlib.suppress(OSError):
+            if _store.acquire(place, "verify.lock", wait=False, what="verdicts") is None:  # held until exit
                 return False
-        except OSError:
-            pass  # no lock to be had: verify anyway, the verdicts' own lock keeps the file whole
     record_attempt(keys)
     return True
 
 
 def record_attempt(keys: list[str]) -> None:
     """The background verifier notes the keys it was started for (so they are not retried at once)."""
-    now = time.time()
-
-    def change(data: dict[str, Any]) -> None:
-        for k in keys:
-            if k:
-                data["attempts"][k] = {"at": now, "pid": os.getpid()}
-
-    verdicts.update(change)
+    tried = {k: {"at": time.time(), "pid": os.getpid()} for k in keys}
+    verdicts.update(lambda data: data["attempts"].update(tried))

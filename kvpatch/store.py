@@ -1,18 +1,7 @@
-"""kvpatch's state on disk: where it lives, who must own it, and the only code that reads or writes it.
-
-kvpatch runs in every Python process of an environment, so what it reads from disk crosses a trust boundary.
-Its state (verdicts, cached fingerprints, the settled ``status`` outcome, the background verifier's lock and log)
-lives in ``<sys.prefix>/var/cache/kvpatch`` (the environment's place, read by every user; only when kvpatch is
-installed under ``sys.prefix``: a ``--user``, ``--target`` or editable install never writes into an
-interpreter's prefix), in the per-user ``<cache root>/state/<hash of sys.prefix>``, or, for verdicts only, in
-``$KVPATCH_VERDICTS``.
-
-Trust: a directory is used only if it and each parent up to the one kvpatch chose is a real directory, owned by
-the current user or root, and not writable by group or others unless sticky (as ssh and pip check theirs); a
-refused one gets one warning and is left untouched. Reads follow no symlink, never block (``O_NONBLOCK``) and
-take regular files of at most :data:`MAX_BYTES`; anything else reads as absent. Writes are atomic (a temporary
-file, ``fsync``, ``os.replace``) and raise :class:`OSError` to the caller, who degrades to memory with one warning.
-"""
+"""kvpatch's state on disk, and the only code that reads or writes it. A directory is used only if it and each parent
+up to the one kvpatch chose is a real directory owned by the current user or root and not writable by group or others
+unless sticky (as ssh and pip check theirs). Reads follow no symlink, never block and take regular files of at most
+4 MiB; writes are atomic and raise :class:`OSError` to the caller, who degrades to memory with one warning."""
 
 from __future__ import annotations
 
@@ -20,7 +9,6 @@ import contextlib
 import errno
 import hashlib
 import json
-import logging
 import os
 import stat
 import sys
@@ -38,28 +26,8 @@ try:  # POSIX; elsewhere locks are no-ops
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = [
-    "Place",
-    "acquire",
-    "cache_root",
-    "env_dir",
-    "locked",
-    "open_log",
-    "read_json",
-    "untrusted",
-    "usable",
-    "verdict_places",
-    "write_json",
-]
-
-log = logging.getLogger(__name__)
-
-#: The largest state file kvpatch reads (bigger ones read as absent).
 MAX_BYTES = 4 << 20
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_SAFE_OPEN = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -69,24 +37,14 @@ class Place:
     path: Path
     anchor: Path
 
-    def __truediv__(self, name: str) -> Path:
-        return self.path / name
-
-
-# ------------------------------------------------------------------------------------------------
-# Where
-
 
 def cache_root() -> Path | None:
     """``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else ``~/.cache/kvpatch`` (``None``: no home)."""
     explicit = config.cache_override()
     if explicit:
         return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "kvpatch"
     try:
-        return Path.home() / ".cache" / "kvpatch"
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "kvpatch"
     except (RuntimeError, KeyError, OSError):  # HOME unset and no passwd entry for this uid
         return None
 
@@ -102,11 +60,8 @@ def env_dir() -> Place | None:
 
 def _prefix_place() -> Place | None:
     """``<sys.prefix>/var/cache/kvpatch`` when kvpatch is installed under ``sys.prefix`` (not --user/--target)."""
-    try:
-        prefix = os.path.realpath(sys.prefix)
-        if os.path.commonpath([prefix, os.path.realpath(_PACKAGE_DIR)]) != prefix:
-            return None
-    except ValueError:  # different drives
+    package = os.path.realpath(os.path.dirname(__file__))
+    if not package.startswith(os.path.join(os.path.realpath(sys.prefix), "")):
         return None
     base = Path(sys.prefix) / "var"
     return Place(base / "cache" / "kvpatch", base)
@@ -121,15 +76,10 @@ def verdict_places() -> tuple[Place, ...]:
     return tuple(p for p in (_prefix_place(), env_dir()) if p is not None)
 
 
-# ------------------------------------------------------------------------------------------------
-# Trust
-
-
 def _check(place: Place) -> tuple[str, bool] | None:
     """Why ``place`` must not be used and whether that is a matter of trust (``None``: it may be used)."""
     uid = os.geteuid() if hasattr(os, "geteuid") else None
-    path = place.path
-    while True:
+    for path in (place.path, *place.path.parents):
         try:
             st = os.stat(path) if path == place.anchor else os.lstat(path)
         except FileNotFoundError:
@@ -143,114 +93,72 @@ def _check(place: Place) -> tuple[str, bool] | None:
                 return f"The directory {path} is not owned by the current user (owner uid {st.st_uid})", True
             if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
                 return f"The directory {path} is writable by others", True
-        if path == place.anchor or path.parent == path or place.anchor not in path.parents:
-            return None
-        path = path.parent
+        if path == place.anchor or place.anchor not in path.parents:
+            break
+    return None
 
 
 def untrusted(place: Place) -> bool:
     """Whether ``place`` fails the trust check (owner, mode, a symlinked part): warned about once when used."""
-    found = _check(place)
-    return bool(found and found[1])
+    return (_check(place) or ("", False))[1]
 
 
-def _refused(place: Place, what: str) -> bool:
-    """Check ``place``; warn once if it fails the trust check. True: do not use it. (One that merely cannot be
-    entered is the concern of the caller that loses a write, which says so once.)"""
+def _refused(place: Place, what: str) -> str | None:
+    """Why ``place`` must not be used (``None``: it may be); warned once if a matter of trust, else left to callers."""
     found = _check(place)
-    if found is None:
-        return False
-    why, trust = found
-    if trust:
-        emit(f"{why}; kvpatch does not use it and keeps its {what} in memory", key=f"store:{place.path}")
-    else:
-        log.debug("kvpatch: %s", why)
-    return True
+    if found and found[1]:
+        emit(f"{found[0]}; kvpatch does not use it and keeps its {what} in memory", key=f"store:{place.path}")
+    return found[0] if found else None
 
 
 def usable(place: Place, what: str = "state") -> bool:
     """``place`` passes the trust check (warns once if not) and exists or can be created and written."""
-    try:
-        if _refused(place, what):
-            return False
-        path = place.path
-        while not os.path.lexists(path):
-            if path.parent == path:
-                return False
-            path = path.parent
-        return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
-    except Exception:  # PermissionError and friends: not usable
-        return False
+    with contextlib.suppress(Exception):  # PermissionError and friends: not usable
+        if not _refused(place, what):
+            path = next(p for p in (place.path, *place.path.parents) if os.path.lexists(p))
+            return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+    return False
 
 
-# ------------------------------------------------------------------------------------------------
-# Reading
-
-
-def _open(path: Path | str, flags: int, mode: int = 0o600) -> int:
+def _open(path: Path, flags: int, mode: int = 0o600) -> int:
     """``os.open`` that follows no symlink, never blocks on a FIFO, and accepts only regular files."""
-    fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK | _CLOEXEC, mode)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-    except BaseException:
+    fd = os.open(path, flags | _SAFE_OPEN, mode)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
     return fd
 
 
-def read_bytes(path: Path, limit: int = MAX_BYTES) -> bytes | None:
-    """The bytes of a regular file of at most ``limit`` bytes (``None``: absent, refused or unreadable)."""
+def read_bytes(path: Path) -> bytes | None:
+    """The bytes of a regular file of at most :data:`MAX_BYTES` (``None``: absent, refused or unreadable)."""
     try:
-        fd = _open(path, os.O_RDONLY)
+        with os.fdopen(_open(path, os.O_RDONLY), "rb") as file:
+            data = file.read(MAX_BYTES + 1)
+        if len(data) <= MAX_BYTES:
+            return data
+        why = f"larger than {MAX_BYTES} bytes"
     except FileNotFoundError:
         return None
     except OSError as exc:  # a symlink (ELOOP), a FIFO or device, no permission
         why = "a symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-        emit(f"kvpatch ignores {path}: {why}", key=f"store-read:{path}")
-        return None
-    try:
-        if os.fstat(fd).st_size > limit:
-            emit(f"kvpatch ignores {path}: larger than {limit} bytes", key=f"store-read:{path}")
-            return None
-        chunks, total = [], 0
-        while total <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        return None if total > limit else b"".join(chunks)
-    except OSError as exc:
-        log.debug("kvpatch: cannot read %s: %s", path, exc)
-        return None
-    finally:
-        os.close(fd)
+    emit(f"kvpatch ignores {path}: {why}", key=f"store-read:{path}")
+    return None
 
 
 def read_json(place: Place, name: str, what: str = "state") -> Any:
     """The JSON document ``name`` in ``place`` (``None``: absent, refused, unreadable or corrupt). Never raises."""
-    try:
-        if _refused(place, what):
-            return None
-        data = read_bytes(place / name)
+    with contextlib.suppress(Exception):
+        data = None if _refused(place, what) else read_bytes(place.path / name)
         return None if data is None else json.loads(data)
-    except Exception as exc:
-        log.debug("kvpatch: ignoring %s: %s", place / name, exc)
-        return None
-
-
-# ------------------------------------------------------------------------------------------------
-# Writing
+    return None
 
 
 def _ensure(place: Place, what: str) -> None:
     """Create ``place`` if needed (0755), checked before and after; raise :class:`OSError` if it must not be used."""
-    for check in (True, False):
-        if _refused(place, what):
-            found = _check(place)
-            raise PermissionError(errno.EACCES, found[0] if found else "untrusted directory", str(place.path))
-        if check:
+    for create in (True, False):
+        if why := _refused(place, what):
+            raise PermissionError(errno.EACCES, why, str(place.path))
+        if create:
             os.makedirs(place.path, mode=0o755, exist_ok=True)
 
 
@@ -260,37 +168,25 @@ def write_json(place: Place, name: str, data: Any, what: str = "state") -> None:
     payload = json.dumps(data, separators=(",", ":"), sort_keys=True, default=str).encode("utf-8")
     fd, tmp = tempfile.mkstemp(dir=place.path, prefix=f".{name}.", suffix=".tmp")
     try:
-        try:
-            if hasattr(os, "fchmod"):  # readable by the environment's other users (a verdict stored at build time)
-                os.fchmod(fd, 0o644)
-            view = memoryview(payload)
-            while view:
-                view = view[os.write(fd, view) :]
+        with os.fdopen(fd, "wb") as file:
+            os.fchmod(fd, 0o644)  # readable by the environment's other users (a verdict stored at build time)
+            file.write(payload)
+            file.flush()
             os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, place / name)
+        os.replace(tmp, place.path / name)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    with contextlib.suppress(OSError):  # the rename itself, durable (best effort: not every fs allows it)
-        dfd = os.open(place.path, os.O_RDONLY | _CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
 
 def acquire(place: Place, name: str, *, wait: bool, what: str = "state") -> int | None:
-    """Lock ``name`` in ``place`` (created 0600, no symlink followed): its descriptor, or ``None`` when
-    ``wait`` is off and another process holds it. Raises :class:`OSError` when it cannot be opened."""
+    """Lock ``name`` in ``place``: its descriptor (``None``: ``wait`` is off and it is taken), or OSError."""
     _ensure(place, what)
-    fd = _open(place / name, os.O_RDWR | os.O_CREAT, 0o600)
-    if fcntl is None:  # pragma: no cover - Windows
-        return fd
+    fd = _open(place.path / name, os.O_RDWR | os.O_CREAT)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
         os.close(fd)
         return None
@@ -302,18 +198,16 @@ def acquire(place: Place, name: str, *, wait: bool, what: str = "state") -> int 
 
 @contextlib.contextmanager
 def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[bool]:
-    """Hold the lock ``name`` for the block; yields False when ``wait`` is off and it is taken."""
+    """:func:`acquire` for the block; yields False when ``wait`` is off and the lock is taken."""
     fd = acquire(place, name, wait=wait, what=what)
-    if fd is None:
-        yield False
-        return
     try:
-        yield True
+        yield fd is not None
     finally:
-        os.close(fd)  # closing the last descriptor releases the lock
+        if fd is not None:
+            os.close(fd)  # closing the last descriptor releases the lock
 
 
 def open_log(place: Place, name: str, what: str = "state") -> int:
     """``name`` in ``place`` opened for appending (created 0600, no symlink followed). Raises :class:`OSError`."""
     _ensure(place, what)
-    return _open(place / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    return _open(place.path / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)

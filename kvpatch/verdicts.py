@@ -1,23 +1,11 @@
-"""Verdicts: what a patch's reproduction found in this environment, measured outside the user's import, then read.
-
-A reproduction is a workload, so it runs only in a verification process (``kvpatch verify``, ``status --verify``,
-the pytest plugin, the background verifier of :mod:`kvpatch.measurer`); the user's process reads the verdict
-(one file read, one ``stat`` per target module; reading each target's source would cost tens of milliseconds).
-
-The file: ``verdicts.json`` in the places of :func:`kvpatch.store.verdict_places`; readers merge them (the first
-wins), so a verdict stored at image build time serves every user; writes go to the first usable place, under a
-lock. It also holds the background verifier's attempts and the fingerprint cache (:mod:`kvpatch.fingerprints`).
-Where nothing can be written the tables live in memory, one warning says so, and :func:`unstored` lets
-``kvpatch verify`` fail.
-
-What a verdict may do: turn a patch that the reproduction decides on or off, for its exact key; it never touches
-a patch decided by release, and never runs code. Its trust is its directory's (:func:`kvpatch.store.refusal`).
-The key hashes everything the outcome depends on (:func:`key_parts`), the kvpatch version included: anything
-changed means no verdict, and the patch goes back to verification.
-"""
+"""Verdicts: what a patch's reproduction found in this environment, measured only in a verification process
+(:mod:`kvpatch.measurer`) and read by every other. ``verdicts.json`` (also holding the background verifier's attempts
+and the fingerprint cache) is merged from the places of :func:`kvpatch.store.verdict_places`, the first winning, so a
+verdict stored at image build time serves every user. A verdict holds only for its exact :func:`key`."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import json
@@ -36,32 +24,14 @@ if TYPE_CHECKING:
     from .detect import Upstream
     from .record import Finding, Patch
 
-__all__ = [
-    "Outcome",
-    "Verdict",
-    "digest",
-    "judge",
-    "key",
-    "lookup",
-    "store",
-    "tables",
-    "unstored",
-    "update",
-    "verdict_of",
-    "write_place",
-]
-
 SCHEMA = "kvpatch.verdicts/1"
 FILE = "verdicts.json"
-LOCK = "verdicts.lock"
-#: Entries kept per table (oldest dropped first).
 MAX_ENTRIES = 512
 _TABLES = ("verdicts", "attempts", "fingerprints")
 
 
 class Outcome(str, enum.Enum):
-    """What a reproduction run without and with its patch says (:func:`judge`). The values are stored and shown:
-    they never change. The first five are verdicts; the last three only ``status --verify`` says, of this process."""
+    """What runs without and with a patch say (:func:`judge`; the :data:`STORED` ones are verdicts); never changed."""
 
     FIXED = "bug present, fixed by patch"
     ABSENT = "bug absent upstream"
@@ -78,13 +48,13 @@ STORED = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.NOT_FIXED, Outcome.IN
 
 @dataclass(frozen=True)
 class Verdict:
+    """An outcome, when (epoch seconds) and by what (``verify``, ``background``, ``status --verify``) it was
+    measured, and the file it was read from (``""``: measured in this process, or kept in memory)."""
+
     outcome: Outcome
     detail: str = ""
-    #: When it was measured (seconds since the epoch).
     at: float = 0.0
-    #: What measured it: ``verify``, ``background``, ``status --verify``.
     by: str = ""
-    #: The file it was read from (``""``: measured in this process, or kept in memory).
     source: str = ""
 
     def describe(self) -> str:
@@ -95,9 +65,8 @@ class Verdict:
 
 
 def judge(before: Finding, after: Finding | None, foreign: Sequence[str] = ()) -> tuple[Outcome, str]:
-    """The outcome and its detail of a run without the patch (``before``) and with it (``after``; ``None``: not
-    tried). ``foreign``: targets holding another library's code (:func:`kvpatch.surgery.foreign_targets`) during
-    the run without: an absent bug is then that library's fix, not upstream's."""
+    """The outcome and detail of runs without and with the patch (``after`` ``None``: not tried). ``foreign``: targets
+    holding another library's code during the run without: an absent bug is then its fix, not upstream's."""
     if before.bug is Bug.SKIPPED:
         return Outcome.SKIPPED, before.skipped or ""
     if before.bug is Bug.INCONCLUSIVE:
@@ -123,10 +92,6 @@ def verdict_of(before: Finding, after: Finding | None, *, by: str = "") -> Verdi
     return Verdict(outcome, detail, time.time(), by)
 
 
-# ------------------------------------------------------------------------------------------------
-# The file
-
-
 def write_place() -> _store.Place | None:
     """The place verdicts are written to (``None``: no usable one; they are kept in memory)."""
     return next((p for p in _store.verdict_places() if _store.usable(p, "verdicts")), None)
@@ -134,42 +99,33 @@ def write_place() -> _store.Place | None:
 
 def _parse(data: Any) -> dict[str, Any]:
     """A verdict file's tables; anything absent, corrupt or foreign reads as empty."""
-    ok = isinstance(data, dict) and data.get("schema") == SCHEMA
-    tables = {t: data.get(t) if ok else None for t in _TABLES}
-    return {"schema": SCHEMA, **{t: v if isinstance(v, dict) else {} for t, v in tables.items()}}
-
-
-def _prune(table: dict[str, Any]) -> None:
-    by_age = sorted(table, key=lambda k: table[k].get("at", 0) if isinstance(table[k], dict) else 0)
-    for k in by_age[: max(0, len(table) - MAX_ENTRIES)]:
-        del table[k]
+    data = data if isinstance(data, dict) and data.get("schema") == SCHEMA else {}
+    return {"schema": SCHEMA, **{t: data[t] if isinstance(data.get(t), dict) else {} for t in _TABLES}}
 
 
 #: Tables changed in this process that no file holds.
 _memory: dict[str, Any] = _parse(None)
-#: Verdict key -> why its :func:`store` reached no file.
-_unstored: dict[str, str] = {}
+#: Verdict keys measured in this process that no file holds -> why (``kvpatch verify`` fails on them).
+unstored: dict[str, str] = {}
 _loaded: dict[str, Any] | None = None
-#: Verdict key -> the file its stored verdict was read from.
-_origins: dict[str, str] = {}
 
 
 def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> str | None:
-    """Apply ``change`` to the writable file's tables, read afresh under its lock; never raises. ``wait=False``
-    (the user's process) gives up when another process is writing. Returns why it was not written (``None``:
-    written); ``change`` then went to this process's memory, with one warning, unless the lock was taken."""
+    """Apply ``change`` to the writable file's tables, read afresh under its lock; never raises. Returns why it was
+    not written (``None``: written): ``change`` then went to memory, with one warning, unless the lock was taken."""
     global _loaded
     why = "no usable directory (" + ", ".join(str(p.path) for p in _store.verdict_places()) + ")"
     try:
         place = write_place()
         if place is not None:
-            with _store.locked(place, LOCK, wait=wait, what="verdicts") as held:
+            with _store.locked(place, "verdicts.lock", wait=wait, what="verdicts") as held:
                 if not held:
                     return "another process held the lock"  # this change waits for a later process
                 data = _parse(_store.read_json(place, FILE, "verdicts"))
                 change(data)
-                for table in _TABLES:
-                    _prune(data[table])
+                for t in _TABLES:  # the newest MAX_ENTRIES of each table
+                    by_age = sorted(data[t].items(), key=lambda e: e[1].get("at", 0) if isinstance(e[1], dict) else 0)
+                    data[t] = dict(by_age[-MAX_ENTRIES:])
                 _store.write_json(place, FILE, data, "verdicts")
             _loaded = None
             return None
@@ -183,41 +139,17 @@ def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> st
 
 
 def tables() -> dict[str, Any]:
-    """Every readable file's tables merged (earlier places win), then this process's memory; read once."""
+    """Every readable file's tables (earlier places win; a verdict names its file as ``source``), then memory."""
     global _loaded
     if _loaded is None:
-        merged = _parse(None)
-        _origins.clear()
+        layers = []
         for place in reversed(_store.verdict_places()):
             data = _parse(_store.read_json(place, FILE, "verdicts"))
-            for table in _TABLES:
-                merged[table].update(data[table])
-            _origins.update(dict.fromkeys(data["verdicts"], str(place / FILE)))
-        for table in _TABLES:
-            merged[table].update(_memory[table])
-        for k in _memory["verdicts"]:
-            _origins.pop(k, None)
-        _loaded = merged
+            source = {"source": str(place.path / FILE)}
+            data["verdicts"] = {k: {**v, **source} if isinstance(v, dict) else v for k, v in data["verdicts"].items()}
+            layers.append(data)
+        _loaded = {t: {k: v for layer in [*layers, _memory] for k, v in layer[t].items()} for t in _TABLES}
     return _loaded
-
-
-def unstored() -> dict[str, str]:
-    """Verdict keys measured in this process that no file holds, with the reason (empty: all stored)."""
-    return dict(_unstored)
-
-
-def digest() -> str:
-    """A hash of the stored verdicts, cached fingerprints and where they were read: what a settled ``status``
-    outcome depends on. Never raises."""
-    try:
-        parts = [tables()["verdicts"], tables()["fingerprints"], sorted(_origins.items())]
-        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    except Exception:
-        return ""
-
-
-# ------------------------------------------------------------------------------------------------
-# Keys and verdicts
 
 
 def _kvpatch_version() -> str:
@@ -228,49 +160,35 @@ def _kvpatch_version() -> str:
     return str(__version__)
 
 
-def key_parts(patch: Patch, upstream: Mapping[str, Upstream]) -> dict[str, Any]:
-    """What a verdict for ``patch`` depends on: kvpatch's version, the patch and its unit's file, Python, the
-    version and PEP 610 source of each upstream, and each target module's file (path, size, mtime)."""
+def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
+    """A hash of what a verdict for ``patch`` depends on: kvpatch's version, the patch and its unit's file, Python,
+    the version and PEP 610 source of each upstream, and each target module's file (path, size, mtime)."""
     patch_file = getattr(sys.modules.get(patch.module), "__file__", None) if patch.module else None
-    files = [[name, path, stamp(path)] for name in patch.modules for path in [module_file(name)]]
-    return {
+    parts = {
         "kvpatch": _kvpatch_version(),
         "patch": [patch.id, patch_file, stamp(patch_file)],
         "python": [sys.version_info[0], sys.version_info[1], sys.platform],
         "upstream": {
             name: [up.version, up.source.kind, up.source.url, up.source.commit] for name, up in sorted(upstream.items())
         },
-        "files": files,
+        "files": [[name, path, stamp(path)] for name in patch.modules for path in [module_file(name)]],
     }
-
-
-def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
-    text = json.dumps(key_parts(patch, upstream), sort_keys=True, default=str)
+    text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
 def lookup(verdict_key: str) -> Verdict | None:
     """The stored verdict for ``verdict_key`` written by this kvpatch version, or ``None``. Never raises."""
-    try:
-        entry = tables()["verdicts"].get(verdict_key)
-        if not isinstance(entry, dict) or entry.get("outcome") not in STORED:
-            return None
-        if entry.get("kvpatch") != _kvpatch_version():
-            return None
-        return Verdict(
-            Outcome(entry["outcome"]),
-            str(entry.get("detail", "")),
-            float(entry.get("at", 0)),
-            str(entry.get("by", "")),
-            _origins.get(verdict_key, ""),
-        )
-    except Exception:
-        return None
+    with contextlib.suppress(Exception):  # absent, corrupt or another kvpatch version's
+        entry = tables()["verdicts"][verdict_key]
+        if entry["outcome"] in STORED and entry["kvpatch"] == _kvpatch_version():
+            detail, by, source = (str(entry.get(k, "")) for k in ("detail", "by", "source"))
+            return Verdict(Outcome(entry["outcome"]), detail, float(entry.get("at", 0)), by, source)
+    return None
 
 
 def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[str, Upstream]) -> bool:
-    """Keep ``verdict`` for every later process (waits for the lock; never raises). False: kept in this
-    process's memory only (:func:`unstored` says why)."""
+    """Keep ``verdict`` for every later process (never raises). False: only in memory (:data:`unstored` says why)."""
     up = upstream.get(patch.distribution)
     entry = {
         "patch": patch.id,
@@ -287,8 +205,7 @@ def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[st
         data["attempts"].pop(verdict_key, None)
 
     why = update(change)
-    if why is None:
-        _unstored.pop(verdict_key, None)
-        return True
-    _unstored[verdict_key] = why
-    return False
+    unstored.pop(verdict_key, None)
+    if why is not None:
+        unstored[verdict_key] = why
+    return why is None
