@@ -8,10 +8,11 @@ nothing. The maintainer commands live in :mod:`kvpatch.maint.cli`, imported only
 from __future__ import annotations
 
 import argparse
+import builtins
 import contextlib
 import os
 import sys
-import textwrap
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -33,15 +34,6 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_INTERNAL, "kvpatch's own internal error (a bug in kvpatch: please report the traceback)"),
     (EXIT_IOERR, "the output could not be written (standard output closed, disk full)"),
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
-)
-
-_EXIT_TABLE = "exit status:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES)
-
-_STATUS_EPILOG = (
-    _EXIT_TABLE
-    + "\n\nWithout --check or --verify, status exits 0 whatever it reports (1 and 2 are for scripts that ask).\n"
-    "A closed pipe (kvpatch status --json | head -1) changes nothing: no traceback, the same exit status.\n"
-    "The JSON output follows kvpatch/data/status.schema.json (schema id kvpatch.status/1)."
 )
 
 #: The commands as the help lists them: (section, ((name, one-line help), ...)).
@@ -70,30 +62,19 @@ _USER_COMMANDS, _MAINTAINER_COMMANDS = (dict(commands) for _, commands in COMMAN
 _HELP = _USER_COMMANDS | _MAINTAINER_COMMANDS
 
 _RUN_USAGE = "kvpatch run [-h] (-c CODE | -m MODULE | SCRIPT) [ARGS ...]"
-_RUN_DESCRIPTION = (
-    "Run a Python program with kvpatch active from its first line, the way `python` runs it:\n"
-    "-c CODE runs a string, -m MODULE runs a module as __main__, SCRIPT runs a file (or a directory\n"
-    "or zip with __main__.py). Everything after the program is its own arguments (sys.argv[1:]).\n"
-    "kvpatch activates before the program starts, also where the start-up hook does not run\n"
-    "(python -S, a source tree on PYTHONPATH)."
-)
-_RUN_EPILOG = (
-    "exit status: the program's own; 64 when there is no program to run (no such file, no -c code,\n"
-    "no -m module name).\n"
-    "examples:\n"
-    "  kvpatch run -c 'import mlx_lm, kvpatch; print(kvpatch.records())'\n"
-    "  kvpatch run -m mlx_lm.server --model ...\n"
-    "  kvpatch run serve.py --port 8080"
-)
 
-
-#: Each user command's ``--help`` paragraph.
-_DESCRIPTIONS = {
-    "status": textwrap.fill(  # its formatter keeps line breaks (the exit-status table needs them)
-        "Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and why. "
-        "It reads package metadata and, once per environment, imports the upstream modules to settle "
-        "what an import would do; --verify runs every relevant reproduction with and without its patch.",
-        width=78,
+#: Each user command's ``--help``: its paragraph and epilog (status's and run's keep their line breaks).
+_HELP_TEXT = {
+    "status": (
+        "Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and\n"
+        "why. It reads package metadata and, once per environment, imports the upstream\n"
+        "modules to settle what an import would do; --verify runs every relevant\n"
+        "reproduction with and without its patch.",
+        "exit status:\n"
+        + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES)
+        + "\n\nWithout --check or --verify, status exits 0 whatever it reports (1 and 2 are for scripts that ask).\n"
+        "A closed pipe (kvpatch status --json | head -1) changes nothing: no traceback, the same exit status.\n"
+        "The JSON output follows kvpatch/data/status.schema.json (schema id kvpatch.status/1).",
     ),
     "verify": (
         "Settle, in this process, every verdict this environment's imports will read: for each patch whose "
@@ -101,17 +82,25 @@ _DESCRIPTIONS = {
         "on, an editable, directory or git install, drifted target code), run its reproduction without and "
         "with the patch and store the verdict, so later imports measure nothing. Run it after installing or "
         "upgrading (a Dockerfile's last step, CI, a deployment hook). To audit every relevant patch, "
-        "whatever decides it, run `kvpatch status --verify`."
+        "whatever decides it, run `kvpatch status --verify`.",
+        "exit status: 0 every patch settled, 1 a verdict is inconclusive, a patch drifted or failed.",
     ),
-    "run": _RUN_DESCRIPTION,
-    "list": "List every patch kvpatch ships, one line each.",
-    "version": "Print kvpatch's version, where it is, and Python's.",
-    "help": "Show kvpatch's help (its commands and what they do), or one command's: kvpatch help status.",
-}
-_EPILOGS = {
-    "status": _STATUS_EPILOG,
-    "verify": "exit status: 0 every patch settled, 1 a verdict is inconclusive, a patch drifted or failed.",
-    "run": _RUN_EPILOG,
+    "run": (
+        "Run a Python program with kvpatch active from its first line, the way `python` runs it:\n"
+        "-c CODE runs a string, -m MODULE runs a module as __main__, SCRIPT runs a file (or a directory\n"
+        "or zip with __main__.py). Everything after the program is its own arguments (sys.argv[1:]).\n"
+        "kvpatch activates before the program starts, also where the start-up hook does not run\n"
+        "(python -S, a source tree on PYTHONPATH).",
+        "exit status: the program's own; 64 when there is no program to run (no such file, no -c code,\n"
+        "no -m module name).\n"
+        "examples:\n"
+        "  kvpatch run -c 'import mlx_lm, kvpatch; print(kvpatch.records())'\n"
+        "  kvpatch run -m mlx_lm.server --model ...\n"
+        "  kvpatch run serve.py --port 8080",
+    ),
+    "list": ("List every patch kvpatch ships, one line each.", None),
+    "version": ("Print kvpatch's version, where it is, and Python's.", None),
+    "help": ("Show kvpatch's help (its commands and what they do), or one command's: kvpatch help status.", None),
 }
 
 
@@ -122,33 +111,17 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extra = super().parse_known_args(args, namespace)
+        if extra and self.prog != "kvpatch":  # a command's unknown option is reported with that command's usage
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed, extra
+
     def _print_message(self, message: str, file: Any = None) -> None:
-        # argparse ignores a failed write (--help > /dev/full would exit 0 having printed nothing)
-        # (``file`` None: argparse meant stdout, which is closed; it passes stderr explicitly)
-        if message and (file is sys.stdout or (file is None and sys.stdout is None)):
+        if file is sys.stdout:  # argparse ignores a failed write: --help > /dev/full would exit 0
             emit(message, end="")
         else:
             super()._print_message(message, file)
-
-
-class _TopParser(_Parser):
-    """The top-level parser: its help lists the user's commands and the maintainers' in two sections."""
-
-    def format_help(self) -> str:
-        formatter = self._get_formatter()
-        formatter.add_usage(self.usage, self._actions, self._mutually_exclusive_groups)
-        formatter.add_text(self.description)
-        for title, commands in COMMANDS:
-            formatter.start_section(title)
-            formatter.add_arguments(
-                [argparse.Action(option_strings=[], dest=name, metavar=name, help=text) for name, text in commands]
-            )
-            formatter.end_section()
-        formatter.start_section("options")
-        formatter.add_arguments(self._optionals._group_actions)
-        formatter.end_section()
-        formatter.add_text(self.epilog)
-        return formatter.format_help()
 
 
 class _OutputError(Exception):
@@ -156,17 +129,12 @@ class _OutputError(Exception):
 
 
 def emit(text: str, *, end: str = "\n") -> None:
-    """Print ``text`` for a command (also the maintainer commands'): see :func:`_write`."""
+    """Print ``text`` and flush it, for a command (also the maintainer commands'): a reader that went away ends
+    the output quietly, any other failure to write is an :class:`_OutputError`."""
     if sys.stdout is None:
         raise _OutputError("standard output is closed")
-    _write(text + end)
-
-
-def _write(text: str) -> None:
-    """Write ``text`` to stdout and flush it: a reader that went away ends the output quietly, any other failure
-    to write is an :class:`_OutputError`."""
     try:
-        sys.stdout.write(text)
+        sys.stdout.write(text + end)
         sys.stdout.flush()
     except BrokenPipeError:
         _silence_stdout()
@@ -174,10 +142,8 @@ def _write(text: str) -> None:
         raise _OutputError(_describe(exc)) from None
 
 
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return str(exc) or type(exc).__name__
+def _describe(exc: Exception) -> str:
+    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
 
 
 def _silence_stdout() -> None:
@@ -186,21 +152,6 @@ def _silence_stdout() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-
-
-def _io_error(message: str) -> int:
-    _silence_stdout()
-    with contextlib.suppress(Exception):  # stderr gone too: the exit status says it
-        print(f"kvpatch: cannot write the output: {message} (exit {EXIT_IOERR})", file=sys.stderr)
-    return EXIT_IOERR
-
-
-def _version() -> str:
-    import kvpatch
-
-    where = os.path.dirname(os.path.abspath(kvpatch.__file__))
-    python = ".".join(str(n) for n in sys.version_info[:3])
-    return f"kvpatch {kvpatch.__version__} from {where} (Python {python})"
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -218,15 +169,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         copies = scan(engine, installed=True)
         report.data["vendored"] = [c.as_dict() for c in copies]
     asked = args.check or args.verify
-    code = report.exit_code if asked else EXIT_CLEAN
     if args.json:
         emit(json.dumps(report.data, indent=2, sort_keys=False))
     else:
-        width = _width(tty_only=not args.verbose)
-        emit(format_text(report, verbose=args.verbose, width=width, check=asked))
+        emit(format_text(report, verbose=args.verbose, width=_width(tty_only=not args.verbose), check=asked))
         if copies is not None:
             emit(format_copies(copies))
-    return code
+    return report.exit_code if asked else EXIT_CLEAN
 
 
 def _width(*, tty_only: bool) -> int | None:
@@ -242,7 +191,10 @@ def _width(*, tty_only: bool) -> int | None:
 
 
 def cmd_version(args: argparse.Namespace) -> int:
-    emit(_version())
+    import kvpatch
+
+    where = os.path.dirname(os.path.abspath(kvpatch.__file__))
+    emit(f"kvpatch {kvpatch.__version__} from {where} (Python {'.'.join(map(str, sys.version_info[:3]))})")
     return EXIT_CLEAN
 
 
@@ -270,18 +222,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_help(args: argparse.Namespace) -> int:
-    topic = args.topic
-    if topic is not None and topic not in _HELP:
-        _unknown_command(topic)
-    parser = build_parser(topic or "")
-    emit((_command_parser(parser, topic) or parser).format_help(), end="")
-    return EXIT_CLEAN
-
-
-def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
-    """The parser of ``command`` (``None``: none, or no such command)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices.get(command) if command else None
+    return main([args.topic, "--help"] if args.topic else ["--help"])
 
 
 def _run_usage_error(message: str) -> int:
@@ -295,7 +236,6 @@ def cmd_run(argv: Sequence[str]) -> int:
     ``python``; the program's own exceptions and exit status are its own (Python reports them)."""
     import runpy
 
-    argv = list(argv)
     if not argv:
         return _run_usage_error("say what to run: -c CODE, -m MODULE or SCRIPT")
     first = argv[0]
@@ -315,23 +255,17 @@ def cmd_run(argv: Sequence[str]) -> int:
     import kvpatch
 
     kvpatch.activate()
-    if kind == "-c":
-        import builtins
-        import types
-
-        # As `python -c`: the code runs in a fresh __main__, with the working directory first on sys.path.
+    sys.argv = ["-c" if kind == "-c" else value, *rest]
+    if kind == "-c":  # as `python -c`: a fresh __main__, with the working directory first on sys.path
         main_module = types.ModuleType("__main__")
         main_module.__dict__["__builtins__"] = builtins
         sys.modules["__main__"] = main_module
-        sys.argv = ["-c", *rest]
         sys.path.insert(0, "")
         exec(compile(value, "<string>", "exec"), main_module.__dict__)
     elif kind == "-m":
-        sys.argv = [value, *rest]
         sys.path.insert(0, os.getcwd())
         runpy.run_module(value, run_name="__main__", alter_sys=True)
     else:
-        sys.argv = [value, *rest]
         sys.path.insert(0, str(Path(value).resolve().parent))
         runpy.run_path(value, run_name="__main__")
     return EXIT_CLEAN
@@ -340,7 +274,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; the maintainer commands' parsers (:mod:`kvpatch.maint.cli`) load only when ``command`` is
     one of them or None (``""``: a command line that names no command, as ``kvpatch --help``)."""
-    parser = _TopParser(
+    parser = _Parser(
         prog="kvpatch",
         usage="kvpatch [-h] [--version] COMMAND [ARGS ...]",
         description=(
@@ -354,17 +288,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="store_true", help="print kvpatch's version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, prog="kvpatch")
-
+    for title, listed in COMMANDS:  # for the help only: the subparsers below parse the commands
+        group = parser.add_argument_group(title)
+        group._group_actions += [argparse.Action([], dest=name, metavar=name, help=text) for name, text in listed]
+    parser._action_groups.append(parser._action_groups.pop(1))  # "options" after the commands
+    sub = parser.add_subparsers(dest="command", help=argparse.SUPPRESS, parser_class=_Parser, prog="kvpatch")
     p = {}
-    for name, text in _USER_COMMANDS.items():
-        raw = name in ("status", "run")  # their descriptions and epilogs keep their line breaks
+    for name, (description, epilog) in _HELP_TEXT.items():
+        raw = name in ("status", "run")
         p[name] = sub.add_parser(
             name,
-            help=text,
             usage=_RUN_USAGE if name == "run" else None,
-            description=_DESCRIPTIONS[name],
-            epilog=_EPILOGS.get(name),
+            description=description,
+            epilog=epilog,
             formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter,
         )
     for flags, text in (
@@ -402,66 +338,48 @@ def _add_maintainer_commands(sub: Any) -> None:
     add_parsers(sub)
 
 
-def _unknown_command(word: str) -> NoReturn:
-    import difflib
-
-    close = difflib.get_close_matches(word, list(_HELP), n=1, cutoff=0.6)
-    hint = f" - did you mean {close[0]!r}?" if close else " (`kvpatch help` lists the commands)"
-    print("usage: kvpatch [-h] [--version] COMMAND [ARGS ...]", file=sys.stderr)
-    raise SystemExit(f"kvpatch: error: unknown command {word!r}{hint}") from None
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    """Parse ``argv``; an unknown option is reported with the usage of the command it was given to."""
-    command = next((word for word in argv if not word.startswith("-")), "")  # the first word not an option
-    if command and command not in _HELP:
-        _unknown_command(command)
-    parser = build_parser(command)
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        (_command_parser(parser, args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
-    return args
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see :data:`EXIT_CODES`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv) or ["--help"]  # bare `kvpatch`: the help, as pip does
     if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
         return cmd_run(argv[1:])  # the program's own errors are its own: Python reports them
     try:
         try:
-            args = _parse(argv)
-            if args.version:
-                emit(_version())
-                code = EXIT_CLEAN
-            elif args.command is None:  # bare `kvpatch`: the help, as pip does
-                code = cmd_help(argparse.Namespace(topic=None))
-            else:
-                code = int(args.func(args) or 0)
-        except SystemExit as exc:  # --help, --version (0) or a usage error (64)
-            if isinstance(exc.code, str):
-                print(exc.code, file=sys.stderr)
-                return EXIT_USAGE
-            code = EXIT_CLEAN if exc.code is None else exc.code
+            command = next((word for word in argv if not word.startswith("-")), "")  # the first word not an option
+            parser = build_parser(command)
+            if command and command not in _HELP:
+                import difflib
+
+                close = difflib.get_close_matches(command, list(_HELP), n=1, cutoff=0.6)
+                hint = f" - did you mean {close[0]!r}?" if close else " (`kvpatch help` lists the commands)"
+                parser.error(f"unknown command {command!r}{hint}")
+            args = parser.parse_args(argv)
+            code = int((cmd_version if args.version else args.func)(args) or 0)
+        except SystemExit as exc:  # --help (0) or a usage error (64)
+            code = int(exc.code or 0)
         if sys.stdout is not None:
-            _write("")  # what print left buffered: a failure is reported here, not at interpreter exit
+            emit("", end="")  # what print left buffered: a failure is reported here, not at interpreter exit
         return code
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_CLEAN
-    except _OutputError as exc:
-        return _io_error(str(exc))
     except Exception as exc:
+        failed = str(exc) if isinstance(exc, _OutputError) else None
         if isinstance(exc, OSError) and sys.stdout is not None:  # a command's own print: is stdout what failed?
             try:
-                _write("")
+                emit("", end="")
             except _OutputError:
-                return _io_error(_describe(exc))
-        with contextlib.suppress(Exception):
-            import traceback
+                failed = _describe(exc)
+        if failed is not None:
+            _silence_stdout()
+            with contextlib.suppress(Exception):  # stderr gone too: the exit status says it
+                print(f"kvpatch: cannot write the output: {failed} (exit {EXIT_IOERR})", file=sys.stderr)
+            return EXIT_IOERR
+        import traceback
 
+        with contextlib.suppress(Exception):
             traceback.print_exc()
             print(
                 f"kvpatch: internal error (exit {EXIT_INTERNAL}): a bug in kvpatch, not a finding about your "
