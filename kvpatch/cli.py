@@ -36,30 +36,22 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
 )
 
-#: The commands as the help lists them: (section, ((name, one-line help), ...)).
-COMMANDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
-    (
-        "commands",
-        (
-            ("status", "show which patches apply here and why (--check for scripts, --verify to measure)"),
-            ("verify", "run the reproductions whose outcome depends on this environment and store the verdicts"),
-            ("run", "run a program (-c CODE, -m MODULE or SCRIPT) with kvpatch active, like python"),
-            ("list", "list every patch: id, upstream package, affected releases, the bug it fixes"),
-            ("version", "print kvpatch's version (also --version)"),
-            ("help", "show this help, or a command's (kvpatch help status)"),
-        ),
-    ),
-    (
-        "maintainer commands",
-        (
-            ("compat", "print, write or check COMPAT.md (the compatibility table) from the registry"),
-            ("fingerprints", "print the source fingerprint of every patch target in the installed upstream"),
-            ("upstream-check", "run every reproduction (kvpatch off) on the newest upstream releases"),
-        ),
-    ),
-)
-_USER_COMMANDS, _MAINTAINER_COMMANDS = (dict(commands) for _, commands in COMMANDS)
+_USER_COMMANDS = {
+    "status": "show which patches apply here and why (--check for scripts, --verify to measure)",
+    "verify": "run the reproductions whose outcome depends on this environment and store the verdicts",
+    "run": "run a program (-c CODE, -m MODULE or SCRIPT) with kvpatch active, like python",
+    "list": "list every patch: id, upstream package, affected releases, the bug it fixes",
+    "version": "print kvpatch's version (also --version)",
+    "help": "show this help, or a command's (kvpatch help status)",
+}
+_MAINTAINER_COMMANDS = {
+    "compat": "print, write or check COMPAT.md (the compatibility table) from the registry",
+    "fingerprints": "print the source fingerprint of every patch target in the installed upstream",
+    "upstream-check": "run every reproduction (kvpatch off) on the newest upstream releases",
+}
 _HELP = _USER_COMMANDS | _MAINTAINER_COMMANDS
+#: The commands as the help lists them: (section, ((name, one-line help), ...)).
+COMMANDS = (("commands", tuple(_USER_COMMANDS.items())), ("maintainer commands", tuple(_MAINTAINER_COMMANDS.items())))
 
 _RUN_USAGE = "kvpatch run [-h] (-c CODE | -m MODULE | SCRIPT) [ARGS ...]"
 
@@ -108,8 +100,9 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors exit 64, not argparse's 2 (which ``status --check`` uses for a failed patch)."""
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        with contextlib.suppress(Exception):
+            print(f"{self.format_usage()}{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         parsed, extra = super().parse_known_args(args, namespace)
@@ -175,19 +168,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         emit(format_text(report, verbose=args.verbose, width=_width(tty_only=not args.verbose), check=asked))
         if copies is not None:
             emit(format_copies(copies))
-    return report.exit_code if asked else EXIT_CLEAN
+    return int(report.data["check"]["exit"]) if asked else EXIT_CLEAN
 
 
 def _width(*, tty_only: bool) -> int | None:
     """The terminal's width, ``$COLUMNS`` or 80; ``None`` (never cut a line) for a pipe or file when ``tty_only``."""
     import shutil
 
-    try:
-        if tty_only and not sys.stdout.isatty():
-            return None
-    except (AttributeError, ValueError):
-        return None
-    return shutil.get_terminal_size().columns
+    with contextlib.suppress(AttributeError, ValueError):
+        if not tty_only or sys.stdout.isatty():
+            return shutil.get_terminal_size().columns
+    return None
 
 
 def cmd_version(args: argparse.Namespace) -> int:
@@ -225,32 +216,24 @@ def cmd_help(args: argparse.Namespace) -> int:
     return main([args.topic, "--help"] if args.topic else ["--help"])
 
 
-def _run_usage_error(message: str) -> int:
-    with contextlib.suppress(Exception):
-        print(f"usage: {_RUN_USAGE}\nkvpatch run: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
-
-
 def cmd_run(argv: Sequence[str]) -> int:
     """``run -c CODE | -m MODULE | SCRIPT [ARGS...]``: everything after the program is the program's, as with
     ``python``; the program's own exceptions and exit status are its own (Python reports them)."""
     import runpy
 
+    usage_error = _Parser(prog="kvpatch run", usage=_RUN_USAGE).error  # exits 64
     if not argv:
-        return _run_usage_error("say what to run: -c CODE, -m MODULE or SCRIPT")
-    first = argv[0]
-    kind = first[:2] if first[:2] in ("-c", "-m") else None
-    if kind is not None:
-        value = first[2:] or (argv[1] if len(argv) > 1 else "")
-        rest = argv[1:] if first[2:] else argv[2:]
-        if not value:
-            return _run_usage_error(f"{kind} needs " + ("the code to run" if kind == "-c" else "a module name"))
-    elif first.startswith("-"):
-        return _run_usage_error(f"unknown option {first!r} (the program comes first: -c CODE, -m MODULE or SCRIPT)")
-    else:
-        value, rest = first, argv[1:]
-        if not os.path.exists(value):
-            return _run_usage_error(f"can't open file {value!r}: no such file or directory")
+        usage_error("say what to run: -c CODE, -m MODULE or SCRIPT")
+    kind = argv[0][:2] if argv[0][:2] in ("-c", "-m") else None
+    if kind:  # -cCODE or -c CODE
+        argv = [argv[0][2:], *argv[1:]] if argv[0][2:] else argv[1:]
+        if not (argv and argv[0]):
+            usage_error(f"{kind} needs " + ("the code to run" if kind == "-c" else "a module name"))
+    elif argv[0].startswith("-"):
+        usage_error(f"unknown option {argv[0]!r} (the program comes first: -c CODE, -m MODULE or SCRIPT)")
+    elif not os.path.exists(argv[0]):
+        usage_error(f"can't open file {argv[0]!r}: no such file or directory")
+    value, rest = argv[0], argv[1:]
 
     import kvpatch
 

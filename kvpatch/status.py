@@ -1,10 +1,7 @@
 """The audit behind ``kvpatch status``: every patch's state and why, and the check's exit status.
 
-States come from the gate and, once per environment, from what importing upstream does (:mod:`kvpatch.settle`);
-with ``verify`` each relevant patch is measured by :meth:`kvpatch.engine.Engine.measure`. The JSON form follows
-``kvpatch/data/status.schema.json`` (``kvpatch.status/1``: keys are added, never removed or renamed).
-``check.exit``: 2 a patch failed, could not be loaded or did not fix its bug; 1 a fact about this environment needs
-attention; else 0. Only a conclusive finding on upstream's own code says a record is wrong.
+The JSON form follows ``kvpatch/data/status.schema.json`` (``kvpatch.status/1``: keys are added, never removed or
+renamed). Only a conclusive finding on upstream's own code says a record is wrong; all else is about this environment.
 """
 
 from __future__ import annotations
@@ -14,26 +11,21 @@ import platform
 import sys
 import textwrap
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import __version__, _copy_records, measurer, verdicts
 from .engine import Engine, PatchStatus, State, import_target_modules
 from .gate import Action
 from .record import Bug, Finding, Patch
+from .settle import settle as settle_outcomes
 from .verdicts import Outcome
 
 __all__ = ["Report", "build_report", "format_text"]
 
 
-@dataclass
-class Report:
+class Report(NamedTuple):
     data: dict[str, Any]
     outcomes: dict[str, Outcome]  # patch id -> the ``--verify`` outcome (``data`` says it in words)
-
-    @property
-    def exit_code(self) -> int:
-        return int(self.data["check"]["exit"])
 
 
 #: States that are facts about this environment needing attention: ``--check`` exits 2 on these, 1 on the others.
@@ -88,19 +80,14 @@ def _verify(engine: Engine, st: PatchStatus, check: dict[int, list[str]]) -> tup
 def auto_activation() -> str | None:
     """Why kvpatch's ``.pth`` start-up hook does not run in this interpreter (``None``: it does), e.g. a
     ``pip install --target`` directory on ``PYTHONPATH``, which ``site`` does not process."""
-    # The bootstrap notes the start-up sys.path when it takes over; before the first mlx import the .pth's
-    # stand-in finder is on sys.meta_path instead.
-    boot = sys.modules.get("_kvpatch_boot")
-    if getattr(boot, "_startup_path", None) is not None or any(
+    # the bootstrap notes the start-up sys.path; before the first mlx import the .pth's finder stands in for it
+    if getattr(sys.modules.get("_kvpatch_boot"), "_startup_path", None) is not None or any(
         getattr(f, "__name__", type(f).__name__) == "KvpatchBootstrapFinder" for f in sys.meta_path
     ):
         return None
-    if sys.flags.no_site:
-        return "off: this interpreter runs without site (-S); use `import kvpatch` or `kvpatch run`"
-    return (
-        "off: kvpatch.pth is not in a site directory of this interpreter (a --target install on PYTHONPATH?); "
-        "use `import kvpatch` or `kvpatch run`"
-    )
+    why = "kvpatch.pth is not in a site directory of this interpreter (a --target install on PYTHONPATH?)"
+    why = "this interpreter runs without site (-S)" if sys.flags.no_site else why
+    return f"off: {why}; use `import kvpatch` or `kvpatch run`"
 
 
 def _entry(p: Patch, st: PatchStatus) -> dict[str, Any]:
@@ -121,8 +108,6 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
         records = engine.materialise()  # the report shows every record
         settled = None
         if settle and not verify:
-            from .settle import settle as settle_outcomes
-
             settled = settle_outcomes(engine, fresh=fresh)
         else:
             engine.refresh()
@@ -229,9 +214,7 @@ _ATTENTION_END = _RANK["pending (verify)"]
 
 def cut(text: str, width: int | None) -> str:
     """``text`` cut to ``width`` (``None``: never cut, for pipes and logs)."""
-    if width is None or len(text) <= width:
-        return text
-    return text[: max(width - 3, 10)] + "..."
+    return text if width is None or len(text) <= width else text[: max(width - 3, 10)] + "..."
 
 
 def wrapped(text: str, indent: str, width: int | None, hang: str = "  ") -> list[str]:
@@ -262,12 +245,9 @@ def _notable_verify(entry: dict[str, Any], outcomes: dict[str, Outcome]) -> str 
 
 
 def format_text(report: Report, *, verbose: bool = False, width: int | None = None, check: bool = False) -> str:
-    """The text of ``kvpatch status``: compact by default, every patch with ``verbose`` (``-v``).
-
-    ``width`` cuts one-line summaries to fit a terminal (``None``: never cut, for pipes and logs); with
-    ``verbose`` it is the width every line wraps to (default 80). ``check``: the command was asked for an
-    exit status (``--check``, ``--verify``), so the check line says which.
-    """
+    """The text of ``kvpatch status``: compact by default, every patch with ``verbose`` (``-v``). ``width`` cuts
+    summaries to a terminal (``None``: never, for pipes); with ``verbose`` every line wraps to it (default 80).
+    ``check``: the command was asked for an exit status (``--check``, ``--verify``), so the check line says which."""
     d = report.data
     lines = _header(d, report.outcomes)
     if verbose or width is not None:  # each line wrapped under its own indentation
