@@ -117,26 +117,22 @@ class _Parser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
 
-class _OutputError(Exception):
-    """Standard output cannot take what kvpatch writes (closed, full disk): exit :data:`EXIT_IOERR`."""
-
-
 def emit(text: str, *, end: str = "\n") -> None:
     """Print ``text`` and flush it, for a command (also the maintainer commands'): a reader that went away ends
-    the output quietly, any other failure to write is an :class:`_OutputError`."""
-    if sys.stdout is None:
-        raise _OutputError("standard output is closed")
+    the output quietly; any other failure to write ends the command with :data:`EXIT_IOERR` and one line."""
     try:
+        if sys.stdout is None:
+            raise OSError(0, "standard output is closed")
         sys.stdout.write(text + end)
         sys.stdout.flush()
     except BrokenPipeError:
         _silence_stdout()
     except (OSError, ValueError) as exc:  # ValueError: the stream object itself was closed
-        raise _OutputError(_describe(exc)) from None
-
-
-def _describe(exc: Exception) -> str:
-    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        _silence_stdout()
+        with contextlib.suppress(Exception):  # stderr gone too: the exit status says it
+            why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            print(f"kvpatch: cannot write the output: {why} (exit {EXIT_IOERR})", file=sys.stderr)
+        raise SystemExit(EXIT_IOERR) from None
 
 
 def _silence_stdout() -> None:
@@ -327,39 +323,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
         return cmd_run(argv[1:])  # the program's own errors are its own: Python reports them
     try:
-        try:
-            command = next((word for word in argv if not word.startswith("-")), "")  # the first word not an option
-            parser = build_parser(command)
-            if command and command not in _HELP:
-                import difflib
+        command = next((word for word in argv if not word.startswith("-")), "")  # the first word not an option
+        parser = build_parser(command)
+        if command and command not in _HELP:
+            import difflib
 
-                close = difflib.get_close_matches(command, list(_HELP), n=1, cutoff=0.6)
-                hint = f" - did you mean {close[0]!r}?" if close else " (`kvpatch help` lists the commands)"
-                parser.error(f"unknown command {command!r}{hint}")
-            args = parser.parse_args(argv)
-            code = int((cmd_version if args.version else args.func)(args) or 0)
-        except SystemExit as exc:  # --help (0) or a usage error (64)
-            code = int(exc.code or 0)
+            close = difflib.get_close_matches(command, list(_HELP), n=1, cutoff=0.6)
+            hint = f" - did you mean {close[0]!r}?" if close else " (`kvpatch help` lists the commands)"
+            parser.error(f"unknown command {command!r}{hint}")
+        args = parser.parse_args(argv)
+        code = int((cmd_version if args.version else args.func)(args) or 0)
         if sys.stdout is not None:
             emit("", end="")  # what print left buffered: a failure is reported here, not at interpreter exit
         return code
+    except SystemExit as exc:  # --help (0), a usage error (64), output that could not be written (74)
+        return int(exc.code or 0)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_CLEAN
     except Exception as exc:
-        failed = str(exc) if isinstance(exc, _OutputError) else None
         if isinstance(exc, OSError) and sys.stdout is not None:  # a command's own print: is stdout what failed?
             try:
                 emit("", end="")
-            except _OutputError:
-                failed = _describe(exc)
-        if failed is not None:
-            _silence_stdout()
-            with contextlib.suppress(Exception):  # stderr gone too: the exit status says it
-                print(f"kvpatch: cannot write the output: {failed} (exit {EXIT_IOERR})", file=sys.stderr)
-            return EXIT_IOERR
+            except SystemExit:
+                return EXIT_IOERR
         import traceback
 
         with contextlib.suppress(Exception):
