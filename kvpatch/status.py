@@ -282,18 +282,15 @@ def _header(d: dict[str, Any], outcomes: dict[str, Outcome]) -> list[str]:
         lines.append(f"auto-activation: {d['auto_activation']}")
     shown, notes = [], []
     for name, up in d["upstream"].items():
-        src = up["source"]
-        if up["version"] is None and (up["version_unknown"] or up["installed"]):
-            shown.append(f"{name} (version unknown)")
+        src, version = up["source"], up["version"]
+        unknown = version is None and (up["version_unknown"] or up["installed"])
+        shown.append(f"{name} (version unknown)" if unknown else f"{name} {version or 'not installed'}")
+        if unknown:
             notes.append(f"  {name}: installed, version unknown ({up['version_unknown']}): the reproduction decides")
-        elif up["version"] is None:
-            shown.append(f"{name} not installed")
-        else:
-            shown.append(f"{name} {up['version']}")
-            if src["kind"] not in ("index", "none"):
-                where = f"{src['kind']} install" + (f" {src['url']}" if src["url"] else "")
-                where += f"@{src['commit'][:12]}" if src["commit"] else ""
-                notes.append(f"  {name}: {where}" + (f" [{src['error']}]" if src["error"] else ""))
+        elif version is not None and src["kind"] not in ("index", "none"):
+            where = f"{src['kind']} install" + (f" {src['url']}" if src["url"] else "")
+            where += f"@{src['commit'][:12]}" if src["commit"] else ""
+            notes.append(f"  {name}: {where}" + (f" [{src['error']}]" if src["error"] else ""))
     lines += ["upstream: " + ", ".join(shown), *notes]
     # patches by state; those whose package is absent by package (so "not installed" cannot read as "failed")
     counts = sorted((-n, s) for s, n in d["summary"].items() if s != State.NOT_INSTALLED.value)
@@ -309,9 +306,8 @@ def _header(d: dict[str, Any], outcomes: dict[str, Outcome]) -> list[str]:
     verified = []
     for key, named in sorted(ids.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         listed = ", ".join(named[:4]) + (", ..." if len(named) > 4 else "")
-        verified.append(
-            f"{len(named)} {key}" + (f" ({listed}: `kvpatch status -v` says why)" if key == "skipped" else "")
-        )
+        why = f" ({listed}: `kvpatch status -v` says why)" if key == "skipped" else ""
+        verified.append(f"{len(named)} {key}{why}")
     if verified:
         lines.append("verified: " + "; ".join(verified))
     return lines
@@ -361,8 +357,7 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
 
 
 def _full_table(d: dict[str, Any], width: int) -> list[str]:
-    """Every present patch: its id and state, then its details, each wrapped to ``width``; a distribution that
-    is not installed is one line, not one per patch."""
+    """Every present patch with its details; a distribution that is not installed is one line, not one per patch."""
     present = [e for e in d["patches"] if e["state"] != State.NOT_INSTALLED.value]
     lines: list[str] = []
     pad = max((len(e["id"]) for e in present), default=0)
