@@ -110,11 +110,8 @@ class _Parser(argparse.ArgumentParser):
             self.error(f"unrecognized arguments: {' '.join(extra)}")
         return parsed, extra
 
-    def _print_message(self, message: str, file: Any = None) -> None:
-        if file is sys.stdout:  # argparse ignores a failed write: --help > /dev/full would exit 0
-            emit(message, end="")
-        else:
-            super()._print_message(message, file)
+    def print_help(self, file: Any = None) -> None:
+        emit(self.format_help(), end="")  # argparse ignores a failed write: --help > /dev/full would exit 0
 
 
 def emit(text: str, *, end: str = "\n") -> None:
@@ -125,10 +122,10 @@ def emit(text: str, *, end: str = "\n") -> None:
             raise OSError(0, "standard output is closed")
         sys.stdout.write(text + end)
         sys.stdout.flush()
-    except BrokenPipeError:
-        _silence_stdout()
     except (OSError, ValueError) as exc:  # ValueError: the stream object itself was closed
         _silence_stdout()
+        if isinstance(exc, BrokenPipeError):  # the reader went away: the output ends quietly
+            return
         with contextlib.suppress(Exception):  # stderr gone too: the exit status says it
             why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
             print(f"kvpatch: cannot write the output: {why} (exit {EXIT_IOERR})", file=sys.stderr)
@@ -295,11 +292,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from . import verify
 
     verify.add_arguments(p["verify"])
-    # for the help only: cmd_run reads its own arguments, as everything after the program is the program's
-    p["run"].add_argument("-c", metavar="CODE", help="program passed in as a string")
-    p["run"].add_argument("-m", metavar="MODULE", help="run a library module as a script (like python -m)")
-    p["run"].add_argument("SCRIPT", nargs="?", help="program read from a file (or a directory / zip with __main__.py)")
-    p["run"].add_argument("ARGS", nargs="*", help="the program's arguments (its sys.argv[1:])")
     p["list"].add_argument("--json", action="store_true", help="machine-readable output")
     p["help"].add_argument("topic", nargs="?", metavar="COMMAND", help="the command to describe")
     commands = {"status": cmd_status, "verify": verify.run, "list": cmd_list, "version": cmd_version, "help": cmd_help}

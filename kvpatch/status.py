@@ -133,15 +133,14 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
                 outcomes[p.id], entry["verify"] = _verify(engine, st, check)
                 entry["state"], entry["reason"] = st.state.value, st.reason
             state = entry["state"]
+            unsettled = state == State.PENDING.value and st.decision.action is Action.VERIFY and not entry["verdict"]
             if state in _FAILING:
                 check[2].append(f"{p.id}: {entry['reason']}")
             elif state in _ATTENTION:
                 check[1].append(f"{p.id}: {state}: {entry['reason']}")
             elif state == State.INCONCLUSIVE.value:
                 check[1].append(f"{p.id}: inconclusive here, not applied (not a record error): {entry['error']}")
-            elif state == State.UNVERIFIED.value or (
-                state == State.PENDING.value and st.decision.action is Action.VERIFY and not entry["verdict"]
-            ):
+            elif state == State.UNVERIFIED.value or unsettled:
                 check[1].append(f"{p.id}: pending verification (no verdict for this environment): run `kvpatch verify`")
             elif st.drift and st.state is State.APPLIED:
                 check[1].append(f"{p.id}: applied to drifted code (reproduction confirmed); validate and record it")
@@ -248,34 +247,8 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
     """The text of ``kvpatch status``: compact by default, every patch with ``verbose`` (``-v``). ``width`` cuts
     summaries to a terminal (``None``: never, for pipes); with ``verbose`` every line wraps to it (default 80).
     ``check``: the command was asked for an exit status (``--check``, ``--verify``), so the check line says which."""
-    d = report.data
-    lines = _header(d, report.outcomes)
-    if verbose or width is not None:  # each line wrapped under its own indentation
-        lines = [
-            part
-            for line in lines
-            for part in wrapped(line.lstrip(" "), line[: -len(line.lstrip(" ")) or None], width or 80)
-        ]
-    lines.append("")
-    lines.extend(_full_table(d, width or 80) if verbose else _compact(d, report.outcomes, width))
-    reasons, code = d["check"]["reasons"], d["check"]["exit"]
-    joined = "\n".join(reasons)  # what the check section lists is not repeated above it
-    lines.extend(f"BROKEN patch module {m}: {e}" for m, e in d["broken"].items() if f"{m}: " not in joined)
-    lines.extend(f"config: {problem}" for problem in d["problems"] if problem not in joined)
-    if lines[-1]:
-        lines.append("")
-    if not reasons:
-        lines.append(f"check: clean (exit {code})" if check else "check: clean, nothing needs attention")
-    else:  # the exit status is named only to a command that asked for one
-        what = "attention needed" if code == 1 else "a patch failed or did not fix its bug"
-        exits = f"exit {code}" if check else f"`kvpatch status --check` exits {code}"
-        lines += [f"check: {what} ({exits}):", *(f"  - {r}" for r in reasons)]
-    if not verbose:
-        lines.append("`kvpatch status -v` lists every patch with its targets and reason.")
-    return "\n".join(lines)
-
-
-def _header(d: dict[str, Any], outcomes: dict[str, Outcome]) -> list[str]:
+    d, outcomes = report
+    absent = Counter(e["distribution"] for e in d["patches"] if e["state"] == State.NOT_INSTALLED.value)
     off = "" if d["enabled"] else ": OFF (KVPATCH=off), nothing is patched"
     lines = [f"kvpatch {d['kvpatch']} on Python {d['python']} ({d['platform']}){off}"]
     if d["auto_activation"]:
@@ -295,7 +268,7 @@ def _header(d: dict[str, Any], outcomes: dict[str, Outcome]) -> list[str]:
     # patches by state; those whose package is absent by package (so "not installed" cannot read as "failed")
     counts = sorted((-n, s) for s, n in d["summary"].items() if s != State.NOT_INSTALLED.value)
     parts = [f"{-n} {s}" for n, s in counts]
-    parts += [f"{n} for {dist} (not installed)" for dist, n in _not_installed(d["patches"]).items()]
+    parts += [f"{n} for {dist} (not installed)" for dist, n in absent.items()]
     lines.append(f"{len(d['patches'])} patches: {', '.join(parts)}" if d["patches"] else "no patches loaded")
     # --verify's outcomes by count; a skipped reproduction names its patches (a skip hides a check)
     ids: dict[str, list[str]] = {}
@@ -310,12 +283,25 @@ def _header(d: dict[str, Any], outcomes: dict[str, Outcome]) -> list[str]:
         verified.append(f"{len(named)} {key}{why}")
     if verified:
         lines.append("verified: " + "; ".join(verified))
-    return lines
-
-
-def _not_installed(entries: list[dict[str, Any]]) -> Counter[str]:
-    """How many patches each distribution that is not installed has."""
-    return Counter(e["distribution"] for e in entries if e["state"] == State.NOT_INSTALLED.value)
+    if verbose or width is not None:  # each line wrapped under its own indentation
+        lines = [w for ln in lines for w in wrapped(ln.lstrip(), ln[: len(ln) - len(ln.lstrip())], width or 80)]
+    lines.append("")
+    lines.extend(_full_table(d, width or 80, absent) if verbose else _compact(d, outcomes, width))
+    reasons, code = d["check"]["reasons"], d["check"]["exit"]
+    joined = "\n".join(reasons)  # what the check section lists is not repeated above it
+    lines.extend(f"BROKEN patch module {m}: {e}" for m, e in d["broken"].items() if f"{m}: " not in joined)
+    lines.extend(f"config: {problem}" for problem in d["problems"] if problem not in joined)
+    if lines[-1]:
+        lines.append("")
+    if not reasons:
+        lines.append(f"check: clean (exit {code})" if check else "check: clean, nothing needs attention")
+    else:  # the exit status is named only to a command that asked for one
+        what = "attention needed" if code == 1 else "a patch failed or did not fix its bug"
+        exits = f"exit {code}" if check else f"`kvpatch status --check` exits {code}"
+        lines += [f"check: {what} ({exits}):", *(f"  - {r}" for r in reasons)]
+    if not verbose:
+        lines.append("`kvpatch status -v` lists every patch with its targets and reason.")
+    return "\n".join(lines)
 
 
 def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None) -> list[str]:
@@ -356,7 +342,7 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
     return lines
 
 
-def _full_table(d: dict[str, Any], width: int) -> list[str]:
+def _full_table(d: dict[str, Any], width: int, absent: Counter[str]) -> list[str]:
     """Every present patch with its details; a distribution that is not installed is one line, not one per patch."""
     present = [e for e in d["patches"] if e["state"] != State.NOT_INSTALLED.value]
     lines: list[str] = []
@@ -374,7 +360,6 @@ def _full_table(d: dict[str, Any], width: int) -> list[str]:
         for label, text in details:
             if text is not None:
                 lines.extend(wrapped(text, f"    {label + ':':<11}", width, hang=""))
-    absent = _not_installed(d["patches"])
     if absent and lines:
         lines.append("")
     lines.extend(f"{dist} not installed: its {n} patches do not apply" for dist, n in absent.items())
