@@ -10,12 +10,18 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
+import json
 import os
+import runpy
+import shutil
 import sys
+import traceback
 import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from . import __version__, activate, get_engine
 
 EXIT_CLEAN = 0
 EXIT_ATTENTION = 1
@@ -55,7 +61,7 @@ COMMANDS = (("commands", tuple(_USER_COMMANDS.items())), ("maintainer commands",
 
 _RUN_USAGE = "kvpatch run [-h] (-c CODE | -m MODULE | SCRIPT) [ARGS ...]"
 
-#: Each user command's ``--help``: its paragraph and epilog (status's and run's keep their line breaks).
+#: Each user command's ``--help``: its paragraph and epilog.
 _HELP_TEXT = {
     "status": (
         "Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and\n"
@@ -141,9 +147,6 @@ def _silence_stdout() -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import json
-
-    from . import get_engine
     from .status import build_report, format_text
 
     engine = get_engine()
@@ -166,8 +169,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _width(*, tty_only: bool) -> int | None:
     """The terminal's width, ``$COLUMNS`` or 80; ``None`` (never cut a line) for a pipe or file when ``tty_only``."""
-    import shutil
-
     with contextlib.suppress(AttributeError, ValueError):
         if not tty_only or sys.stdout.isatty():
             return shutil.get_terminal_size().columns
@@ -175,16 +176,12 @@ def _width(*, tty_only: bool) -> int | None:
 
 
 def cmd_version(args: argparse.Namespace) -> int:
-    import kvpatch
-
-    where = os.path.dirname(os.path.abspath(kvpatch.__file__))
-    emit(f"kvpatch {kvpatch.__version__} from {where} (Python {'.'.join(map(str, sys.version_info[:3]))})")
+    where = os.path.dirname(os.path.abspath(__file__))
+    emit(f"kvpatch {__version__} from {where} (Python {'.'.join(map(str, sys.version_info[:3]))})")
     return EXIT_CLEAN
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    import json
-
     from .registry import load
     from .status import cut
 
@@ -212,8 +209,6 @@ def cmd_help(args: argparse.Namespace) -> int:
 def cmd_run(argv: Sequence[str]) -> int:
     """``run -c CODE | -m MODULE | SCRIPT [ARGS...]``: everything after the program is the program's, as with
     ``python``; the program's own exceptions and exit status are its own (Python reports them)."""
-    import runpy
-
     usage_error = _Parser(prog="kvpatch run", usage=_RUN_USAGE).error  # exits 64
     if not argv:
         usage_error("say what to run: -c CODE, -m MODULE or SCRIPT")
@@ -227,10 +222,7 @@ def cmd_run(argv: Sequence[str]) -> int:
     elif not os.path.exists(argv[0]):
         usage_error(f"can't open file {argv[0]!r}: no such file or directory")
     value, rest = argv[0], argv[1:]
-
-    import kvpatch
-
-    kvpatch.activate()
+    activate()
     sys.argv = ["-c" if kind == "-c" else value, *rest]
     if kind == "-c":  # as `python -c`: a fresh __main__, with the working directory first on sys.path
         main_module = types.ModuleType("__main__")
@@ -270,15 +262,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser._action_groups.append(parser._action_groups.pop(1))  # "options" after the commands
     sub = parser.add_subparsers(dest="command", help=argparse.SUPPRESS, parser_class=_Parser, prog="kvpatch")
     p = {}
-    for name, (description, epilog) in _HELP_TEXT.items():
-        raw = name in ("status", "run")
-        p[name] = sub.add_parser(
-            name,
-            usage=_RUN_USAGE if name == "run" else None,
-            description=description,
-            epilog=epilog,
-            formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter,
-        )
+    for name, (description, epilog) in _HELP_TEXT.items():  # a text with line breaks keeps them
+        fmt = argparse.RawDescriptionHelpFormatter if "\n" in description else argparse.HelpFormatter
+        p[name] = sub.add_parser(name, description=description, epilog=epilog, formatter_class=fmt)
+    p["run"].usage = _RUN_USAGE
     for flags, text in (
         (("-v", "--verbose"), "every patch, with its targets and the full reason"),
         (("--json",), "machine-readable output (schema kvpatch.status/1)"),
@@ -341,8 +328,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 emit("", end="")
             except SystemExit:
                 return EXIT_IOERR
-        import traceback
-
         with contextlib.suppress(Exception):
             traceback.print_exc()
             print(
