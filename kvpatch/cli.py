@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import __version__, activate, get_engine
+from .registry import load
+from .vendored import format_copies, scan
 
 EXIT_CLEAN = 0
 EXIT_ATTENTION = 1
@@ -153,8 +155,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     report = build_report(engine, verify=args.verify, settle=not args.no_settle, fresh=args.fresh)
     copies = None
     if args.scan:
-        from .vendored import format_copies, scan
-
         copies = scan(engine, installed=True)
         report.data["vendored"] = [c.as_dict() for c in copies]
     asked = args.check or args.verify
@@ -182,7 +182,6 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from .registry import load
     from .status import cut
 
     reg = load()

@@ -236,13 +236,6 @@ def _state_text(entry: dict[str, Any]) -> str:
     return f"pending ({entry['verdict'].split(' (')[0]})" if entry["verdict"] else "pending verification"
 
 
-def _notable_verify(entry: dict[str, Any], outcomes: dict[str, Outcome]) -> str | None:
-    """The verify outcome when it says something new about the patch's state."""
-    if not entry["verify"] or outcomes.get(entry["id"]) in (Outcome.FIXED, Outcome.ABSENT, Outcome.SKIPPED):
-        return None
-    return str(entry["verify"]["outcome"])
-
-
 def format_text(report: Report, *, verbose: bool = False, width: int | None = None, check: bool = False) -> str:
     """The text of ``kvpatch status``: compact by default, every patch with ``verbose`` (``-v``). ``width`` cuts
     summaries to a terminal (``None``: never, for pipes); with ``verbose`` every line wraps to it (default 80).
@@ -305,10 +298,15 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
 
 
 def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None) -> list[str]:
+    notable = {  # the verify outcomes that say something new about a patch's state
+        e["id"]: e["verify"]["outcome"]
+        for e in d["patches"]
+        if e["verify"] and outcomes.get(e["id"]) not in (Outcome.FIXED, Outcome.ABSENT, Outcome.SKIPPED)
+    }
     groups: dict[str, list[dict[str, Any]]] = {}
     for e in d["patches"]:
         state = _state_text(e)
-        if state not in _QUIET_STATES or _notable_verify(e, outcomes):
+        if state not in _QUIET_STATES or e["id"] in notable:
             groups.setdefault(state, []).append(e)
     if not groups:
         if not any(d["upstream"][name]["installed"] for name in ("mlx-lm", "mlx-vlm") if name in d["upstream"]):
@@ -335,9 +333,8 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
                     lines.extend(wrapped(f"error: {e['error']}", under, width))
             elif state == "opt-in":
                 lines.append(f"{under}turn it on: KVPATCH_ENABLE={e['id']}")
-            notable = _notable_verify(e, outcomes)
-            if notable:
-                lines.extend(wrapped(f"verify: {notable}", under, width))
+            if e["id"] in notable:
+                lines.extend(wrapped(f"verify: {notable[e['id']]}", under, width))
         lines.append("")
     return lines
 
