@@ -159,7 +159,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         report.data["vendored"] = [c.as_dict() for c in copies]
     asked = args.check or args.verify
     if args.json:
-        emit(json.dumps(report.data, indent=2, sort_keys=False))
+        emit(json.dumps(report.data, indent=2))
     else:
         emit(format_text(report, verbose=args.verbose, width=_width(tty_only=not args.verbose), check=asked))
         if copies is not None:
