@@ -131,21 +131,17 @@ def emit(text: str, *, end: str = "\n") -> None:
         sys.stdout.write(text + end)
         sys.stdout.flush()
     except (OSError, ValueError) as exc:  # ValueError: the stream object itself was closed
-        _silence_stdout()
+        # stdout to /dev/null: Python flushes it again at exit, and that flush must not fail either
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no real file descriptor behind stdout
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
         if isinstance(exc, BrokenPipeError):  # the reader went away: the output ends quietly
             return
         with contextlib.suppress(Exception):  # stderr gone too: the exit status says it
             why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
             print(f"kvpatch: cannot write the output: {why} (exit {EXIT_IOERR})", file=sys.stderr)
         raise SystemExit(EXIT_IOERR) from None
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null: Python flushes it again at exit, and that flush must not fail either."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # no real file descriptor behind stdout
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -224,9 +220,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     activate()
     sys.argv = ["-c" if kind == "-c" else value, *rest]
     if kind == "-c":  # as `python -c`: a fresh __main__, with the working directory first on sys.path
-        main_module = types.ModuleType("__main__")
+        sys.modules["__main__"] = main_module = types.ModuleType("__main__")
         main_module.__dict__["__builtins__"] = builtins
-        sys.modules["__main__"] = main_module
         sys.path.insert(0, "")
         exec(compile(value, "<string>", "exec"), main_module.__dict__)
     elif kind == "-m":
@@ -318,8 +313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        _silence_stdout()
+    except BrokenPipeError:  # a command's own print: the reader went away
+        emit("", end="")  # meets the closed pipe again and points stdout at /dev/null
         return EXIT_CLEAN
     except Exception as exc:
         if isinstance(exc, OSError) and sys.stdout is not None:  # a command's own print: is stdout what failed?

@@ -280,12 +280,7 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
         lines = [w for ln in lines for w in wrapped(ln.lstrip(), ln[: len(ln) - len(ln.lstrip())], width or 80)]
     lines.append("")
     lines.extend(_full_table(d, width or 80, absent) if verbose else _compact(d, outcomes, width))
-    reasons, code = d["check"]["reasons"], d["check"]["exit"]
-    joined = "\n".join(reasons)  # what the check section lists is not repeated above it
-    lines.extend(f"BROKEN patch module {m}: {e}" for m, e in d["broken"].items() if f"{m}: " not in joined)
-    lines.extend(f"config: {problem}" for problem in d["problems"] if problem not in joined)
-    if lines[-1]:
-        lines.append("")
+    reasons, code = d["check"]["reasons"], d["check"]["exit"]  # broken modules and config problems among them
     if not reasons:
         lines.append(f"check: clean (exit {code})" if check else "check: clean, nothing needs attention")
     else:  # the exit status is named only to a command that asked for one
