@@ -68,8 +68,7 @@ _HELP_TEXT = {
     "status": (
         "Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and\n"
         "why. It reads package metadata and, once per environment, imports the upstream\n"
-        "modules to settle what an import would do; --verify runs every relevant\n"
-        "reproduction with and without its patch.",
+        "modules to settle what an import would do.",
         "exit status:\n"
         + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES)
         + "\n\nWithout --check or --verify, status exits 0 whatever it reports (1 and 2 are for scripts that ask).\n"
@@ -186,8 +185,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         rows = [{k: getattr(p, k) for k in ("id", "distribution", "affected", "opt_in", "summary")} for p in patches]
         emit(json.dumps({"patches": rows, "broken": dict(reg.broken)}, indent=2))
     else:
-        width = _width(tty_only=True)
-        pad = max((len(p.id) for p in patches), default=0)
+        width, pad = _width(tty_only=True), max((len(p.id) for p in patches), default=0)
         for p in patches:
             summary = ("opt-in: " if p.opt_in else "") + p.summary
             emit(cut(f"{p.id:<{pad}}  {p.distribution:<7}  {p.affected:<18}  {summary}", width))

@@ -341,10 +341,9 @@ def _full_table(d: dict[str, Any], width: int, absent: Counter[str]) -> list[str
     pad = max((len(e["id"]) for e in present), default=0)
     for e in present:
         lines.append(f"{e['id']:<{pad}}  {_state_text(e)}")
+        fixed = f"not fixed as of {e['checked_through']}" if e["checked_through"] else "not fixed"
         if e["fixed_in"]:
             fixed = e["fixed_in"] + (f" ({e['fixed_commit'][:8]})" if e["fixed_commit"] else "")
-        else:
-            fixed = f"not fixed as of {e['checked_through']}" if e["checked_through"] else "not fixed"
         details = [("affected", e["affected"]), ("fixed in", fixed), ("target", ", ".join(e["targets"]))]
         details += [("why", e["reason"]), ("verdict", e["verdict_file"])]
         details += [("error", e["error"] if e["error"] and e["error"] not in e["reason"] else None)]
