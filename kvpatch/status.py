@@ -193,13 +193,11 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
 _QUIET_STATES = frozenset({State.NOT_NEEDED.value, State.OUT_OF_RANGE.value, State.NOT_INSTALLED.value})
 
 #: How the compact view groups what it shows, attention first: state as ``_state_text`` says it -> title.
-#: A state missing here is shown too, under its own name, after the attention groups.
 _GROUPS = {
     "failed": "FAILED: not applied, the bug is live",
     "target missing": "TARGET MISSING: upstream moved or removed what the patch replaces",
     "drifted": "DRIFTED: the target's code is not what the patch was validated on",
     "inconclusive": "INCONCLUSIVE: the reproduction could not tell",
-    "pending (verify)": "pending verification: the reproduction decides",
     "pending verification": "pending verification: the reproduction decides",
     "overridden": "overridden",
     "opt-in": "opt-in available: off unless KVPATCH_ENABLE names it",
@@ -208,7 +206,8 @@ _GROUPS = {
     "pending": "will apply when its module is imported",
 }
 _RANK = {state: i for i, state in enumerate(_GROUPS)}
-_ATTENTION_END = _RANK["pending (verify)"]
+#: Groups up to inconclusive give each patch's reason; a state missing from _GROUPS joins them, under its own name.
+_EXPLAINED = _RANK["inconclusive"] + 0.5
 
 
 def cut(text: str, width: int | None) -> str:
@@ -310,15 +309,15 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
     pad = max(len(e["id"]) for es in groups.values() for e in es)
     under = " " * (pad + 4)
     lines: list[str] = []
-    for state in sorted(groups, key=lambda s: _RANK.get(s, _ATTENTION_END)):
+    for state in sorted(groups, key=lambda s: _RANK.get(s, _EXPLAINED)):
         entries = groups[state]
         lines.append(f"{_GROUPS.get(state, state)} ({len(entries)}):")
         if state == "disabled":
             lines += [*wrapped(", ".join(e["id"] for e in entries), "  ", width), ""]
             continue
-        explained = state in _QUIET_STATES or _RANK.get(state, _ATTENTION_END) <= _ATTENTION_END
+        explained = state in _QUIET_STATES or _RANK.get(state, _EXPLAINED) <= _EXPLAINED
         shared = explained and len(entries) > 1 and len({e["reason"] for e in entries}) == 1
-        if shared:  # one reason for the whole group (a distribution whose version is unknown): say it once
+        if shared:  # one reason for the whole group: say it once
             lines.extend(wrapped(f"all {len(entries)}: {entries[0]['reason']}", "  ", width))
         for e in entries:
             lines.append(cut(f"  {e['id']:<{pad}}  {e['summary']}", width))
