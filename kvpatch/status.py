@@ -106,10 +106,8 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
     """The audit. ``settle`` (default): outcomes, not predictions (see :mod:`kvpatch.settle`)."""
     with measurer.measuring_as("status --verify", remeasure=True) if verify else contextlib.nullcontext():
         records = engine.materialise()  # the report shows every record
-        settled = None
-        if settle and not verify:
-            settled = settle_outcomes(engine, fresh=fresh)
-        else:
+        settled = settle_outcomes(engine, fresh=fresh) if settle and not verify else None
+        if settled is None:
             engine.refresh()
         skip = (State.OUT_OF_RANGE, State.NOT_INSTALLED)
         relevant = {pid for pid, st in engine.status.items() if st.state not in skip}
@@ -147,15 +145,13 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
             patches.append(entry)
         check[2].extend(f"{module}: could not be loaded: {error}" for module, error in engine.broken.items())
         copies = []  # one entry per (patch, vendored copy a server registered)
-        for cst in _copy_records():
-            who, state = f"{cst.patch.id} in {cst.copy}", cst.state.value
-            copies.append(
-                {"id": cst.patch.id, "copy": cst.copy, "state": state, "reason": cst.reason, "error": cst.error}
-            )
+        for c in _copy_records():
+            who, state = f"{c.patch.id} in {c.copy}", c.state.value
+            copies.append({"id": c.patch.id, "copy": c.copy, "state": state, "reason": c.reason, "error": c.error})
             if state in _FAILING:
-                check[2].append(f"{who}: {cst.reason}")
-            elif state in _ATTENTION or cst.state is State.UNVERIFIED:
-                check[1].append(f"{who}: {state}: {cst.reason}")
+                check[2].append(f"{who}: {c.reason}")
+            elif state in _ATTENTION or c.state is State.UNVERIFIED:
+                check[1].append(f"{who}: {state}: {c.reason}")
     if engine.config.enforce:  # the project's own deadlines fail kvpatch's CI, never an operator's health check
         check[1].extend(
             f"{e['id']}: review-by date {e['expiry']['review_by']} has passed ({e['expiry']['condition']}): run "
