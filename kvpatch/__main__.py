@@ -1,7 +1,5 @@
 """``python -m kvpatch``: see :mod:`kvpatch.cli`."""
 
-from __future__ import annotations
-
 import sys
 
 from .cli import main

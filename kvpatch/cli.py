@@ -8,13 +8,22 @@ nothing. The maintainer commands live in :mod:`kvpatch.maint.cli`, imported only
 from __future__ import annotations
 
 import argparse
+import builtins
 import contextlib
+import json
 import os
+import runpy
+import shutil
 import sys
-import textwrap
+import traceback
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from . import __version__, activate, get_engine
+from .registry import load
+from .vendored import format_copies, scan
 
 EXIT_CLEAN = 0
 EXIT_ATTENTION = 1
@@ -35,65 +44,36 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
 )
 
-_EXIT_TABLE = "exit status:\n" + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES)
-
-_STATUS_EPILOG = (
-    _EXIT_TABLE
-    + "\n\nWithout --check or --verify, status exits 0 whatever it reports (1 and 2 are for scripts that ask).\n"
-    "A closed pipe (kvpatch status --json | head -1) changes nothing: no traceback, the same exit status.\n"
-    "The JSON output follows kvpatch/data/status.schema.json (schema id kvpatch.status/1)."
-)
-
-#: The commands as the help lists them: (section, ((name, one-line help), ...)).
-COMMANDS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
-    (
-        "commands",
-        (
-            ("status", "show which patches apply here and why (--check for scripts, --verify to measure)"),
-            ("verify", "run the reproductions whose outcome depends on this environment and store the verdicts"),
-            ("run", "run a program (-c CODE, -m MODULE or SCRIPT) with kvpatch active, like python"),
-            ("list", "list every patch: id, upstream package, affected releases, the bug it fixes"),
-            ("version", "print kvpatch's version (also --version)"),
-            ("help", "show this help, or a command's (kvpatch help status)"),
-        ),
-    ),
-    (
-        "maintainer commands",
-        (
-            ("compat", "print, write or check COMPAT.md (the compatibility table) from the registry"),
-            ("fingerprints", "print the source fingerprint of every patch target in the installed upstream"),
-            ("upstream-check", "run every reproduction (kvpatch off) on the newest upstream releases"),
-        ),
-    ),
-)
-_USER_COMMANDS, _MAINTAINER_COMMANDS = (dict(commands) for _, commands in COMMANDS)
+_USER_COMMANDS = {
+    "status": "show which patches apply here and why (--check for scripts, --verify to measure)",
+    "verify": "run the reproductions whose outcome depends on this environment and store the verdicts",
+    "run": "run a program (-c CODE, -m MODULE or SCRIPT) with kvpatch active, like python",
+    "list": "list every patch: id, upstream package, affected releases, the bug it fixes",
+    "version": "print kvpatch's version (also --version)",
+    "help": "show this help, or a command's (kvpatch help status)",
+}
+_MAINTAINER_COMMANDS = {
+    "compat": "print, write or check COMPAT.md (the compatibility table) from the registry",
+    "fingerprints": "print the source fingerprint of every patch target in the installed upstream",
+    "upstream-check": "run every reproduction (kvpatch off) on the newest upstream releases",
+}
 _HELP = _USER_COMMANDS | _MAINTAINER_COMMANDS
+#: The commands as the help lists them: (section, ((name, one-line help), ...)).
+COMMANDS = (("commands", tuple(_USER_COMMANDS.items())), ("maintainer commands", tuple(_MAINTAINER_COMMANDS.items())))
 
 _RUN_USAGE = "kvpatch run [-h] (-c CODE | -m MODULE | SCRIPT) [ARGS ...]"
-_RUN_DESCRIPTION = (
-    "Run a Python program with kvpatch active from its first line, the way `python` runs it:\n"
-    "-c CODE runs a string, -m MODULE runs a module as __main__, SCRIPT runs a file (or a directory\n"
-    "or zip with __main__.py). Everything after the program is its own arguments (sys.argv[1:]).\n"
-    "kvpatch activates before the program starts, also where the start-up hook does not run\n"
-    "(python -S, a source tree on PYTHONPATH)."
-)
-_RUN_EPILOG = (
-    "exit status: the program's own; 64 when there is no program to run (no such file, no -c code,\n"
-    "no -m module name).\n"
-    "examples:\n"
-    "  kvpatch run -c 'import mlx_lm, kvpatch; print(kvpatch.records())'\n"
-    "  kvpatch run -m mlx_lm.server --model ...\n"
-    "  kvpatch run serve.py --port 8080"
-)
 
-
-#: Each user command's ``--help`` paragraph.
-_DESCRIPTIONS = {
-    "status": textwrap.fill(  # its formatter keeps line breaks (the exit-status table needs them)
-        "Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and why. "
-        "It reads package metadata and, once per environment, imports the upstream modules to settle "
-        "what an import would do; --verify runs every relevant reproduction with and without its patch.",
-        width=78,
+#: Each user command's ``--help``: its paragraph and epilog.
+_HELP_TEXT = {
+    "status": (
+        "Show which kvpatch patches apply to the installed mlx / mlx-lm / mlx-vlm, and\n"
+        "why. It reads package metadata and, once per environment, imports the upstream\n"
+        "modules to settle what an import would do.",
+        "exit status:\n"
+        + "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES)
+        + "\n\nWithout --check or --verify, status exits 0 whatever it reports (1 and 2 are for scripts that ask).\n"
+        "A closed pipe (kvpatch status --json | head -1) changes nothing: no traceback, the same exit status.\n"
+        "The JSON output follows kvpatch/data/status.schema.json (schema id kvpatch.status/1).",
     ),
     "verify": (
         "Settle, in this process, every verdict this environment's imports will read: for each patch whose "
@@ -101,17 +81,25 @@ _DESCRIPTIONS = {
         "on, an editable, directory or git install, drifted target code), run its reproduction without and "
         "with the patch and store the verdict, so later imports measure nothing. Run it after installing or "
         "upgrading (a Dockerfile's last step, CI, a deployment hook). To audit every relevant patch, "
-        "whatever decides it, run `kvpatch status --verify`."
+        "whatever decides it, run `kvpatch status --verify`.",
+        "exit status: 0 every patch settled, 1 a verdict is inconclusive, a patch drifted or failed.",
     ),
-    "run": _RUN_DESCRIPTION,
-    "list": "List every patch kvpatch ships, one line each.",
-    "version": "Print kvpatch's version, where it is, and Python's.",
-    "help": "Show kvpatch's help (its commands and what they do), or one command's: kvpatch help status.",
-}
-_EPILOGS = {
-    "status": _STATUS_EPILOG,
-    "verify": "exit status: 0 every patch settled, 1 a verdict is inconclusive, a patch drifted or failed.",
-    "run": _RUN_EPILOG,
+    "run": (
+        "Run a Python program with kvpatch active from its first line, the way `python` runs it:\n"
+        "-c CODE runs a string, -m MODULE runs a module as __main__, SCRIPT runs a file (or a directory\n"
+        "or zip with __main__.py). Everything after the program is its own arguments (sys.argv[1:]).\n"
+        "kvpatch activates before the program starts, also where the start-up hook does not run\n"
+        "(python -S, a source tree on PYTHONPATH).",
+        "exit status: the program's own; 64 when there is no program to run (no such file, no -c code,\n"
+        "no -m module name).\n"
+        "examples:\n"
+        "  kvpatch run -c 'import mlx_lm, kvpatch; print(kvpatch.records())'\n"
+        "  kvpatch run -m mlx_lm.server --model ...\n"
+        "  kvpatch run serve.py --port 8080",
+    ),
+    "list": ("List every patch kvpatch ships, one line each.", None),
+    "version": ("Print kvpatch's version, where it is, and Python's.", None),
+    "help": ("Show kvpatch's help (its commands and what they do), or one command's: kvpatch help status.", None),
 }
 
 
@@ -119,137 +107,76 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors exit 64, not argparse's 2 (which ``status --check`` uses for a failed patch)."""
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        with contextlib.suppress(Exception):
+            print(f"{self.format_usage()}{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
 
-    def _print_message(self, message: str, file: Any = None) -> None:
-        # argparse ignores a failed write (--help > /dev/full would exit 0 having printed nothing)
-        # (``file`` None: argparse meant stdout, which is closed; it passes stderr explicitly)
-        if message and (file is sys.stdout or (file is None and sys.stdout is None)):
-            emit(message, end="")
-        else:
-            super()._print_message(message, file)
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extra = super().parse_known_args(args, namespace)
+        if extra and self.prog != "kvpatch":  # a command's unknown option is reported with that command's usage
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed, extra
 
-
-class _TopParser(_Parser):
-    """The top-level parser: its help lists the user's commands and the maintainers' in two sections."""
-
-    def format_help(self) -> str:
-        formatter = self._get_formatter()
-        formatter.add_usage(self.usage, self._actions, self._mutually_exclusive_groups)
-        formatter.add_text(self.description)
-        for title, commands in COMMANDS:
-            formatter.start_section(title)
-            formatter.add_arguments(
-                [argparse.Action(option_strings=[], dest=name, metavar=name, help=text) for name, text in commands]
-            )
-            formatter.end_section()
-        formatter.start_section("options")
-        formatter.add_arguments(self._optionals._group_actions)
-        formatter.end_section()
-        formatter.add_text(self.epilog)
-        return formatter.format_help()
-
-
-class _OutputError(Exception):
-    """Standard output cannot take what kvpatch writes (closed, full disk): exit :data:`EXIT_IOERR`."""
+    def print_help(self, file: Any = None) -> None:
+        emit(self.format_help(), end="")  # argparse ignores a failed write: --help > /dev/full would exit 0
 
 
 def emit(text: str, *, end: str = "\n") -> None:
-    """Print ``text`` for a command (also the maintainer commands'): see :func:`_write`."""
-    if sys.stdout is None:
-        raise _OutputError("standard output is closed")
-    _write(text + end)
-
-
-def _write(text: str) -> None:
-    """Write ``text`` to stdout and flush it: a reader that went away ends the output quietly, any other failure
-    to write is an :class:`_OutputError`."""
+    """Print ``text`` and flush it, for a command (also the maintainer commands'): a reader that went away ends
+    the output quietly; any other failure to write ends the command with :data:`EXIT_IOERR` and one line."""
     try:
-        sys.stdout.write(text)
+        if sys.stdout is None:
+            raise OSError(0, "standard output is closed")
+        sys.stdout.write(text + end)
         sys.stdout.flush()
-    except BrokenPipeError:
-        _silence_stdout()
     except (OSError, ValueError) as exc:  # ValueError: the stream object itself was closed
-        raise _OutputError(_describe(exc)) from None
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return str(exc) or type(exc).__name__
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null: Python flushes it again at exit, and that flush must not fail either."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # no real file descriptor behind stdout
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-
-
-def _io_error(message: str) -> int:
-    _silence_stdout()
-    with contextlib.suppress(Exception):  # stderr gone too: the exit status says it
-        print(f"kvpatch: cannot write the output: {message} (exit {EXIT_IOERR})", file=sys.stderr)
-    return EXIT_IOERR
-
-
-def _version() -> str:
-    import kvpatch
-
-    where = os.path.dirname(os.path.abspath(kvpatch.__file__))
-    python = ".".join(str(n) for n in sys.version_info[:3])
-    return f"kvpatch {kvpatch.__version__} from {where} (Python {python})"
+        # stdout to /dev/null: Python flushes it again at exit, and that flush must not fail either
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # no real file descriptor behind stdout
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        if isinstance(exc, BrokenPipeError):  # the reader went away: the output ends quietly
+            return
+        with contextlib.suppress(Exception):  # stderr gone too: the exit status says it
+            why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            print(f"kvpatch: cannot write the output: {why} (exit {EXIT_IOERR})", file=sys.stderr)
+        raise SystemExit(EXIT_IOERR) from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import json
-
-    from . import get_engine
     from .status import build_report, format_text
 
     engine = get_engine()
     report = build_report(engine, verify=args.verify, settle=not args.no_settle, fresh=args.fresh)
     copies = None
     if args.scan:
-        from .vendored import format_copies, scan
-
         copies = scan(engine, installed=True)
         report.data["vendored"] = [c.as_dict() for c in copies]
     asked = args.check or args.verify
-    code = report.exit_code if asked else EXIT_CLEAN
     if args.json:
-        emit(json.dumps(report.data, indent=2, sort_keys=False))
+        emit(json.dumps(report.data, indent=2))
     else:
-        width = _width(tty_only=not args.verbose)
-        emit(format_text(report, verbose=args.verbose, width=width, check=asked))
+        emit(format_text(report, verbose=args.verbose, width=_width(tty_only=not args.verbose), check=asked))
         if copies is not None:
             emit(format_copies(copies))
-    return code
+    return int(report.data["check"]["exit"]) if asked else EXIT_CLEAN
 
 
 def _width(*, tty_only: bool) -> int | None:
     """The terminal's width, ``$COLUMNS`` or 80; ``None`` (never cut a line) for a pipe or file when ``tty_only``."""
-    import shutil
-
-    try:
-        if tty_only and not sys.stdout.isatty():
-            return None
-    except (AttributeError, ValueError):
-        return None
-    return shutil.get_terminal_size().columns
+    with contextlib.suppress(AttributeError, ValueError):
+        if not tty_only or sys.stdout.isatty():
+            return shutil.get_terminal_size().columns
+    return None
 
 
 def cmd_version(args: argparse.Namespace) -> int:
-    emit(_version())
+    where = os.path.dirname(os.path.abspath(__file__))
+    emit(f"kvpatch {__version__} from {where} (Python {'.'.join(map(str, sys.version_info[:3]))})")
     return EXIT_CLEAN
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    import json
-
-    from .registry import load
     from .status import cut
 
     reg = load()
@@ -258,8 +185,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         rows = [{k: getattr(p, k) for k in ("id", "distribution", "affected", "opt_in", "summary")} for p in patches]
         emit(json.dumps({"patches": rows, "broken": dict(reg.broken)}, indent=2))
     else:
-        width = _width(tty_only=True)
-        pad = max((len(p.id) for p in patches), default=0)
+        width, pad = _width(tty_only=True), max((len(p.id) for p in patches), default=0)
         for p in patches:
             summary = ("opt-in: " if p.opt_in else "") + p.summary
             emit(cut(f"{p.id:<{pad}}  {p.distribution:<7}  {p.affected:<18}  {summary}", width))
@@ -270,68 +196,36 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_help(args: argparse.Namespace) -> int:
-    topic = args.topic
-    if topic is not None and topic not in _HELP:
-        _unknown_command(topic)
-    parser = build_parser(topic or "")
-    emit((_command_parser(parser, topic) or parser).format_help(), end="")
-    return EXIT_CLEAN
-
-
-def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
-    """The parser of ``command`` (``None``: none, or no such command)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices.get(command) if command else None
-
-
-def _run_usage_error(message: str) -> int:
-    with contextlib.suppress(Exception):
-        print(f"usage: {_RUN_USAGE}\nkvpatch run: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
+    return main([args.topic, "--help"] if args.topic else ["--help"])
 
 
 def cmd_run(argv: Sequence[str]) -> int:
     """``run -c CODE | -m MODULE | SCRIPT [ARGS...]``: everything after the program is the program's, as with
     ``python``; the program's own exceptions and exit status are its own (Python reports them)."""
-    import runpy
-
-    argv = list(argv)
+    usage_error = _Parser(prog="kvpatch run", usage=_RUN_USAGE).error  # exits 64
     if not argv:
-        return _run_usage_error("say what to run: -c CODE, -m MODULE or SCRIPT")
-    first = argv[0]
-    kind = first[:2] if first[:2] in ("-c", "-m") else None
-    if kind is not None:
-        value = first[2:] or (argv[1] if len(argv) > 1 else "")
-        rest = argv[1:] if first[2:] else argv[2:]
-        if not value:
-            return _run_usage_error(f"{kind} needs " + ("the code to run" if kind == "-c" else "a module name"))
-    elif first.startswith("-"):
-        return _run_usage_error(f"unknown option {first!r} (the program comes first: -c CODE, -m MODULE or SCRIPT)")
-    else:
-        value, rest = first, argv[1:]
-        if not os.path.exists(value):
-            return _run_usage_error(f"can't open file {value!r}: no such file or directory")
-
-    import kvpatch
-
-    kvpatch.activate()
-    if kind == "-c":
-        import builtins
-        import types
-
-        # As `python -c`: the code runs in a fresh __main__, with the working directory first on sys.path.
-        main_module = types.ModuleType("__main__")
+        usage_error("say what to run: -c CODE, -m MODULE or SCRIPT")
+    kind = argv[0][:2] if argv[0][:2] in ("-c", "-m") else None
+    if kind:  # -cCODE or -c CODE
+        argv = [argv[0][2:], *argv[1:]] if argv[0][2:] else argv[1:]
+        if not (argv and argv[0]):
+            usage_error(f"{kind} needs " + ("the code to run" if kind == "-c" else "a module name"))
+    elif argv[0].startswith("-"):
+        usage_error(f"unknown option {argv[0]!r} (the program comes first: -c CODE, -m MODULE or SCRIPT)")
+    elif not os.path.exists(argv[0]):
+        usage_error(f"can't open file {argv[0]!r}: no such file or directory")
+    value, rest = argv[0], argv[1:]
+    activate()
+    sys.argv = ["-c" if kind == "-c" else value, *rest]
+    if kind == "-c":  # as `python -c`: a fresh __main__, with the working directory first on sys.path
+        sys.modules["__main__"] = main_module = types.ModuleType("__main__")
         main_module.__dict__["__builtins__"] = builtins
-        sys.modules["__main__"] = main_module
-        sys.argv = ["-c", *rest]
         sys.path.insert(0, "")
         exec(compile(value, "<string>", "exec"), main_module.__dict__)
     elif kind == "-m":
-        sys.argv = [value, *rest]
         sys.path.insert(0, os.getcwd())
         runpy.run_module(value, run_name="__main__", alter_sys=True)
     else:
-        sys.argv = [value, *rest]
         sys.path.insert(0, str(Path(value).resolve().parent))
         runpy.run_path(value, run_name="__main__")
     return EXIT_CLEAN
@@ -340,7 +234,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; the maintainer commands' parsers (:mod:`kvpatch.maint.cli`) load only when ``command`` is
     one of them or None (``""``: a command line that names no command, as ``kvpatch --help``)."""
-    parser = _TopParser(
+    parser = _Parser(
         prog="kvpatch",
         usage="kvpatch [-h] [--version] COMMAND [ARGS ...]",
         description=(
@@ -354,19 +248,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="store_true", help="print kvpatch's version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, prog="kvpatch")
-
+    for title, listed in COMMANDS:  # for the help only: the subparsers below parse the commands
+        group = parser.add_argument_group(title)
+        group._group_actions += [argparse.Action([], dest=name, metavar=name, help=text) for name, text in listed]
+    parser._action_groups.append(parser._action_groups.pop(1))  # "options" after the commands
+    sub = parser.add_subparsers(dest="command", help=argparse.SUPPRESS, parser_class=_Parser, prog="kvpatch")
     p = {}
-    for name, text in _USER_COMMANDS.items():
-        raw = name in ("status", "run")  # their descriptions and epilogs keep their line breaks
-        p[name] = sub.add_parser(
-            name,
-            help=text,
-            usage=_RUN_USAGE if name == "run" else None,
-            description=_DESCRIPTIONS[name],
-            epilog=_EPILOGS.get(name),
-            formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter,
-        )
+    for name, (description, epilog) in _HELP_TEXT.items():  # a text with line breaks keeps them
+        fmt = argparse.RawDescriptionHelpFormatter if "\n" in description else argparse.HelpFormatter
+        p[name] = sub.add_parser(name, description=description, epilog=epilog, formatter_class=fmt)
+    p["run"].usage = _RUN_USAGE
     for flags, text in (
         (("-v", "--verbose"), "every patch, with its targets and the full reason"),
         (("--json",), "machine-readable output (schema kvpatch.status/1)"),
@@ -380,11 +271,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from . import verify
 
     verify.add_arguments(p["verify"])
-    # for the help only: cmd_run reads its own arguments, as everything after the program is the program's
-    p["run"].add_argument("-c", metavar="CODE", help="program passed in as a string")
-    p["run"].add_argument("-m", metavar="MODULE", help="run a library module as a script (like python -m)")
-    p["run"].add_argument("SCRIPT", nargs="?", help="program read from a file (or a directory / zip with __main__.py)")
-    p["run"].add_argument("ARGS", nargs="*", help="the program's arguments (its sys.argv[1:])")
     p["list"].add_argument("--json", action="store_true", help="machine-readable output")
     p["help"].add_argument("topic", nargs="?", metavar="COMMAND", help="the command to describe")
     commands = {"status": cmd_status, "verify": verify.run, "list": cmd_list, "version": cmd_version, "help": cmd_help}
@@ -402,66 +288,39 @@ def _add_maintainer_commands(sub: Any) -> None:
     add_parsers(sub)
 
 
-def _unknown_command(word: str) -> NoReturn:
-    import difflib
-
-    close = difflib.get_close_matches(word, list(_HELP), n=1, cutoff=0.6)
-    hint = f" - did you mean {close[0]!r}?" if close else " (`kvpatch help` lists the commands)"
-    print("usage: kvpatch [-h] [--version] COMMAND [ARGS ...]", file=sys.stderr)
-    raise SystemExit(f"kvpatch: error: unknown command {word!r}{hint}") from None
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    """Parse ``argv``; an unknown option is reported with the usage of the command it was given to."""
-    command = next((word for word in argv if not word.startswith("-")), "")  # the first word not an option
-    if command and command not in _HELP:
-        _unknown_command(command)
-    parser = build_parser(command)
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        (_command_parser(parser, args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
-    return args
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see :data:`EXIT_CODES`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv) or ["--help"]  # bare `kvpatch`: the help, as pip does
     if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
         return cmd_run(argv[1:])  # the program's own errors are its own: Python reports them
     try:
-        try:
-            args = _parse(argv)
-            if args.version:
-                emit(_version())
-                code = EXIT_CLEAN
-            elif args.command is None:  # bare `kvpatch`: the help, as pip does
-                code = cmd_help(argparse.Namespace(topic=None))
-            else:
-                code = int(args.func(args) or 0)
-        except SystemExit as exc:  # --help, --version (0) or a usage error (64)
-            if isinstance(exc.code, str):
-                print(exc.code, file=sys.stderr)
-                return EXIT_USAGE
-            code = EXIT_CLEAN if exc.code is None else exc.code
+        command = next((word for word in argv if not word.startswith("-")), "")  # the first word not an option
+        parser = build_parser(command)
+        if command and command not in _HELP:
+            import difflib
+
+            close = difflib.get_close_matches(command, list(_HELP), n=1, cutoff=0.6)
+            hint = f" - did you mean {close[0]!r}?" if close else " (`kvpatch help` lists the commands)"
+            parser.error(f"unknown command {command!r}{hint}")
+        args = parser.parse_args(argv)
+        code = int((cmd_version if args.version else args.func)(args) or 0)
         if sys.stdout is not None:
-            _write("")  # what print left buffered: a failure is reported here, not at interpreter exit
+            emit("", end="")  # what print left buffered: a failure is reported here, not at interpreter exit
         return code
+    except SystemExit as exc:  # --help (0), a usage error (64), output that could not be written (74)
+        return int(exc.code or 0)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        _silence_stdout()
+    except BrokenPipeError:  # a command's own print: the reader went away
+        emit("", end="")  # meets the closed pipe again and points stdout at /dev/null
         return EXIT_CLEAN
-    except _OutputError as exc:
-        return _io_error(str(exc))
     except Exception as exc:
         if isinstance(exc, OSError) and sys.stdout is not None:  # a command's own print: is stdout what failed?
             try:
-                _write("")
-            except _OutputError:
-                return _io_error(_describe(exc))
+                emit("", end="")
+            except SystemExit:
+                return EXIT_IOERR
         with contextlib.suppress(Exception):
-            import traceback
-
             traceback.print_exc()
             print(
                 f"kvpatch: internal error (exit {EXIT_INTERNAL}): a bug in kvpatch, not a finding about your "

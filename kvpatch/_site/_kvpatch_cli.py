@@ -1,19 +1,16 @@
-"""The ``kvpatch`` console script's entry point, a top-level module beside ``kvpatch``: a kvpatch that cannot be
-imported (a broken install) exits 70, kvpatch's internal error, never Python's 1 (``status --check``'s "attention
-needed"). Everything else is :func:`kvpatch.cli.main`.
-"""
+"""The ``kvpatch`` console script, a top-level module beside ``kvpatch``: a kvpatch that cannot be imported (a broken
+install) exits 70, kvpatch's internal error, never Python's 1 (``status --check``'s "attention needed")."""
 
 import sys
 
 EXIT_INTERNAL = 70  # = kvpatch.cli.EXIT_INTERNAL (a test keeps them equal)
-EXIT_INTERRUPTED = 130
 
 
 def main():
     try:
         from kvpatch.cli import main as cli_main
     except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+        return 130  # = kvpatch.cli.EXIT_INTERRUPTED
     except Exception as exc:
         import traceback
 
@@ -25,7 +22,3 @@ def main():
         )
         return EXIT_INTERNAL
     return cli_main()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -238,7 +238,7 @@ def scenario_verify(order: str, server: str) -> dict[str, Any]:
         e["id"]: {"state": e["state"], "verify": e["verify"]["outcome"] if e["verify"] else None}
         for e in report.data["patches"]
     }
-    return {"exit": report.exit_code, "reasons": report.data["check"]["reasons"], "patches": entries}
+    return {"exit": report.data["check"]["exit"], "reasons": report.data["check"]["reasons"], "patches": entries}
 
 
 def scenario_alias(order: str) -> dict[str, Any]:
