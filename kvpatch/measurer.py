@@ -88,18 +88,17 @@ def _start(keys: list[str]) -> str:
     if place is None:
         where = ", ".join(str(p.path) for p in _store.verdict_places())
         return f"no verdict yet, and no writable place for one ({where});"
-    fd = _store.acquire(place, "verify.lock", wait=False, what="verdicts")
-    if fd is None:
-        return "no verdict yet: a verification is running for this environment;"
-    try:
+    # the verifier holds the lock through its own copy of the descriptor
+    with _store.locked(place, "verify.lock", wait=False, what="verdicts") as fd:
+        if fd is None:
+            return "no verdict yet: a verification is running for this environment;"
         flags = ["-P"] if sys.version_info >= (3, 11) and not sys.flags.isolated else []
-        flags += [f for f, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment)) if on]
-        flags += [f for f, on in (("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site)) if on]
+        kept = {"-I": sys.flags.isolated, "-E": sys.flags.ignore_environment, "-s": sys.flags.no_user_site}
+        flags += [f for f, on in {**kept, "-S": sys.flags.no_site}.items() if on]
         command = [sys.executable, *flags, "-m", "kvpatch", "verify", "--background", "--lock-fd", str(fd)]
         command += ["--for", ",".join(keys)]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"} | {config.VERIFYING: "1"}
-        out = _store.open_log(place, "verify.log", "verdicts")
-        try:
+        with os.fdopen(_store.open_log(place, "verify.log", "verdicts"), "ab") as out:
             proc = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
@@ -110,17 +109,13 @@ def _start(keys: list[str]) -> str:
                 env=env,
                 start_new_session=True,
             )
-        finally:
-            os.close(out)
-        where = f"pid {proc.pid}, log {place.path / 'verify.log'}"
-        return f"no verdict for this environment yet: verifying in the background ({where});"
-    finally:
-        os.close(fd)  # the verifier holds the lock through its own copy of the descriptor
+    where = f"pid {proc.pid}, log {place.path / 'verify.log'}"
+    return f"no verdict for this environment yet: verifying in the background ({where});"
 
 
 def background_start(lock_fd: int | None, keys: list[str]) -> bool:
     """The background verifier's start: lower priority, hold the verification lock (inherited as ``lock_fd`` from
-    :func:`_start`, else taken now), note the keys tried. False: another verification holds the lock."""
+    :func:`_start`, else taken now), note the keys it tries. False: another verification holds the lock."""
     with contextlib.suppress(OSError, AttributeError):
         os.nice(10)
     place = verdicts.write_place() if lock_fd is None else None
@@ -128,11 +123,6 @@ def background_start(lock_fd: int | None, keys: list[str]) -> bool:
         with contextlib.suppress(OSError):
             if _store.acquire(place, "verify.lock", wait=False, what="verdicts") is None:  # held until exit
                 return False
-    record_attempt(keys)
-    return True
-
-
-def record_attempt(keys: list[str]) -> None:
-    """The background verifier notes the keys it was started for (so they are not retried at once)."""
-    tried = {k: {"at": time.time(), "pid": os.getpid()} for k in keys}
+    tried = {k: {"at": time.time(), "pid": os.getpid()} for k in keys}  # not retried for an hour
     verdicts.update(lambda data: data["attempts"].update(tried))
+    return True

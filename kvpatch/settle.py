@@ -1,6 +1,5 @@
-"""Settle outcomes: do in this process what an import does (no reproduction), and cache the outcome per environment
-(``settled.json`` in the per-user place) under a key of everything that decides it (:func:`environment_key`): the
-import costs seconds (mlx-lm pulls in transformers)."""
+"""Settle outcomes: do in this process what an import does (no reproduction), and cache them per environment
+(``settled.json``) under a key of all that decides them: the import costs seconds (mlx-lm pulls in transformers)."""
 
 from __future__ import annotations
 
@@ -11,18 +10,15 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from . import config, store, verdicts
+from .engine import Engine, State, import_target_modules
 from .locate import module_file, stamp
 
-if TYPE_CHECKING:
-    from .engine import Engine
 
-
-@dataclass(frozen=True)
-class Settled:
+class Settled(NamedTuple):
     """How the outcomes shown were reached: ``now`` (imported in this process) or ``cache`` (and when)."""
 
     how: str
@@ -51,11 +47,17 @@ def environment_key(engine: Engine) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def import_pending(engine: Engine, failed: Callable[[str, str, Exception], None]) -> None:
+    """Import the target modules of each pending patch (its hooks run), checked as it goes: one patch's import
+    settles others. A module that fails to import goes to ``failed(patch id, module, exception)``."""
+    for patch in engine.materialise():
+        if engine.status[patch.id].state is State.PENDING:
+            import_target_modules(patch, functools.partial(failed, patch.id))
+
+
 def settle(engine: Engine, *, fresh: bool = False) -> Settled:
     """Import what the engine would patch (no reproductions) and return every patch's outcome: the cached one for
     this environment unless ``fresh`` or the environment changed (a missing or refused file: settle again)."""
-    from .engine import State, import_target_modules
-
     key = environment_key(engine)
     place = store.env_dir()
     if not fresh and not engine.changes() and place is not None:
@@ -64,11 +66,7 @@ def settle(engine: Engine, *, fresh: bool = False) -> Settled:
             if data["key"] == key and isinstance(data["outcomes"], dict):
                 return Settled("cache", float(data["at"]), data["outcomes"])
     if engine.active:
-        for st in list(engine.status.values()):
-            if st.state is not State.PENDING:  # checked as it goes: one patch's import settles others
-                continue
-            # a module that fails to import takes its patch's targets with it: the hooks never ran
-            import_target_modules(st.record, functools.partial(engine.import_failed, st.patch.id))
+        import_pending(engine, engine.import_failed)  # a module that failed to import: its hooks never ran
         engine.refresh()
     outcomes = {
         pid: {"state": st.state.value, "reason": st.reason, "error": st.error, "notes": list(st.notes)}

@@ -58,22 +58,17 @@ def env_dir() -> Place | None:
     return Place(root / "state" / digest, root)
 
 
-def _prefix_place() -> Place | None:
-    """``<sys.prefix>/var/cache/kvpatch`` when kvpatch is installed under ``sys.prefix`` (not --user/--target)."""
-    package = os.path.realpath(os.path.dirname(__file__))
-    if not package.startswith(os.path.join(os.path.realpath(sys.prefix), "")):
-        return None
-    base = Path(sys.prefix) / "var"
-    return Place(base / "cache" / "kvpatch", base)
-
-
 def verdict_places() -> tuple[Place, ...]:
-    """Where verdicts are read, in order (earlier wins); the first usable one is where they are written."""
+    """Where verdicts are read, earlier winning (the first usable one is written): ``$KVPATCH_VERDICTS``, else
+    ``<sys.prefix>/var/cache/kvpatch`` if kvpatch is installed there (not --user/--target), and :func:`env_dir`."""
     explicit = config.verdicts_override()
     if explicit:
         path = Path(explicit).expanduser()
         return (Place(path, path),)
-    return tuple(p for p in (_prefix_place(), env_dir()) if p is not None)
+    var = Path(sys.prefix) / "var"
+    in_prefix = os.path.realpath(os.path.dirname(__file__)).startswith(os.path.join(os.path.realpath(sys.prefix), ""))
+    places = (Place(var / "cache" / "kvpatch", var) if in_prefix else None, env_dir())
+    return tuple(p for p in places if p is not None)
 
 
 def _check(place: Place) -> tuple[str, bool] | None:
@@ -197,11 +192,11 @@ def acquire(place: Place, name: str, *, wait: bool, what: str = "state") -> int 
 
 
 @contextlib.contextmanager
-def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[bool]:
-    """:func:`acquire` for the block; yields False when ``wait`` is off and the lock is taken."""
+def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[int | None]:
+    """:func:`acquire` for the block: yields its descriptor (``None``: ``wait`` is off and the lock is taken)."""
     fd = acquire(place, name, wait=wait, what=what)
     try:
-        yield fd is not None
+        yield fd
     finally:
         if fd is not None:
             os.close(fd)  # closing the last descriptor releases the lock

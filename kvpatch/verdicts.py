@@ -119,7 +119,7 @@ def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> st
         place = write_place()
         if place is not None:
             with _store.locked(place, "verdicts.lock", wait=wait, what="verdicts") as held:
-                if not held:
+                if held is None:
                     return "another process held the lock"  # this change waits for a later process
                 data = _parse(_store.read_json(place, FILE, "verdicts"))
                 change(data)
@@ -153,16 +153,13 @@ def tables() -> dict[str, Any]:
 
 
 def _kvpatch_version() -> str:
-    try:
-        from . import __version__
-    except ImportError:  # kvpatch/__init__ still importing: no verdict can match
-        return "?"
-    return str(__version__)
+    from . import __version__  # here: kvpatch/__init__ imports this module before it defines __version__
+
+    return __version__
 
 
 def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
-    """A hash of what a verdict for ``patch`` depends on: kvpatch's version, the patch and its unit's file, Python,
-    the version and PEP 610 source of each upstream, and each target module's file (path, size, mtime)."""
+    """A hash of everything a verdict for ``patch`` depends on (upstream's PEP 610 source too)."""
     patch_file = getattr(sys.modules.get(patch.module), "__file__", None) if patch.module else None
     parts = {
         "kvpatch": _kvpatch_version(),
