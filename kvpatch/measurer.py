@@ -95,8 +95,7 @@ def _start(keys: list[str]) -> str:
         flags = ["-P"] if sys.version_info >= (3, 11) and not sys.flags.isolated else []
         kept = {"-I": sys.flags.isolated, "-E": sys.flags.ignore_environment, "-s": sys.flags.no_user_site}
         flags += [f for f, on in {**kept, "-S": sys.flags.no_site}.items() if on]
-        command = [sys.executable, *flags, "-m", "kvpatch", "verify", "--background", "--lock-fd", str(fd)]
-        command += ["--for", ",".join(keys)]
+        command = [sys.executable, *flags, "-m", "kvpatch", "verify", "--background", "--for", ",".join(keys)]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"} | {config.VERIFYING: "1"}
         with os.fdopen(_store.open_log(place, "verify.log", "verdicts"), "ab") as out:
             proc = subprocess.Popen(
@@ -113,16 +112,10 @@ def _start(keys: list[str]) -> str:
     return f"no verdict for this environment yet: verifying in the background ({where});"
 
 
-def background_start(lock_fd: int | None, keys: list[str]) -> bool:
-    """The background verifier's start: lower priority, hold the verification lock (inherited as ``lock_fd`` from
-    :func:`_start`, else taken now), note the keys it tries. False: another verification holds the lock."""
+def background_start(keys: list[str]) -> None:
+    """The background verifier's start (it holds ``verify.lock`` through the descriptor :func:`_start` passed on):
+    lower priority, and note the keys it tries (not retried for an hour)."""
     with contextlib.suppress(OSError, AttributeError):
         os.nice(10)
-    place = verdicts.write_place() if lock_fd is None else None
-    if place is not None:  # started by hand; no lock to be had: verify anyway (the verdicts' lock keeps the file whole)
-        with contextlib.suppress(OSError):
-            if _store.acquire(place, "verify.lock", wait=False, what="verdicts") is None:  # held until exit
-                return False
-    tried = {k: {"at": time.time(), "pid": os.getpid()} for k in keys}  # not retried for an hour
+    tried = {k: {"at": time.time(), "pid": os.getpid()} for k in keys}
     verdicts.update(lambda data: data["attempts"].update(tried))
-    return True

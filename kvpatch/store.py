@@ -175,31 +175,22 @@ def write_json(place: Place, name: str, data: Any, what: str = "state") -> None:
         raise
 
 
-def acquire(place: Place, name: str, *, wait: bool, what: str = "state") -> int | None:
-    """Lock ``name`` in ``place``: its descriptor (``None``: ``wait`` is off and it is taken), or OSError."""
+@contextlib.contextmanager
+def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[int | None]:
+    """Lock ``name`` in ``place`` for the block: yields its descriptor (``None``: ``wait`` is off and the lock is
+    taken). Raises :class:`OSError` if it cannot be taken."""
     _ensure(place, what)
     fd = _open(place.path / name, os.O_RDWR | os.O_CREAT)
     try:
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-@contextlib.contextmanager
-def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[int | None]:
-    """:func:`acquire` for the block: yields its descriptor (``None``: ``wait`` is off and the lock is taken)."""
-    fd = acquire(place, name, wait=wait, what=what)
-    try:
-        yield fd
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield None
+        else:
+            yield fd
     finally:
-        if fd is not None:
-            os.close(fd)  # closing the last descriptor releases the lock
+        os.close(fd)  # closing the last descriptor releases the lock
 
 
 def open_log(place: Place, name: str, what: str = "state") -> int:

@@ -23,14 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--missing", action="store_true", help="measure only patches without a stored verdict (default: all again)"
     )
     parser.add_argument("--background", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--lock-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--for", dest="for_keys", default="", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.background and not measurer.background_start(args.lock_fd, [k for k in args.for_keys.split(",") if k]):
-        print("kvpatch verify: another verification holds this environment's lock; nothing to do")
-        return 0
+    if args.background:
+        measurer.background_start([k for k in args.for_keys.split(",") if k])
     os.environ[config.VERIFYING] = "1"  # nothing started from here starts a verification of its own
     deactivate()
     engine = get_engine()
