@@ -22,10 +22,8 @@ def module_file(name: str) -> str | None:
             locations = list(getattr(package, "__path__", None) or [os.path.dirname(origin)])
         else:
             spec = importlib.util.find_spec(top)
-            if spec is None:
-                return None
-            if not rest:
-                return str(spec.origin) if spec.origin else None
+            if spec is None or not rest:
+                return spec.origin if spec else None
             locations = list(spec.submodule_search_locations or ())
         stems = [os.path.join(base, *rest.split(".")) for base in locations]
         return next((c for s in stems for c in (s + ".py", os.path.join(s, "__init__.py")) if os.path.isfile(c)), None)

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 from . import config, verdicts
 from . import store as _store
 
-_measuring: str | None = None
-_remeasure = False
+_mode: tuple[str | None, bool] = (None, False)  # measuring as, remeasuring
 _requested: str | None = None
 _patches: set[str] = set()
 
@@ -23,13 +22,12 @@ _patches: set[str] = set()
 def measuring_as(by: str, *, remeasure: bool = False) -> Iterator[None]:
     """Within the block the engine measures and stores verdicts as ``by`` (``verify``, ``background``, ``status
     --verify``); ``remeasure``: also where one is stored (the background child measures only what is missing)."""
-    global _measuring, _remeasure
-    saved = (_measuring, _remeasure)
-    _measuring, _remeasure = by, remeasure
+    global _mode
+    saved, _mode = _mode, (by, remeasure)
     try:
         yield
     finally:
-        _measuring, _remeasure = saved
+        _mode = saved
 
 
 @contextlib.contextmanager
@@ -46,23 +44,22 @@ def measuring_patch(patch_id: str) -> Iterator[bool]:
 
 def measuring() -> str | None:
     """What this process measures as (``None``: it only reads verdicts)."""
-    return _measuring
+    return _mode[0]
 
 
 def remeasure() -> bool:
-    return _remeasure
+    return _mode[1]
 
 
 def request_verification(keys: list[str]) -> str:
     """Start one background verification unless one runs or was tried; the note ``status`` shows. Never raises."""
     global _requested
     if _requested is None:
-        settle = "run `python -m kvpatch verify` to settle it now"
         try:
-            _requested = f"{_start(keys)} {settle}"
+            _requested = _start(keys)
         except Exception as exc:  # never break the import
-            why = f"{type(exc).__name__}: {exc}"
-            _requested = f"no verdict yet (background verification could not start: {why}); {settle}"
+            _requested = f"no verdict yet (background verification could not start: {type(exc).__name__}: {exc});"
+        _requested += " run `python -m kvpatch verify` to settle it now"
     return _requested
 
 
@@ -72,7 +69,7 @@ def _start(keys: list[str]) -> str:
     import subprocess
 
     reasons = {
-        "this is a verification process": config.verifying() or _measuring is not None,
+        "this is a verification process": config.verifying() or measuring() is not None,
         f"{config.VERIFY}=never": not config.background_verification(),
         "KVPATCH=off": config.is_off(),
         "no background verification on this platform": os.name != "posix",
@@ -113,8 +110,7 @@ def _start(keys: list[str]) -> str:
 
 
 def background_start(keys: list[str]) -> None:
-    """The background verifier's start (it holds ``verify.lock`` through the descriptor :func:`_start` passed on):
-    lower priority, and note the keys it tries (not retried for an hour)."""
+    """The background verifier (holding ``verify.lock`` through :func:`_start`'s descriptor): nice, note its keys."""
     with contextlib.suppress(OSError, AttributeError):
         os.nice(10)
     tried = {k: {"at": time.time(), "pid": os.getpid()} for k in keys}

@@ -28,9 +28,8 @@ class Settled(NamedTuple):
 
 
 def environment_key(engine: Engine) -> str:
-    """A hash of everything that decides what an import does here: kvpatch's location and every file of its package
-    (units, data, ``__version__``), the interpreter, every ``KVPATCH*`` variable, each upstream's version and source,
-    each target module's file, and the stored verdicts (with their files) and cached fingerprints."""
+    """A hash of everything that decides what an import does here: kvpatch's files, the interpreter, ``KVPATCH*``
+    variables, the upstreams, the target modules' files, the stored verdicts and cached fingerprints."""
     root = os.path.dirname(os.path.abspath(__file__))
     own_files = []
     for directory, subdirs, files in os.walk(root):
@@ -38,12 +37,11 @@ def environment_key(engine: Engine) -> str:
         paths = [os.path.join(directory, name) for name in sorted(files)]
         own_files += [(os.path.relpath(path, root), stamp(path)) for path in paths]
     parts: list[Any] = [root, own_files, os.path.realpath(sys.prefix), sys.version, config.values()]
-    for name, up in sorted(engine.upstream.items()):
-        parts.append((name, up.version, up.source.kind, up.source.url, up.source.commit, up.location))
     patches = engine.materialise()
-    for module in sorted({m for p in patches for m in p.modules}):
-        parts.append((module, module_file(module), stamp(module_file(module))))
-    parts += [sorted(p.id for p in patches), verdicts.tables()["verdicts"], verdicts.tables()["fingerprints"]]
+    modules = sorted({m for p in patches for m in p.modules})
+    parts += [sorted(engine.upstream.items()), sorted(p.id for p in patches)]  # an Upstream counts by its repr
+    parts += [[(m, module_file(m), stamp(module_file(m))) for m in modules], verdicts.tables()["verdicts"]]
+    parts.append(verdicts.tables()["fingerprints"])
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 

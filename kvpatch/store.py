@@ -14,9 +14,8 @@ import stat
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import config
 from ._warn import emit
@@ -30,8 +29,7 @@ MAX_BYTES = 4 << 20
 _SAFE_OPEN = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-@dataclass(frozen=True)
-class Place:
+class Place(NamedTuple):
     """A state directory and the directory kvpatch chose above it (the trust check stops there)."""
 
     path: Path
@@ -177,8 +175,7 @@ def write_json(place: Place, name: str, data: Any, what: str = "state") -> None:
 
 @contextlib.contextmanager
 def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[int | None]:
-    """Lock ``name`` in ``place`` for the block: yields its descriptor (``None``: ``wait`` is off and the lock is
-    taken). Raises :class:`OSError` if it cannot be taken."""
+    """Lock ``name`` in ``place`` for the block, yielding its descriptor (``None``: ``wait`` off and the lock taken)."""
     _ensure(place, what)
     fd = _open(place.path / name, os.O_RDWR | os.O_CREAT)
     try:

@@ -12,8 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import store as _store
 from ._warn import emit
@@ -46,8 +45,7 @@ class Outcome(str, enum.Enum):
 STORED = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.NOT_FIXED, Outcome.INCONCLUSIVE, Outcome.SKIPPED})
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     """An outcome, when (epoch seconds) and by what (``verify``, ``background``, ``status --verify``) it was
     measured, and the file it was read from (``""``: measured in this process, or kept in memory)."""
 
@@ -160,7 +158,7 @@ def _kvpatch_version() -> str:
 
 def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
     """A hash of everything a verdict for ``patch`` depends on (upstream's PEP 610 source too)."""
-    patch_file = getattr(sys.modules.get(patch.module), "__file__", None) if patch.module else None
+    patch_file = getattr(sys.modules.get(patch.module), "__file__", None)
     parts = {
         "kvpatch": _kvpatch_version(),
         "patch": [patch.id, patch_file, stamp(patch_file)],
