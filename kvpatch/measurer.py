@@ -20,8 +20,7 @@ _patches: set[str] = set()
 
 @contextlib.contextmanager
 def measuring_as(by: str, *, remeasure: bool = False) -> Iterator[None]:
-    """Within the block the engine measures and stores verdicts as ``by`` (``verify``, ``background``, ``status
-    --verify``); ``remeasure``: also where one is stored (the background child measures only what is missing)."""
+    """Within the block the engine measures and stores verdicts as ``by``; ``remeasure``: also where one is stored."""
     global _mode
     saved, _mode = _mode, (by, remeasure)
     try:
@@ -74,8 +73,7 @@ def _start(keys: list[str]) -> str:
         "KVPATCH=off": config.is_off(),
         "no background verification on this platform": os.name != "posix",
     }
-    why_not = next((why for why, applies in reasons.items() if applies), None)
-    if why_not is not None:
+    if (why_not := next((why for why, applies in reasons.items() if applies), None)) is not None:
         return f"no verdict for this environment yet ({why_not}):"
     for tried in [verdicts.tables()["attempts"].get(k) for k in keys]:
         if isinstance(tried, dict) and time.time() - float(tried.get("at", 0)) < 3600:
@@ -92,7 +90,7 @@ def _start(keys: list[str]) -> str:
         flags = ["-P"] if sys.version_info >= (3, 11) and not sys.flags.isolated else []
         kept = {"-I": sys.flags.isolated, "-E": sys.flags.ignore_environment, "-s": sys.flags.no_user_site}
         flags += [f for f, on in {**kept, "-S": sys.flags.no_site}.items() if on]
-        command = [sys.executable, *flags, "-m", "kvpatch", "verify", "--background", "--for", ",".join(keys)]
+        command = [sys.executable, *flags, "-m", "kvpatch", "verify", "--background", ",".join(keys)]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"} | {config.VERIFYING: "1"}
         with os.fdopen(_store.open_log(place, "verify.log", "verdicts"), "ab") as out:
             proc = subprocess.Popen(
@@ -107,11 +105,3 @@ def _start(keys: list[str]) -> str:
             )
     where = f"pid {proc.pid}, log {place.path / 'verify.log'}"
     return f"no verdict for this environment yet: verifying in the background ({where});"
-
-
-def background_start(keys: list[str]) -> None:
-    """The background verifier (holding ``verify.lock`` through :func:`_start`'s descriptor): nice, note its keys."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.nice(10)
-    tried = {k: {"at": time.time(), "pid": os.getpid()} for k in keys}
-    verdicts.update(lambda data: data["attempts"].update(tried))

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import config, store, verdicts
@@ -31,11 +32,8 @@ def environment_key(engine: Engine) -> str:
     """A hash of everything that decides what an import does here: kvpatch's files, the interpreter, ``KVPATCH*``
     variables, the upstreams, the target modules' files, the stored verdicts and cached fingerprints."""
     root = os.path.dirname(os.path.abspath(__file__))
-    own_files = []
-    for directory, subdirs, files in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
-        paths = [os.path.join(directory, name) for name in sorted(files)]
-        own_files += [(os.path.relpath(path, root), stamp(path)) for path in paths]
+    own = sorted(p for p in Path(root).rglob("*") if "__pycache__" not in p.parts and p.is_file())
+    own_files = [(str(p.relative_to(root)), stamp(str(p))) for p in own]
     parts: list[Any] = [root, own_files, os.path.realpath(sys.prefix), sys.version, config.values()]
     patches = engine.materialise()
     modules = sorted({m for p in patches for m in p.modules})
@@ -46,8 +44,8 @@ def environment_key(engine: Engine) -> str:
 
 
 def import_pending(engine: Engine, failed: Callable[[str, str, Exception], None]) -> None:
-    """Import the target modules of each pending patch (its hooks run), checked as it goes: one patch's import
-    settles others. A module that fails to import goes to ``failed(patch id, module, exception)``."""
+    """Import each pending patch's target modules, checked as it goes (one patch's import settles others); a module
+    that fails to import goes to ``failed(patch id, module, exception)``."""
     for patch in engine.materialise():
         if engine.status[patch.id].state is State.PENDING:
             import_target_modules(patch, functools.partial(failed, patch.id))
@@ -56,12 +54,11 @@ def import_pending(engine: Engine, failed: Callable[[str, str, Exception], None]
 def settle(engine: Engine, *, fresh: bool = False) -> Settled:
     """Import what the engine would patch (no reproductions) and return every patch's outcome: the cached one for
     this environment unless ``fresh`` or the environment changed (a missing or refused file: settle again)."""
-    key = environment_key(engine)
     place = store.env_dir()
     if not fresh and not engine.changes() and place is not None:
         data = store.read_json(place, "settled.json", "settled status")
         with contextlib.suppress(Exception):  # absent or corrupt: settle again
-            if data["key"] == key and isinstance(data["outcomes"], dict):
+            if data["key"] == environment_key(engine) and isinstance(data["outcomes"], dict):
                 return Settled("cache", float(data["at"]), data["outcomes"])
     if engine.active:
         import_pending(engine, engine.import_failed)  # a module that failed to import: its hooks never ran

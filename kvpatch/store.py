@@ -38,8 +38,7 @@ class Place(NamedTuple):
 
 def cache_root() -> Path | None:
     """``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else ``~/.cache/kvpatch`` (``None``: no home)."""
-    explicit = config.cache_override()
-    if explicit:
+    if explicit := config.cache_override():
         return Path(explicit).expanduser()
     try:
         return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "kvpatch"
@@ -59,8 +58,7 @@ def env_dir() -> Place | None:
 def verdict_places() -> tuple[Place, ...]:
     """Where verdicts are read, earlier winning (the first usable one is written): ``$KVPATCH_VERDICTS``, else
     ``<sys.prefix>/var/cache/kvpatch`` if kvpatch is installed there (not --user/--target), and :func:`env_dir`."""
-    explicit = config.verdicts_override()
-    if explicit:
+    if explicit := config.verdicts_override():
         path = Path(explicit).expanduser()
         return (Place(path, path),)
     var = Path(sys.prefix) / "var"

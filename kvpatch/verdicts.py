@@ -1,7 +1,6 @@
 """Verdicts: what a patch's reproduction found in this environment, measured only in a verification process
-(:mod:`kvpatch.measurer`) and read by every other. ``verdicts.json`` (also holding the background verifier's attempts
-and the fingerprint cache) is merged from the places of :func:`kvpatch.store.verdict_places`, the first winning, so a
-verdict stored at image build time serves every user. A verdict holds only for its exact :func:`key`."""
+(:mod:`kvpatch.measurer`), read by every other from ``verdicts.json`` (with the verifier's attempts and the fingerprint
+cache) in each of :func:`kvpatch.store.verdict_places` (one stored at image build time serves every user)."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ STORED = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.NOT_FIXED, Outcome.IN
 
 
 class Verdict(NamedTuple):
-    """An outcome, when (epoch seconds) and by what (``verify``, ``background``, ``status --verify``) it was
-    measured, and the file it was read from (``""``: measured in this process, or kept in memory)."""
+    """An outcome, when and by what it was measured, and the file it was read from (``""``: none, it is in memory)."""
 
     outcome: Outcome
     detail: str = ""

@@ -1,13 +1,14 @@
-"""``python -m kvpatch verify``: measure and store, in this process, every verdict the environment's imports read,
-with every patch enabled (a verdict does not depend on ``KVPATCH_DISABLE``/``KVPATCH_ENABLE``). Exit 74 (EX_IOERR)
-when a verdict was measured but not stored, so that a build step running ``kvpatch verify`` fails."""
+"""``python -m kvpatch verify``: measure and store, in this process, every verdict the environment's imports read (with
+every patch enabled). Exit 74 (EX_IOERR) when one is not stored, so that a build step running it fails."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
 
 from . import config, deactivate, fingerprints, get_engine, measurer, verdicts
 from .engine import State
@@ -22,13 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--missing", action="store_true", help="measure only patches without a stored verdict (default: all again)"
     )
-    parser.add_argument("--background", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--for", dest="for_keys", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--background", metavar="KEYS", help=argparse.SUPPRESS)  # measurer._start's child
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.background:
-        measurer.background_start([k for k in args.for_keys.split(",") if k])
+    if args.background:  # holding verify.lock through the descriptor measurer._start passed on
+        with contextlib.suppress(OSError, AttributeError):
+            os.nice(10)
+        tried = {k: {"at": time.time(), "pid": os.getpid()} for k in args.background.split(",")}
+        verdicts.update(lambda data: data["attempts"].update(tried))  # not retried for an hour
     os.environ[config.VERIFYING] = "1"  # nothing started from here starts a verification of its own
     deactivate()
     engine = get_engine()
