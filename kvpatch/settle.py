@@ -34,12 +34,12 @@ def environment_key(engine: Engine) -> str:
     root = os.path.dirname(os.path.abspath(__file__))
     own = sorted(p for p in Path(root).rglob("*") if "__pycache__" not in p.parts and p.is_file())
     own_files = [(str(p.relative_to(root)), stamp(str(p))) for p in own]
-    parts: list[Any] = [root, own_files, os.path.realpath(sys.prefix), sys.version, config.values()]
     patches = engine.materialise()
     modules = sorted({m for p in patches for m in p.modules})
+    parts: list[Any] = [root, own_files, os.path.realpath(sys.prefix), sys.version, config.values()]
     parts += [sorted(engine.upstream.items()), sorted(p.id for p in patches)]  # an Upstream counts by its repr
-    parts += [[(m, module_file(m), stamp(module_file(m))) for m in modules], verdicts.tables()["verdicts"]]
-    parts.append(verdicts.tables()["fingerprints"])
+    parts.append([(m, module_file(m), stamp(module_file(m))) for m in modules])
+    parts += [verdicts.tables()["verdicts"], verdicts.tables()["fingerprints"]]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
