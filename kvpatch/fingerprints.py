@@ -41,8 +41,7 @@ def _function(obj: Any) -> Any:
 
 
 def fingerprint_source(text: str) -> str:
-    """The one normalisation of a definition's source (live, vendored, recorded): lines stripped, blank and comment
-    lines dropped, hashed."""
+    """The one normalisation and hash of a definition's source (live, vendored, recorded)."""
     lines = [line.strip() for line in text.splitlines()]
     body = "\n".join(line for line in lines if line and not line.startswith("#"))
     return hashlib.sha256(body.encode()).hexdigest()[:12]
@@ -87,12 +86,11 @@ def save(*, wait: bool = False) -> None:
     if not _new:
         return
     new = {k: dict(v) for k, v in _new.items()}
-    now = time.time()
 
     def change(data: dict[str, Any]) -> None:
         for file_key, subs in new.items():
             entry = data["fingerprints"].get(file_key)
-            data["fingerprints"][file_key] = {**(entry if isinstance(entry, dict) else {}), **subs, "at": now}
+            data["fingerprints"][file_key] = {**(entry if isinstance(entry, dict) else {}), **subs, "at": time.time()}
 
     if verdicts.update(change, wait=wait) is None:
         _new.clear()

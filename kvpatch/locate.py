@@ -1,6 +1,5 @@
-"""Find a module's file without importing it (or any package above it), and stamp a file. A top-level name that is
-not imported goes through :func:`importlib.util.find_spec`: it consults ``sys.meta_path`` (editable installs served by
-a finder are found) and imports nothing."""
+"""Find a module's file without importing it (or any package above it): a top-level name not imported goes through
+:func:`importlib.util.find_spec`, which consults ``sys.meta_path`` (editable installs' finders) and imports nothing."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ import sys
 def module_file(name: str) -> str | None:
     """The file of module ``name`` (``None``: not found). Never imports, never raises."""
     try:
-        found = getattr(sys.modules.get(name), "__file__", None)
-        if found:
+        if found := getattr(sys.modules.get(name), "__file__", None):
             return str(found)
         top, _, rest = name.partition(".")
         package = sys.modules.get(top)
@@ -22,10 +20,8 @@ def module_file(name: str) -> str | None:
             locations = list(getattr(package, "__path__", None) or [os.path.dirname(origin)])
         else:
             spec = importlib.util.find_spec(top)
-            if spec is None:
-                return None
-            if not rest:
-                return str(spec.origin) if spec.origin else None
+            if spec is None or not rest:
+                return spec.origin if spec else None
             locations = list(spec.submodule_search_locations or ())
         stems = [os.path.join(base, *rest.split(".")) for base in locations]
         return next((c for s in stems for c in (s + ".py", os.path.join(s, "__init__.py")) if os.path.isfile(c)), None)

@@ -13,23 +13,20 @@ from collections.abc import Iterator
 from . import config, verdicts
 from . import store as _store
 
-_measuring: str | None = None
-_remeasure = False
+_mode: tuple[str | None, bool] = (None, False)  # measuring as, remeasuring
 _requested: str | None = None
 _patches: set[str] = set()
 
 
 @contextlib.contextmanager
 def measuring_as(by: str, *, remeasure: bool = False) -> Iterator[None]:
-    """Within the block the engine measures and stores verdicts as ``by`` (``verify``, ``background``, ``status
-    --verify``); ``remeasure``: also where one is stored (the background child measures only what is missing)."""
-    global _measuring, _remeasure
-    saved = (_measuring, _remeasure)
-    _measuring, _remeasure = by, remeasure
+    """Within the block the engine measures and stores verdicts as ``by``; ``remeasure``: also where one is stored."""
+    global _mode
+    saved, _mode = _mode, (by, remeasure)
     try:
         yield
     finally:
-        _measuring, _remeasure = saved
+        _mode = saved
 
 
 @contextlib.contextmanager
@@ -46,23 +43,22 @@ def measuring_patch(patch_id: str) -> Iterator[bool]:
 
 def measuring() -> str | None:
     """What this process measures as (``None``: it only reads verdicts)."""
-    return _measuring
+    return _mode[0]
 
 
 def remeasure() -> bool:
-    return _remeasure
+    return _mode[1]
 
 
 def request_verification(keys: list[str]) -> str:
     """Start one background verification unless one runs or was tried; the note ``status`` shows. Never raises."""
     global _requested
     if _requested is None:
-        settle = "run `python -m kvpatch verify` to settle it now"
         try:
-            _requested = f"{_start(keys)} {settle}"
+            _requested = _start(keys)
         except Exception as exc:  # never break the import
-            why = f"{type(exc).__name__}: {exc}"
-            _requested = f"no verdict yet (background verification could not start: {why}); {settle}"
+            _requested = f"no verdict yet (background verification could not start: {type(exc).__name__}: {exc});"
+        _requested += " run `python -m kvpatch verify` to settle it now"
     return _requested
 
 
@@ -72,13 +68,12 @@ def _start(keys: list[str]) -> str:
     import subprocess
 
     reasons = {
-        "this is a verification process": config.verifying() or _measuring is not None,
+        "this is a verification process": config.verifying() or measuring() is not None,
         f"{config.VERIFY}=never": not config.background_verification(),
         "KVPATCH=off": config.is_off(),
         "no background verification on this platform": os.name != "posix",
     }
-    why_not = next((why for why, applies in reasons.items() if applies), None)
-    if why_not is not None:
+    if (why_not := next((why for why, applies in reasons.items() if applies), None)) is not None:
         return f"no verdict for this environment yet ({why_not}):"
     for tried in [verdicts.tables()["attempts"].get(k) for k in keys]:
         if isinstance(tried, dict) and time.time() - float(tried.get("at", 0)) < 3600:
@@ -88,18 +83,16 @@ def _start(keys: list[str]) -> str:
     if place is None:
         where = ", ".join(str(p.path) for p in _store.verdict_places())
         return f"no verdict yet, and no writable place for one ({where});"
-    fd = _store.acquire(place, "verify.lock", wait=False, what="verdicts")
-    if fd is None:
-        return "no verdict yet: a verification is running for this environment;"
-    try:
+    # the verifier holds the lock through its own copy of the descriptor
+    with _store.locked(place, "verify.lock", wait=False, what="verdicts") as fd:
+        if fd is None:
+            return "no verdict yet: a verification is running for this environment;"
         flags = ["-P"] if sys.version_info >= (3, 11) and not sys.flags.isolated else []
-        flags += [f for f, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment)) if on]
-        flags += [f for f, on in (("-s", sys.flags.no_user_site), ("-S", sys.flags.no_site)) if on]
-        command = [sys.executable, *flags, "-m", "kvpatch", "verify", "--background", "--lock-fd", str(fd)]
-        command += ["--for", ",".join(keys)]
+        kept = {"-I": sys.flags.isolated, "-E": sys.flags.ignore_environment, "-s": sys.flags.no_user_site}
+        flags += [f for f, on in {**kept, "-S": sys.flags.no_site}.items() if on]
+        command = [sys.executable, *flags, "-m", "kvpatch", "verify", "--background", ",".join(keys)]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"} | {config.VERIFYING: "1"}
-        out = _store.open_log(place, "verify.log", "verdicts")
-        try:
+        with os.fdopen(_store.open_log(place, "verify.log", "verdicts"), "ab") as out:
             proc = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
@@ -110,29 +103,5 @@ def _start(keys: list[str]) -> str:
                 env=env,
                 start_new_session=True,
             )
-        finally:
-            os.close(out)
-        where = f"pid {proc.pid}, log {place.path / 'verify.log'}"
-        return f"no verdict for this environment yet: verifying in the background ({where});"
-    finally:
-        os.close(fd)  # the verifier holds the lock through its own copy of the descriptor
-
-
-def background_start(lock_fd: int | None, keys: list[str]) -> bool:
-    """The background verifier's start: lower priority, hold the verification lock (inherited as ``lock_fd`` from
-    :func:`_start`, else taken now), note the keys tried. False: another verification holds the lock."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.nice(10)
-    place = verdicts.write_place() if lock_fd is None else None
-    if place is not None:  # started by hand; no lock to be had: verify anyway (the verdicts' lock keeps the file whole)
-        with contextlib.suppress(OSError):
-            if _store.acquire(place, "verify.lock", wait=False, what="verdicts") is None:  # held until exit
-                return False
-    record_attempt(keys)
-    return True
-
-
-def record_attempt(keys: list[str]) -> None:
-    """The background verifier notes the keys it was started for (so they are not retried at once)."""
-    tried = {k: {"at": time.time(), "pid": os.getpid()} for k in keys}
-    verdicts.update(lambda data: data["attempts"].update(tried))
+    where = f"pid {proc.pid}, log {place.path / 'verify.log'}"
+    return f"no verdict for this environment yet: verifying in the background ({where});"

@@ -1,6 +1,5 @@
-"""Settle outcomes: do in this process what an import does (no reproduction), and cache the outcome per environment
-(``settled.json`` in the per-user place) under a key of everything that decides it (:func:`environment_key`): the
-import costs seconds (mlx-lm pulls in transformers)."""
+"""Settle outcomes: do in this process what an import does (no reproduction), and cache them per environment
+(``settled.json``) under a key of all that decides them: the import costs seconds (mlx-lm pulls in transformers)."""
 
 from __future__ import annotations
 
@@ -11,18 +10,16 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from . import config, store, verdicts
+from .engine import Engine, State, import_target_modules
 from .locate import module_file, stamp
 
-if TYPE_CHECKING:
-    from .engine import Engine
 
-
-@dataclass(frozen=True)
-class Settled:
+class Settled(NamedTuple):
     """How the outcomes shown were reached: ``now`` (imported in this process) or ``cache`` (and when)."""
 
     how: str
@@ -32,43 +29,39 @@ class Settled:
 
 
 def environment_key(engine: Engine) -> str:
-    """A hash of everything that decides what an import does here: kvpatch's location and every file of its package
-    (units, data, ``__version__``), the interpreter, every ``KVPATCH*`` variable, each upstream's version and source,
-    each target module's file, and the stored verdicts (with their files) and cached fingerprints."""
+    """A hash of everything that decides what an import does here: kvpatch's files, the interpreter, ``KVPATCH*``
+    variables, the upstreams, the target modules' files, the stored verdicts and cached fingerprints."""
     root = os.path.dirname(os.path.abspath(__file__))
-    own_files = []
-    for directory, subdirs, files in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
-        paths = [os.path.join(directory, name) for name in sorted(files)]
-        own_files += [(os.path.relpath(path, root), stamp(path)) for path in paths]
-    parts: list[Any] = [root, own_files, os.path.realpath(sys.prefix), sys.version, config.values()]
-    for name, up in sorted(engine.upstream.items()):
-        parts.append((name, up.version, up.source.kind, up.source.url, up.source.commit, up.location))
+    own = sorted(p for p in Path(root).rglob("*") if "__pycache__" not in p.parts and p.is_file())
+    own_files = [(str(p.relative_to(root)), stamp(str(p))) for p in own]
     patches = engine.materialise()
-    for module in sorted({m for p in patches for m in p.modules}):
-        parts.append((module, module_file(module), stamp(module_file(module))))
-    parts += [sorted(p.id for p in patches), verdicts.tables()["verdicts"], verdicts.tables()["fingerprints"]]
+    modules = sorted({m for p in patches for m in p.modules})
+    parts: list[Any] = [root, own_files, os.path.realpath(sys.prefix), sys.version, config.values()]
+    parts += [sorted(engine.upstream.items()), sorted(p.id for p in patches)]  # an Upstream counts by its repr
+    parts.append([(m, module_file(m), stamp(module_file(m))) for m in modules])
+    parts += [verdicts.tables()["verdicts"], verdicts.tables()["fingerprints"]]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def import_pending(engine: Engine, failed: Callable[[str, str, Exception], None]) -> None:
+    """Import each pending patch's target modules, checked as it goes (one patch's import settles others); a module
+    that fails to import goes to ``failed(patch id, module, exception)``."""
+    for patch in engine.materialise():
+        if engine.status[patch.id].state is State.PENDING:
+            import_target_modules(patch, functools.partial(failed, patch.id))
 
 
 def settle(engine: Engine, *, fresh: bool = False) -> Settled:
     """Import what the engine would patch (no reproductions) and return every patch's outcome: the cached one for
     this environment unless ``fresh`` or the environment changed (a missing or refused file: settle again)."""
-    from .engine import State, import_target_modules
-
-    key = environment_key(engine)
     place = store.env_dir()
     if not fresh and not engine.changes() and place is not None:
         data = store.read_json(place, "settled.json", "settled status")
         with contextlib.suppress(Exception):  # absent or corrupt: settle again
-            if data["key"] == key and isinstance(data["outcomes"], dict):
+            if data["key"] == environment_key(engine) and isinstance(data["outcomes"], dict):
                 return Settled("cache", float(data["at"]), data["outcomes"])
     if engine.active:
-        for st in list(engine.status.values()):
-            if st.state is not State.PENDING:  # checked as it goes: one patch's import settles others
-                continue
-            # a module that fails to import takes its patch's targets with it: the hooks never ran
-            import_target_modules(st.record, functools.partial(engine.import_failed, st.patch.id))
+        import_pending(engine, engine.import_failed)  # a module that failed to import: its hooks never ran
         engine.refresh()
     outcomes = {
         pid: {"state": st.state.value, "reason": st.reason, "error": st.error, "notes": list(st.notes)}

@@ -14,9 +14,8 @@ import stat
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import config
 from ._warn import emit
@@ -30,8 +29,7 @@ MAX_BYTES = 4 << 20
 _SAFE_OPEN = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-@dataclass(frozen=True)
-class Place:
+class Place(NamedTuple):
     """A state directory and the directory kvpatch chose above it (the trust check stops there)."""
 
     path: Path
@@ -40,8 +38,7 @@ class Place:
 
 def cache_root() -> Path | None:
     """``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else ``~/.cache/kvpatch`` (``None``: no home)."""
-    explicit = config.cache_override()
-    if explicit:
+    if explicit := config.cache_override():
         return Path(explicit).expanduser()
     try:
         return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "kvpatch"
@@ -58,22 +55,16 @@ def env_dir() -> Place | None:
     return Place(root / "state" / digest, root)
 
 
-def _prefix_place() -> Place | None:
-    """``<sys.prefix>/var/cache/kvpatch`` when kvpatch is installed under ``sys.prefix`` (not --user/--target)."""
-    package = os.path.realpath(os.path.dirname(__file__))
-    if not package.startswith(os.path.join(os.path.realpath(sys.prefix), "")):
-        return None
-    base = Path(sys.prefix) / "var"
-    return Place(base / "cache" / "kvpatch", base)
-
-
 def verdict_places() -> tuple[Place, ...]:
-    """Where verdicts are read, in order (earlier wins); the first usable one is where they are written."""
-    explicit = config.verdicts_override()
-    if explicit:
+    """Where verdicts are read, earlier winning (the first usable one is written): ``$KVPATCH_VERDICTS``, else
+    ``<sys.prefix>/var/cache/kvpatch`` if kvpatch is installed there (not --user/--target), and :func:`env_dir`."""
+    if explicit := config.verdicts_override():
         path = Path(explicit).expanduser()
         return (Place(path, path),)
-    return tuple(p for p in (_prefix_place(), env_dir()) if p is not None)
+    var = Path(sys.prefix) / "var"
+    in_prefix = os.path.realpath(os.path.dirname(__file__)).startswith(os.path.join(os.path.realpath(sys.prefix), ""))
+    places = (Place(var / "cache" / "kvpatch", var) if in_prefix else None, env_dir())
+    return tuple(p for p in places if p is not None)
 
 
 def _check(place: Place) -> tuple[str, bool] | None:
@@ -180,31 +171,21 @@ def write_json(place: Place, name: str, data: Any, what: str = "state") -> None:
         raise
 
 
-def acquire(place: Place, name: str, *, wait: bool, what: str = "state") -> int | None:
-    """Lock ``name`` in ``place``: its descriptor (``None``: ``wait`` is off and it is taken), or OSError."""
+@contextlib.contextmanager
+def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[int | None]:
+    """Lock ``name`` in ``place`` for the block, yielding its descriptor (``None``: ``wait`` off and the lock taken)."""
     _ensure(place, what)
     fd = _open(place.path / name, os.O_RDWR | os.O_CREAT)
     try:
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-@contextlib.contextmanager
-def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[bool]:
-    """:func:`acquire` for the block; yields False when ``wait`` is off and the lock is taken."""
-    fd = acquire(place, name, wait=wait, what=what)
-    try:
-        yield fd is not None
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield None
+        else:
+            yield fd
     finally:
-        if fd is not None:
-            os.close(fd)  # closing the last descriptor releases the lock
+        os.close(fd)  # closing the last descriptor releases the lock
 
 
 def open_log(place: Place, name: str, what: str = "state") -> int:

@@ -1,7 +1,6 @@
 """Verdicts: what a patch's reproduction found in this environment, measured only in a verification process
-(:mod:`kvpatch.measurer`) and read by every other. ``verdicts.json`` (also holding the background verifier's attempts
-and the fingerprint cache) is merged from the places of :func:`kvpatch.store.verdict_places`, the first winning, so a
-verdict stored at image build time serves every user. A verdict holds only for its exact :func:`key`."""
+(:mod:`kvpatch.measurer`), read by every other from ``verdicts.json`` (with the verifier's attempts and the fingerprint
+cache) in each of :func:`kvpatch.store.verdict_places` (one stored at image build time serves every user)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import store as _store
 from ._warn import emit
@@ -46,10 +44,8 @@ class Outcome(str, enum.Enum):
 STORED = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.NOT_FIXED, Outcome.INCONCLUSIVE, Outcome.SKIPPED})
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """An outcome, when (epoch seconds) and by what (``verify``, ``background``, ``status --verify``) it was
-    measured, and the file it was read from (``""``: measured in this process, or kept in memory)."""
+class Verdict(NamedTuple):
+    """An outcome, when and by what it was measured, and the file it was read from (``""``: none, it is in memory)."""
 
     outcome: Outcome
     detail: str = ""
@@ -119,7 +115,7 @@ def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> st
         place = write_place()
         if place is not None:
             with _store.locked(place, "verdicts.lock", wait=wait, what="verdicts") as held:
-                if not held:
+                if held is None:
                     return "another process held the lock"  # this change waits for a later process
                 data = _parse(_store.read_json(place, FILE, "verdicts"))
                 change(data)
@@ -153,17 +149,14 @@ def tables() -> dict[str, Any]:
 
 
 def _kvpatch_version() -> str:
-    try:
-        from . import __version__
-    except ImportError:  # kvpatch/__init__ still importing: no verdict can match
-        return "?"
-    return str(__version__)
+    from . import __version__  # here: kvpatch/__init__ imports this module before it defines __version__
+
+    return __version__
 
 
 def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
-    """A hash of what a verdict for ``patch`` depends on: kvpatch's version, the patch and its unit's file, Python,
-    the version and PEP 610 source of each upstream, and each target module's file (path, size, mtime)."""
-    patch_file = getattr(sys.modules.get(patch.module), "__file__", None) if patch.module else None
+    """A hash of everything a verdict for ``patch`` depends on (upstream's PEP 610 source too)."""
+    patch_file = getattr(sys.modules.get(patch.module), "__file__", None)
     parts = {
         "kvpatch": _kvpatch_version(),
         "patch": [patch.id, patch_file, stamp(patch_file)],

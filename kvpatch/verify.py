@@ -1,17 +1,18 @@
-"""``python -m kvpatch verify``: measure and store, in this process, every verdict the environment's imports read.
-
-Every patch is decided with all of them enabled (a verdict does not depend on ``KVPATCH_DISABLE``/``KVPATCH_ENABLE``).
-Exit 0 when every patch is settled, 1 when one is not or a unit is broken, 74 (EX_IOERR) when a verdict was measured
-but not stored, so that a build step running ``kvpatch verify`` fails."""
+"""``python -m kvpatch verify``: measure and store, in this process, every verdict the environment's imports read (with
+every patch enabled). Exit 74 (EX_IOERR) when one is not stored, so that a build step running it fails."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
 
-from . import config, fingerprints, measurer, verdicts
+from . import config, deactivate, fingerprints, get_engine, measurer, verdicts
+from .engine import State
+from .settle import import_pending
 
 _SETTLED = ("applied", "not needed", "out of range", "not installed", "opt-in", "disabled")
 EXIT_NOT_STORED = 74
@@ -22,34 +23,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--missing", action="store_true", help="measure only patches without a stored verdict (default: all again)"
     )
-    parser.add_argument("--background", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--lock-fd", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--for", dest="for_keys", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--background", metavar="KEYS", help=argparse.SUPPRESS)  # measurer._start's child
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.background and not measurer.background_start(args.lock_fd, [k for k in args.for_keys.split(",") if k]):
-        print("kvpatch verify: another verification holds this environment's lock; nothing to do")
-        return 0
+    if args.background:  # holding verify.lock through the descriptor measurer._start passed on
+        with contextlib.suppress(OSError, AttributeError):
+            os.nice(10)
+        tried = {k: {"at": time.time(), "pid": os.getpid()} for k in args.background.split(",")}
+        verdicts.update(lambda data: data["attempts"].update(tried))  # not retried for an hour
     os.environ[config.VERIFYING] = "1"  # nothing started from here starts a verification of its own
-    from . import deactivate, get_engine
-    from .config import Config
-    from .engine import State, import_target_modules
-
     deactivate()
     engine = get_engine()
-    engine.reconsider(Config(enable_all=True))
+    engine.reconsider(config.Config(enable_all=True))
     errors: dict[str, str] = {}
     by = "background" if args.background else "verify"
     with measurer.measuring_as(by, remeasure=not (args.background or args.missing)):
         engine.activate()
-        for patch in engine.materialise():
-            if engine.status[patch.id].state is not State.PENDING:  # checked as it goes, as in settle
-                continue
-            try:
-                import_target_modules(patch)
-            except Exception as exc:
-                errors[patch.id] = f"{type(exc).__name__}: {exc}"
+        import_pending(engine, lambda pid, module, exc: errors.update({pid: f"{type(exc).__name__}: {exc}"}))
         fingerprints.save(wait=True)
     rows = [
         {

@@ -154,7 +154,9 @@ def test_no_background_verification_when_switched_off_or_inside_one(fresh, monke
 
 def test_a_recent_attempt_is_not_repeated(fresh, monkeypatch):
     monkeypatch.setenv(config.VERIFY, "auto")
-    measurer.record_attempt(["k"])
+    verdicts.update(
+        lambda data: data["attempts"].update({"k": {"at": time.time(), "pid": 1}})
+    )  # as the background verifier does
     verdicts._loaded = None  # read the file afresh
     text = measurer.request_verification(["k"])
     assert "has not settled it" in text, text

@@ -298,7 +298,7 @@ from kvpatch.engine import Engine
 
 engine = kvpatch.get_engine()
 with contextlib.redirect_stdout(io.StringIO()) as out:
-    verify.run(argparse.Namespace(background=False, json=True, missing=False, lock_fd=None, for_keys=""))
+    verify.run(argparse.Namespace(background=None, json=True, missing=False))
 rows = {r["id"]: r["action"] for r in json.loads(out.getvalue())["patches"]}
 print("@@" + json.dumps({
     "engines": sum(isinstance(o, Engine) for o in gc.get_objects()),

@@ -18,7 +18,7 @@ engine = kvpatch.get_engine()
 status.build_report(engine)
 status.build_report(engine, verify=True)
 with contextlib.redirect_stdout(io.StringIO()):
-    verify.run(argparse.Namespace(background=False, json=True, missing=False, lock_fd=None, for_keys=""))
+    verify.run(argparse.Namespace(background=None, json=True, missing=False))
 loaded = sorted(m for m in sys.modules if m.startswith(("kvpatch.maint", "kvpatch.testing")))
 print("@@" + json.dumps(loaded))
 """
