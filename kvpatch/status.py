@@ -1,8 +1,5 @@
-"""The audit behind ``kvpatch status``: every patch's state and why, and the check's exit status.
-
-The JSON form follows ``kvpatch/data/status.schema.json`` (``kvpatch.status/1``: keys are added, never removed or
-renamed). Only a conclusive finding on upstream's own code says a record is wrong; all else is about this environment.
-"""
+"""The audit behind ``kvpatch status``: every patch's state and why, and the check's exit status. The JSON form
+follows ``kvpatch/data/status.schema.json`` (``kvpatch.status/1``: keys are added, never removed or renamed)."""
 
 from __future__ import annotations
 
@@ -33,16 +30,13 @@ _FAILING, _ATTENTION = {State.FAILED.value, State.TARGET_MISSING.value}, {State.
 
 
 def _finding(f: Finding | None) -> dict[str, Any] | None:
-    if f is None:
-        return None
-    found = {"present": f.present, "verdict": f.bug.value}  # "verdict": the schema's name for Finding.bug
-    return found | {k: getattr(f, k) for k in ("detail", "skipped", "inconclusive")}
+    keys = ("detail", "skipped", "inconclusive")  # "verdict": the schema's name for Finding.bug
+    return None if f is None else {"present": f.present, "verdict": f.bug.value} | {k: getattr(f, k) for k in keys}
 
 
 def _verify(engine: Engine, st: PatchStatus, check: dict[int, list[str]]) -> tuple[Outcome, dict[str, Any]]:
-    """The patch's measurement (the engine's own when it settled a verdict in this process, so each side runs
-    once), how the report says it, and its check reasons (only a conclusive finding on upstream's own code says
-    the record is wrong; everything else is a fact about this environment)."""
+    """The patch's measurement (the engine's own when it settled a verdict here: each side runs once), how the report
+    says it, and its check reasons (only a conclusive finding on upstream's own code says the record is wrong)."""
     try:
         m = st.measurement or engine.measure(engine.record_of(st), install=False)
     except Exception as exc:
@@ -260,10 +254,9 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
     lines.append(f"{len(d['patches'])} patches: {', '.join(parts)}" if d["patches"] else "no patches loaded")
     # --verify's outcomes by count; a skipped reproduction names its patches (a skip hides a check)
     ids: dict[str, list[str]] = {}
-    for e in d["patches"]:
-        if e["verify"]:
-            skipped = outcomes.get(e["id"]) is Outcome.SKIPPED
-            ids.setdefault("skipped" if skipped else str(e["verify"]["outcome"]), []).append(e["id"])
+    for e in (e for e in d["patches"] if e["verify"]):
+        key = "skipped" if outcomes.get(e["id"]) is Outcome.SKIPPED else str(e["verify"]["outcome"])
+        ids.setdefault(key, []).append(e["id"])
     verified = []
     for key, named in sorted(ids.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         listed = ", ".join(named[:4]) + (", ..." if len(named) > 4 else "")
