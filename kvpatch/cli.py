@@ -125,7 +125,7 @@ def emit(text: str, *, end: str = "\n") -> None:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
-        if isinstance(exc, BrokenPipeError):  # the reader went away: the output ends quietly
+        if isinstance(exc, BrokenPipeError):
             return
         with contextlib.suppress(Exception):  # stderr gone too: the exit status says it
             why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
@@ -185,8 +185,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_run(argv: Sequence[str]) -> int:
-    """``run -c CODE | -m MODULE | SCRIPT [ARGS...]``: everything after the program is the program's, as with
-    ``python``; the program's own exceptions and exit status are its own (Python reports them)."""
+    """``run -c CODE | -m MODULE | SCRIPT [ARGS...]``: everything after the program is the program's, as with python."""
     usage_error = _Parser(prog="kvpatch run", usage=_RUN_USAGE).error  # exits 64
     if not argv:
         usage_error("say what to run: -c CODE, -m MODULE or SCRIPT")

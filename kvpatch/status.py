@@ -72,8 +72,7 @@ def _verify(engine: Engine, st: PatchStatus, check: dict[int, list[str]]) -> tup
 
 
 def auto_activation() -> str | None:
-    """Why kvpatch's ``.pth`` start-up hook does not run in this interpreter (``None``: it does), e.g. a
-    ``pip install --target`` directory on ``PYTHONPATH``, which ``site`` does not process."""
+    """Why kvpatch's ``.pth`` start-up hook does not run in this interpreter (``None``: it does)."""
     # the bootstrap notes the start-up sys.path; before the first mlx import the .pth's finder stands in for it
     if getattr(sys.modules.get("_kvpatch_boot"), "_startup_path", None) is not None or any(
         getattr(f, "__name__", type(f).__name__) == "KvpatchBootstrapFinder" for f in sys.meta_path
@@ -177,8 +176,6 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
     return Report(data, outcomes)
 
 
-# -- text ---------------------------------------------------------------------------------------------
-
 #: States shown in the compact view only as a count in the summary line.
 _QUIET_STATES = frozenset({State.NOT_NEEDED.value, State.OUT_OF_RANGE.value, State.NOT_INSTALLED.value})
 
@@ -226,9 +223,8 @@ def _state_text(entry: dict[str, Any]) -> str:
 
 
 def format_text(report: Report, *, verbose: bool = False, width: int | None = None, check: bool = False) -> str:
-    """The text of ``kvpatch status``: compact by default, every patch with ``verbose`` (``-v``). ``width`` cuts
-    summaries to a terminal (``None``: never, for pipes); with ``verbose`` every line wraps to it (default 80).
-    ``check``: the command was asked for an exit status (``--check``, ``--verify``), so the check line says which."""
+    """The text of ``kvpatch status``: compact, or every patch with ``verbose``. ``width`` cuts summaries to a terminal
+    (``None``: never); ``verbose`` wraps every line to it (default 80). ``check``: the check line names the exit."""
     d, outcomes = report
     absent = Counter(e["distribution"] for e in d["patches"] if e["state"] == State.NOT_INSTALLED.value)
     off = "" if d["enabled"] else ": OFF (KVPATCH=off), nothing is patched"

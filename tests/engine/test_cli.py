@@ -259,6 +259,17 @@ def test_internal_error_exits_70_with_the_traceback(monkeypatch, capsys):
     assert "Traceback" in err and "simulated bug in kvpatch" in err and "internal error (exit 70)" in err
 
 
+def test_a_command_exiting_with_a_message_is_a_usage_error(monkeypatch, capsys):
+    import kvpatch.status
+
+    def leave(*args, **kwargs):
+        raise SystemExit("kvpatch: simulated message")
+
+    monkeypatch.setattr(kvpatch.status, "build_report", leave)
+    assert cli.main(["status"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == "kvpatch: simulated message\n"
+
+
 def test_a_kvpatch_that_cannot_be_imported_exits_70(tmp_path):
     broken = tmp_path / "site"
     (broken / "kvpatch").mkdir(parents=True)
