@@ -215,10 +215,8 @@ def wrapped(text: str, indent: str, width: int | None, hang: str = "  ") -> list
 
 
 def _state_text(entry: dict[str, Any]) -> str:
-    if entry["state"] != State.PENDING.value:
+    if entry["state"] != State.PENDING.value or entry["action"] == "apply":
         return str(entry["state"])
-    if entry["action"] == "apply":
-        return "pending"
     return f"pending ({entry['verdict'].split(' (')[0]})" if entry["verdict"] else "pending verification"
 
 
@@ -300,7 +298,7 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
         if state == "disabled":
             lines += [*wrapped(", ".join(e["id"] for e in entries), "  ", width), ""]
             continue
-        explained = state in _QUIET_STATES or _RANK.get(state, _EXPLAINED) <= _EXPLAINED
+        explained = _RANK.get(state, _EXPLAINED) <= _EXPLAINED
         shared = explained and len(entries) > 1 and len({e["reason"] for e in entries}) == 1
         if shared:  # one reason for the whole group: say it once
             lines.extend(wrapped(f"all {len(entries)}: {entries[0]['reason']}", "  ", width))
