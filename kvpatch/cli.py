@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from . import __version__, activate, get_engine
 from .registry import load
+from .status import build_report, cut, format_text
 from .vendored import format_copies, scan
 
 #: The exit-code table (``status --help``, ``kvpatch --help``, the docs): code, meaning.
@@ -134,8 +135,6 @@ def emit(text: str, *, end: str = "\n") -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import build_report, format_text
-
     engine = get_engine()
     report = build_report(engine, verify=args.verify, settle=not args.no_settle, fresh=args.fresh)
     copies = scan(engine, installed=True) if args.scan else None
@@ -166,8 +165,6 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from .status import cut
-
     reg = load()
     patches = sorted(reg.patches, key=lambda p: (p.distribution, p.id))
     if args.json:
