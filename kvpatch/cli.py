@@ -1,15 +1,12 @@
-"""The ``kvpatch`` console script (also ``python -m kvpatch``): argparse plumbing around the commands.
-
-Exit statuses are one table, :data:`EXIT_CODES`. Usage errors exit 64, not argparse's 2 (``status --check``'s
-"a patch failed"); output that cannot be written exits 74, and a reader that goes away (``| head -1``) changes
-nothing. The maintainer commands live in :mod:`kvpatch.maint.cli`, imported only when one is the command.
-"""
+"""The ``kvpatch`` console script (also ``python -m kvpatch``): argparse plumbing around the commands, whose exit
+statuses are one table, :data:`EXIT_CODES`."""
 
 from __future__ import annotations
 
 import argparse
 import builtins
 import contextlib
+import difflib
 import json
 import os
 import runpy
@@ -23,26 +20,20 @@ from typing import Any, NoReturn
 
 from . import __version__, activate, get_engine
 from .registry import load
+from .status import build_report, cut, format_text
 from .vendored import format_copies, scan
-
-EXIT_CLEAN = 0
-EXIT_ATTENTION = 1
-EXIT_FAILED = 2
-EXIT_USAGE = 64  # sysexits.h EX_USAGE
-EXIT_INTERNAL = 70  # sysexits.h EX_SOFTWARE
-EXIT_IOERR = 74  # sysexits.h EX_IOERR
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 #: The exit-code table (``status --help``, ``kvpatch --help``, the docs): code, meaning.
 EXIT_CODES: tuple[tuple[int, str], ...] = (
-    (EXIT_CLEAN, "clean: nothing needs attention"),
-    (EXIT_ATTENTION, "attention needed (with --check or --verify): the reasons are listed under 'check'"),
-    (EXIT_FAILED, "a patch failed, did not fix its bug, or a patch unit could not be loaded (--check, --verify)"),
-    (EXIT_USAGE, "usage error: unknown command or option, or a program for `run` that does not exist"),
-    (EXIT_INTERNAL, "kvpatch's own internal error (a bug in kvpatch: please report the traceback)"),
-    (EXIT_IOERR, "the output could not be written (standard output closed, disk full)"),
-    (EXIT_INTERRUPTED, "interrupted (Ctrl-C)"),
+    (0, "clean: nothing needs attention"),
+    (1, "attention needed (with --check or --verify): the reasons are listed under 'check'"),
+    (2, "a patch failed, did not fix its bug, or a patch unit could not be loaded (--check, --verify)"),
+    (64, "usage error: unknown command or option, or a program for `run` that does not exist"),  # EX_USAGE
+    (70, "kvpatch's own internal error (a bug in kvpatch: please report the traceback)"),  # EX_SOFTWARE
+    (74, "the output could not be written (standard output closed, disk full)"),  # EX_IOERR
+    (130, "interrupted (Ctrl-C)"),  # 128 + SIGINT, as shells report it
 )
+EXIT_CLEAN, EXIT_ATTENTION, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_IOERR, EXIT_INTERRUPTED = dict(EXIT_CODES)
 
 _USER_COMMANDS = {
     "status": "show which patches apply here and why (--check for scripts, --verify to measure)",
@@ -135,7 +126,7 @@ def emit(text: str, *, end: str = "\n") -> None:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
-        if isinstance(exc, BrokenPipeError):  # the reader went away: the output ends quietly
+        if isinstance(exc, BrokenPipeError):
             return
         with contextlib.suppress(Exception):  # stderr gone too: the exit status says it
             why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
@@ -144,13 +135,10 @@ def emit(text: str, *, end: str = "\n") -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import build_report, format_text
-
     engine = get_engine()
     report = build_report(engine, verify=args.verify, settle=not args.no_settle, fresh=args.fresh)
-    copies = None
-    if args.scan:
-        copies = scan(engine, installed=True)
+    copies = scan(engine, installed=True) if args.scan else None
+    if copies is not None:
         report.data["vendored"] = [c.as_dict() for c in copies]
     asked = args.check or args.verify
     if args.json:
@@ -177,8 +165,6 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from .status import cut
-
     reg = load()
     patches = sorted(reg.patches, key=lambda p: (p.distribution, p.id))
     if args.json:
@@ -195,13 +181,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_FAILED if reg.broken else EXIT_CLEAN
 
 
-def cmd_help(args: argparse.Namespace) -> int:
-    return main([args.topic, "--help"] if args.topic else ["--help"])
-
-
 def cmd_run(argv: Sequence[str]) -> int:
-    """``run -c CODE | -m MODULE | SCRIPT [ARGS...]``: everything after the program is the program's, as with
-    ``python``; the program's own exceptions and exit status are its own (Python reports them)."""
+    """``run -c CODE | -m MODULE | SCRIPT [ARGS...]``: everything after the program is the program's, as with python."""
     usage_error = _Parser(prog="kvpatch run", usage=_RUN_USAGE).error  # exits 64
     if not argv:
         usage_error("say what to run: -c CODE, -m MODULE or SCRIPT")
@@ -273,19 +254,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     verify.add_arguments(p["verify"])
     p["list"].add_argument("--json", action="store_true", help="machine-readable output")
     p["help"].add_argument("topic", nargs="?", metavar="COMMAND", help="the command to describe")
-    commands = {"status": cmd_status, "verify": verify.run, "list": cmd_list, "version": cmd_version, "help": cmd_help}
-    for name, func in commands.items():
+    p["help"].set_defaults(func=lambda args: main([*filter(None, [args.topic]), "--help"]))
+    for name, func in {"status": cmd_status, "verify": verify.run, "list": cmd_list, "version": cmd_version}.items():
         p[name].set_defaults(func=func)
-    if command is None or command in _MAINTAINER_COMMANDS:
-        _add_maintainer_commands(sub)
+    if command is None or command in _MAINTAINER_COMMANDS:  # the runtime's one import of kvpatch.maint (a test checks)
+        from .maint.cli import add_parsers
+
+        add_parsers(sub)
     return parser
-
-
-def _add_maintainer_commands(sub: Any) -> None:
-    """The only place the runtime imports :mod:`kvpatch.maint` (tests/engine/test_cli.py checks it)."""
-    from .maint.cli import add_parsers
-
-    add_parsers(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -297,8 +273,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = next((word for word in argv if not word.startswith("-")), "")  # the first word not an option
         parser = build_parser(command)
         if command and command not in _HELP:
-            import difflib
-
             close = difflib.get_close_matches(command, list(_HELP), n=1, cutoff=0.6)
             hint = f" - did you mean {close[0]!r}?" if close else " (`kvpatch help` lists the commands)"
             parser.error(f"unknown command {command!r}{hint}")
@@ -308,18 +282,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             emit("", end="")  # what print left buffered: a failure is reported here, not at interpreter exit
         return code
     except SystemExit as exc:  # --help (0), a usage error (64), output that could not be written (74)
-        return int(exc.code or 0)
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        with contextlib.suppress(Exception):  # sys.exit("message"): the message, as Python prints it
+            print(exc.code, file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # a command's own print: the reader went away
-        emit("", end="")  # meets the closed pipe again and points stdout at /dev/null
-        return EXIT_CLEAN
     except Exception as exc:
         if isinstance(exc, OSError) and sys.stdout is not None:  # a command's own print: is stdout what failed?
             try:
-                emit("", end="")
+                emit("", end="")  # a reader that went away: stdout now points at /dev/null
             except SystemExit:
                 return EXIT_IOERR
+            if isinstance(exc, BrokenPipeError):
+                return EXIT_CLEAN
         with contextlib.suppress(Exception):
             traceback.print_exc()
             print(

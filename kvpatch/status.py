@@ -1,8 +1,5 @@
-"""The audit behind ``kvpatch status``: every patch's state and why, and the check's exit status.
-
-The JSON form follows ``kvpatch/data/status.schema.json`` (``kvpatch.status/1``: keys are added, never removed or
-renamed). Only a conclusive finding on upstream's own code says a record is wrong; all else is about this environment.
-"""
+"""The audit behind ``kvpatch status``: every patch's state and why, and the check's exit status. The JSON form
+follows ``kvpatch/data/status.schema.json`` (``kvpatch.status/1``: keys are added, never removed or renamed)."""
 
 from __future__ import annotations
 
@@ -33,16 +30,13 @@ _FAILING, _ATTENTION = {State.FAILED.value, State.TARGET_MISSING.value}, {State.
 
 
 def _finding(f: Finding | None) -> dict[str, Any] | None:
-    if f is None:
-        return None
-    found = {"present": f.present, "verdict": f.bug.value}  # "verdict": the schema's name for Finding.bug
-    return found | {k: getattr(f, k) for k in ("detail", "skipped", "inconclusive")}
+    keys = ("detail", "skipped", "inconclusive")  # "verdict": the schema's name for Finding.bug
+    return None if f is None else {"present": f.present, "verdict": f.bug.value} | {k: getattr(f, k) for k in keys}
 
 
 def _verify(engine: Engine, st: PatchStatus, check: dict[int, list[str]]) -> tuple[Outcome, dict[str, Any]]:
-    """The patch's measurement (the engine's own when it settled a verdict in this process, so each side runs
-    once), how the report says it, and its check reasons (only a conclusive finding on upstream's own code says
-    the record is wrong; everything else is a fact about this environment)."""
+    """The patch's measurement (the engine's own when it settled a verdict here: each side runs once), how the report
+    says it, and its check reasons (only a conclusive finding on upstream's own code says the record is wrong)."""
     try:
         m = st.measurement or engine.measure(engine.record_of(st), install=False)
     except Exception as exc:
@@ -78,8 +72,7 @@ def _verify(engine: Engine, st: PatchStatus, check: dict[int, list[str]]) -> tup
 
 
 def auto_activation() -> str | None:
-    """Why kvpatch's ``.pth`` start-up hook does not run in this interpreter (``None``: it does), e.g. a
-    ``pip install --target`` directory on ``PYTHONPATH``, which ``site`` does not process."""
+    """Why kvpatch's ``.pth`` start-up hook does not run in this interpreter (``None``: it does)."""
     # the bootstrap notes the start-up sys.path; before the first mlx import the .pth's finder stands in for it
     if getattr(sys.modules.get("_kvpatch_boot"), "_startup_path", None) is not None or any(
         getattr(f, "__name__", type(f).__name__) == "KvpatchBootstrapFinder" for f in sys.meta_path
@@ -183,8 +176,6 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
     return Report(data, outcomes)
 
 
-# -- text ---------------------------------------------------------------------------------------------
-
 #: States shown in the compact view only as a count in the summary line.
 _QUIET_STATES = frozenset({State.NOT_NEEDED.value, State.OUT_OF_RANGE.value, State.NOT_INSTALLED.value})
 
@@ -224,17 +215,14 @@ def wrapped(text: str, indent: str, width: int | None, hang: str = "  ") -> list
 
 
 def _state_text(entry: dict[str, Any]) -> str:
-    if entry["state"] != State.PENDING.value:
+    if entry["state"] != State.PENDING.value or entry["action"] == "apply":
         return str(entry["state"])
-    if entry["action"] == "apply":
-        return "pending"
     return f"pending ({entry['verdict'].split(' (')[0]})" if entry["verdict"] else "pending verification"
 
 
 def format_text(report: Report, *, verbose: bool = False, width: int | None = None, check: bool = False) -> str:
-    """The text of ``kvpatch status``: compact by default, every patch with ``verbose`` (``-v``). ``width`` cuts
-    summaries to a terminal (``None``: never, for pipes); with ``verbose`` every line wraps to it (default 80).
-    ``check``: the command was asked for an exit status (``--check``, ``--verify``), so the check line says which."""
+    """The text of ``kvpatch status``: compact, or every patch with ``verbose``. ``width`` cuts summaries to a terminal
+    (``None``: never); ``verbose`` wraps every line to it (default 80). ``check``: the check line names the exit."""
     d, outcomes = report
     absent = Counter(e["distribution"] for e in d["patches"] if e["state"] == State.NOT_INSTALLED.value)
     off = "" if d["enabled"] else ": OFF (KVPATCH=off), nothing is patched"
@@ -260,10 +248,9 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
     lines.append(f"{len(d['patches'])} patches: {', '.join(parts)}" if d["patches"] else "no patches loaded")
     # --verify's outcomes by count; a skipped reproduction names its patches (a skip hides a check)
     ids: dict[str, list[str]] = {}
-    for e in d["patches"]:
-        if e["verify"]:
-            skipped = outcomes.get(e["id"]) is Outcome.SKIPPED
-            ids.setdefault("skipped" if skipped else str(e["verify"]["outcome"]), []).append(e["id"])
+    for e in (e for e in d["patches"] if e["verify"]):
+        key = "skipped" if outcomes.get(e["id"]) is Outcome.SKIPPED else str(e["verify"]["outcome"])
+        ids.setdefault(key, []).append(e["id"])
     verified = []
     for key, named in sorted(ids.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         listed = ", ".join(named[:4]) + (", ..." if len(named) > 4 else "")
@@ -311,7 +298,7 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
         if state == "disabled":
             lines += [*wrapped(", ".join(e["id"] for e in entries), "  ", width), ""]
             continue
-        explained = state in _QUIET_STATES or _RANK.get(state, _EXPLAINED) <= _EXPLAINED
+        explained = _RANK.get(state, _EXPLAINED) <= _EXPLAINED
         shared = explained and len(entries) > 1 and len({e["reason"] for e in entries}) == 1
         if shared:  # one reason for the whole group: say it once
             lines.extend(wrapped(f"all {len(entries)}: {entries[0]['reason']}", "  ", width))

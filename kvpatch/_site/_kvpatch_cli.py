@@ -2,6 +2,7 @@
 install) exits 70, kvpatch's internal error, never Python's 1 (``status --check``'s "attention needed")."""
 
 import sys
+import traceback
 
 EXIT_INTERNAL = 70  # = kvpatch.cli.EXIT_INTERNAL (a test keeps them equal)
 
@@ -12,8 +13,6 @@ def main():
     except KeyboardInterrupt:
         return 130  # = kvpatch.cli.EXIT_INTERRUPTED
     except Exception as exc:
-        import traceback
-
         traceback.print_exc()
         print(
             f"kvpatch: internal error (exit {EXIT_INTERNAL}): kvpatch cannot be imported "

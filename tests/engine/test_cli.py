@@ -248,15 +248,22 @@ def test_status_verbose_wraps_to_the_terminal_and_json_does_not(tmp_path, column
 
 
 def test_internal_error_exits_70_with_the_traceback(monkeypatch, capsys):
-    import kvpatch.status
-
     def boom(*args, **kwargs):
         raise RuntimeError("simulated bug in kvpatch")
 
-    monkeypatch.setattr(kvpatch.status, "build_report", boom)
+    monkeypatch.setattr(cli, "build_report", boom)
     assert cli.main(["status", "--check"]) == cli.EXIT_INTERNAL
     err = capsys.readouterr().err
     assert "Traceback" in err and "simulated bug in kvpatch" in err and "internal error (exit 70)" in err
+
+
+def test_a_command_exiting_with_a_message_is_a_usage_error(monkeypatch, capsys):
+    def leave(*args, **kwargs):
+        raise SystemExit("kvpatch: simulated message")
+
+    monkeypatch.setattr(cli, "build_report", leave)
+    assert cli.main(["status"]) == cli.EXIT_USAGE
+    assert capsys.readouterr().err == "kvpatch: simulated message\n"
 
 
 def test_a_kvpatch_that_cannot_be_imported_exits_70(tmp_path):
@@ -449,7 +456,7 @@ def test_status_imports_no_maintainer_code(tmp_path):
 
 
 #: The one function of the runtime allowed to import kvpatch.maint: the maintainer commands' dispatch.
-_MAINTAINER_DISPATCH = {("cli.py", "_add_maintainer_commands")}
+_MAINTAINER_DISPATCH = {("cli.py", "build_parser")}
 
 
 def _forbidden_imports(source: str, module: str) -> list[str]:
