@@ -11,7 +11,7 @@ import sys
 import threading
 import warnings
 
-__all__ = ["KvpatchWarning", "emit"]
+__all__ = ["KvpatchWarning", "emit", "failure"]
 
 log = logging.getLogger("kvpatch")
 if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
@@ -25,6 +25,11 @@ _emitted_lock = threading.Lock()
 
 class KvpatchWarning(UserWarning):
     """Something about kvpatch's patches needs attention (only ever warned, never raised)."""
+
+
+def failure(exc: BaseException) -> str:
+    """An exception as messages quote it: ``TypeError: text``."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _stacklevel() -> int:

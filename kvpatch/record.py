@@ -1,7 +1,5 @@
-"""Patch records: a :class:`Patch` is plain data plus one *builder* per target (``@PATCH.replace`` /
-``@PATCH.add``: original, or ``None``, in, the replacement out, a plain function with no wrapper layer) and one
-*reproduction* (``@PATCH.reproduce``, returning a :class:`Finding`). Nothing here imports mlx, mlx-lm or mlx-vlm.
-"""
+"""Patch records: plain data, one *builder* per target (original, or ``None``, in, the replacement out: no wrapper
+layer) and one *reproduction* returning a :class:`Finding`. Nothing here imports mlx, mlx-lm or mlx-vlm."""
 
 from __future__ import annotations
 
@@ -13,6 +11,8 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from ._warn import failure
 
 #: The upstream distributions kvpatch patches, and their import names.
 DISTRIBUTIONS: dict[str, str] = {"mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
@@ -76,7 +76,7 @@ class Finding:
 
     @classmethod
     def from_error(cls, exc: BaseException) -> Finding:
-        return cls(False, inconclusive=f"{type(exc).__name__}: {exc}")
+        return cls(False, inconclusive=failure(exc))
 
 
 def symptom(exc: BaseException, *fragments: str) -> str:

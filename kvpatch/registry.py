@@ -11,9 +11,11 @@ import pkgutil
 from dataclasses import dataclass, fields
 from functools import cached_property, lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 from packaging.specifiers import SpecifierSet
 
+from ._warn import failure
 from .record import DISTRIBUTIONS, Patch
 
 __all__ = ["Registry", "Stub", "index", "load"]
@@ -22,16 +24,13 @@ PACKAGE = "kvpatch.patches"
 INDEX = Path(__file__).parent / "data" / "units.json"
 
 
-class Registry:
-    def __init__(self, patches: list[Patch], broken: dict[str, str]) -> None:
-        self.patches = patches
-        self.broken = broken
-        self.by_id = {p.id: p for p in patches}
+class Registry(NamedTuple):
+    patches: list[Patch]
+    broken: dict[str, str]  # unit module -> why it could not be loaded
 
-    def get(self, patch_id: str) -> Patch:
-        if patch_id not in self.by_id:
-            raise KeyError(f"no patch {patch_id!r}; known: {', '.join(sorted(self.by_id))}")
-        return self.by_id[patch_id]
+    @property
+    def by_id(self) -> dict[str, Patch]:
+        return {p.id: p for p in self.patches}
 
 
 def _unit(name: str) -> Patch:
@@ -63,7 +62,7 @@ def load() -> Registry:
                 raise ValueError(f"patch id {patch.id!r} is used by {patches[patch.id].module} too")
             patches[patch.id] = patch
         except Exception as exc:
-            broken[name] = f"{type(exc).__name__}: {exc}"
+            broken[name] = failure(exc)
     return Registry(list(patches.values()), broken)
 
 

@@ -246,11 +246,6 @@ def test_fix_from_side_branch_maps_to_merge() -> None:
     assert index.contains("dccd29f4", "570afed3") is True
 
 
-def test_distribution_names() -> None:
-    with pytest.raises(ValueError, match="no commit index"):
-        load_index("mlx")
-
-
 def test_index_is_parsed_once_and_shared() -> None:
     """Each shipped index is parsed once per process and then shared (its cost belongs in a benchmark, not here)."""
     for dist in commits.DISTRIBUTIONS:

@@ -9,6 +9,7 @@ import os
 import sys
 
 _impl = None
+_HERE = os.path.dirname(os.path.abspath(__file__))
 OFF_VALUES = ("off", "0", "false", "no", "disable", "disabled")
 _startup_path = None  # the start-up sys.path entries that stay trusted (None: not recorded yet)
 
@@ -35,7 +36,7 @@ def hooks():
         module = sys.modules.get("_kvpatch_hooks")
         if module is None:
             # No import statement: under the import lock (find_spec) it could wait on another thread.
-            here = os.path.join(os.path.dirname(__file__), "_kvpatch_hooks.py")
+            here = os.path.join(_HERE, "_kvpatch_hooks.py")
             try:
                 spec = sys.modules["_frozen_importlib_external"].spec_from_file_location("_kvpatch_hooks", here)
                 module = sys.modules["_frozen_importlib"].module_from_spec(spec)
@@ -46,8 +47,8 @@ def hooks():
                 KvpatchBootstrapFinder.find_spec = staticmethod(lambda name, path=None, target=None: None)
                 sys.stderr.write(f"kvpatch: bootstrap disabled ({type(exc).__name__}: {exc})\n")
                 return None
-        start = tuple(sys.path) if _startup_path is None else _startup_path
-        module._setup(KvpatchBootstrapFinder, start, __file__, is_off)
+        module._finder, module._site_dir, module._is_off = KvpatchBootstrapFinder, _HERE, is_off
+        module._startup_path = tuple(sys.path) if _startup_path is None else _startup_path
         _impl = module
     return _impl
 

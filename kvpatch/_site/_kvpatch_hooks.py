@@ -19,18 +19,8 @@ _running: dict = {}  # module name -> how many of our loaders are executing it n
 _tls = _thread._local()
 _warned: set = set()
 _activated = False
-_finder = None
-_startup_path = ()
-_site_dir = ""
-_is_off = None  # _kvpatch_boot.is_off: the one reading of KVPATCH=off (all four set by _setup before any use)
-
-
-def _setup(finder, startup_path, boot_file, is_off):
-    global _finder, _startup_path, _site_dir, _is_off
-    _finder = finder
-    _startup_path = tuple(startup_path)
-    _site_dir = os.path.dirname(os.path.abspath(boot_file))
-    _is_off = is_off
+# Set by _kvpatch_boot before any use: its finder, the trusted start-up path, its directory, its is_off.
+_finder = _startup_path = _site_dir = _is_off = None
 
 
 def register_post_import_hook(hook, name):
@@ -120,8 +110,8 @@ def _own_spec(name, target):
 
 
 def _ensure_first():
-    """Keep this finder first on sys.meta_path, once (wrapt inserts its own at the front when first
-    used; kvpatch.pth's stand-in may still be there when kvpatch was imported before any mlx module)."""
+    """Keep this finder first on sys.meta_path, once (wrapt inserts its own at the front when first used;
+    kvpatch.pth's stand-in may still be there)."""
     meta_path = sys.meta_path
     rest = [f for f in meta_path if f is not _finder and getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
     if len(rest) + 1 != len(meta_path) or meta_path[0] is not _finder:
@@ -136,7 +126,7 @@ class _Loader:
         self._kvpatch_loader = loader
         self._kvpatch_top = top
 
-    def __getattr__(self, attr):  # create_module, get_code, get_source, is_package, get_resource_reader, ...
+    def __getattr__(self, attr):  # create_module, get_code, get_source, ...
         if attr.startswith("_kvpatch_"):
             raise AttributeError(attr)
         return getattr(self._kvpatch_loader, attr)
@@ -182,8 +172,7 @@ def _activate():
 
 
 def _warn(message):
-    """Warn once per message, never raise, through ``kvpatch._warn`` (``KvpatchWarning``; stderr under ``-W
-    error``). A kvpatch that could not load even that has no warning category to filter: stderr, once."""
+    """Through ``kvpatch._warn`` when loaded; else (no warning category to filter) on stderr, once."""
     try:
         one_path = sys.modules.get("kvpatch._warn")
         if one_path is not None:
