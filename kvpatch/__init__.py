@@ -7,6 +7,7 @@ off; ``python -m kvpatch status`` shows what is applied and why.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 from collections.abc import Iterable
@@ -55,7 +56,7 @@ def get_engine() -> Engine:
     if _engine is None:
         from . import registry
 
-        # Built outside the lock: building imports the patch units (with the index, only those whose gate may apply).
+        # Built outside the lock: building imports patch units.
         stubs = registry.index()
         if stubs is not None:
             built = Engine(stubs)
@@ -94,10 +95,8 @@ def deactivate() -> None:
 
 
 def records() -> list[PatchStatus]:
-    """The status of every patch in this process as it is now, then one per registered copy and patch.
-
-    Each replacement is looked up again: one replaced since shows ``overridden`` (call this after your own patches
-    are in), and a reloaded target module gets its patches again."""
+    """The status of every patch in this process as it is now (a replacement replaced since shows ``overridden``;
+    call this after your own patches are in), then one per registered copy and patch."""
     engine = get_engine()
     patches = engine.materialise()
     engine.refresh()
@@ -122,8 +121,6 @@ def register_copy(module: str, *, of: str, version: str, patches: Iterable[str] 
 def __getattr__(name: str) -> object:
     if name not in _LAZY:
         raise AttributeError(f"module 'kvpatch' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
 
 

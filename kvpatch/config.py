@@ -1,7 +1,5 @@
-"""Every environment variable kvpatch reads (``docs/configuration.md`` is their table). The bootstrap in
-``kvpatch/_site`` reads ``KVPATCH`` itself, before kvpatch can be imported; :func:`is_off` asks it. A malformed
-value never raises: :attr:`Config.problems` says it (warned once), quoting at most :data:`SHOWN` characters.
-"""
+"""Every environment variable kvpatch reads (``docs/configuration.md`` is their table; ``KVPATCH`` is read by the
+bootstrap, which :func:`is_off` asks). A malformed value never raises: :attr:`Config.problems` says it."""
 
 from __future__ import annotations
 
@@ -92,8 +90,7 @@ def values() -> list[tuple[str, str | None]]:
 def _ids(
     env: Mapping[str, str], variable: str, known_ids: frozenset[str] | None, problems: list[str]
 ) -> tuple[frozenset[str], bool]:
-    """The ids a comma-separated variable names, and whether it says ``*``. Unknown ids make one message in
-    ``problems``: the first few, each with its closest known id."""
+    """The ids a comma-separated variable names, and whether it says ``*``; unknown ids make one message."""
     names = dict.fromkeys(item.strip().lower() for item in env.get(variable, "").split(","))
     ids = [name for name in names if name not in ("", "*")]
     if known_ids is not None and (unknown := [name for name in ids if name not in known_ids]):
@@ -115,5 +112,5 @@ def _ids(
 
 
 def _shown(value: str) -> str:
-    """``value`` quoted for a message, cut to :data:`SHOWN` characters (a 100 KB value is never echoed)."""
+    """``value`` quoted for a message, cut to :data:`SHOWN` characters."""
     return repr(value) if len(value) <= SHOWN else f"{value[:SHOWN]!r}... ({len(value)} characters)"

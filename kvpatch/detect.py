@@ -1,7 +1,6 @@
-"""Which upstream releases are installed (``importlib.metadata``), and from where (PEP 610's ``direct_url.json``),
-without importing them. Importable without a version in its metadata: *installed, version unknown*, for the
-reproduction. Importability is asked of ``PathFinder`` directly: no finder on ``sys.meta_path`` runs.
-"""
+"""Which upstream releases are installed, and from where (PEP 610's ``direct_url.json``), without importing them
+(``PathFinder`` is asked directly: no finder on ``sys.meta_path`` runs). Importable without a version in its
+metadata: *installed, version unknown*, for the reproduction."""
 
 from __future__ import annotations
 
@@ -11,6 +10,8 @@ import re
 from dataclasses import dataclass
 from importlib import metadata
 from importlib.machinery import PathFinder
+
+from ._warn import failure
 
 __all__ = ["NOT_INSTALLED", "Source", "Upstream", "detect", "detect_one", "read_source"]
 
@@ -25,7 +26,6 @@ class Source:
     #: index (no direct_url.json), vcs, editable, directory, archive, unknown (unusable, no metadata), none (absent)
     kind: str = "index"
     url: str | None = None
-    vcs: str | None = None
     commit: str | None = None
     error: str | None = None  # why, when ``kind == "unknown"``
 
@@ -63,7 +63,7 @@ def read_source(text: str | None) -> Source:
         commit = vcs_info.get("commit_id")
         if commit is not None and not (isinstance(commit, str) and re.fullmatch("[0-9a-fA-F]{4,64}", commit)):
             return Source(kind="unknown", url=url, error=f"vcs_info.commit_id {commit!r} is not a hex id")
-        return Source("vcs", url, str(vcs_info.get("vcs") or "git"), commit.lower() if commit else None)
+        return Source("vcs", url, commit.lower() if commit else None)
     if isinstance(dir_info := data.get("dir_info"), dict):
         return Source(kind="editable" if dir_info.get("editable") else "directory", url=url)
     if isinstance(data.get("archive_info"), dict):
@@ -128,7 +128,7 @@ def _importable(name: str) -> str | None:
 
 
 def _err(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
+    text = failure(exc)
     return text if len(text) <= 200 else text[:200] + "..."
 
 

@@ -40,7 +40,6 @@ def _verify(why: str, sep: str = "; ") -> Decision:
 
 
 def decide(patch: Patch | Stub, upstream: Upstream, config: Config) -> Decision:
-    """Decide what to do with ``patch`` given the installed ``upstream`` distribution."""
     if not config.enabled:
         return Decision(Action.DISABLED, "kvpatch is off (KVPATCH=off)")
     if config.is_disabled(patch.id):

@@ -19,7 +19,7 @@ DISTRIBUTIONS: dict[str, str] = {"mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
 
 
 class RecordError(ValueError):
-    """A patch record is malformed (raised when the record is built)."""
+    """A patch record is malformed."""
 
 
 class Kind(enum.Enum):
@@ -89,7 +89,7 @@ def symptom(exc: BaseException, *fragments: str) -> str:
 
 @dataclass(frozen=True)
 class Expiry:
-    """When a patch must go besides ``Patch.fixed_in``; ``review_by``: when an unfixed patch is looked at again."""
+    """When a patch must go besides ``Patch.fixed_in``; ``review_by``: when an unfixed one is looked at again."""
 
     condition: str
     review_by: _dt.date | None = None

@@ -1,7 +1,6 @@
 """The patch units (``kvpatch.patches.mlx_lm`` / ``mlx_vlm``; underscore modules are helpers): :func:`load` imports
-them all; :func:`index` gives a :class:`Stub` per unit from the shipped ``units.json``, so that the user's ``import
-mlx_lm`` imports only the units whose gate may apply. An index that does not list exactly the units on disk is unused.
-"""
+them all; :func:`index` gives a :class:`Stub` per unit from ``units.json``, so that ``import mlx_lm`` imports only
+the units whose gate may apply."""
 
 from __future__ import annotations
 
@@ -91,7 +90,6 @@ class Stub:
         return DISTRIBUTIONS[self.distribution]
 
     def resolve(self) -> Patch:
-        """The unit's record (its import is cached in ``sys.modules``)."""
         record = _unit(self.module)
         if record.id != self.id:
             raise ValueError(f"{self.module} defines {record.id!r}, the unit index says {self.id!r}")

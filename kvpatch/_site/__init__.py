@@ -1,6 +1,6 @@
-"""The start-up bootstrap, reachable from inside kvpatch: the wheel installs these files at the top of site-packages
-(where ``site`` runs them), a source tree has them here; a process that did not start through them (``python -S``,
-``KVPATCH=off`` at start-up, a ``--target`` install) loads them from either place."""
+"""The start-up bootstrap, reachable from inside kvpatch: the wheel installs these files at the top of site-packages,
+a source tree has them here; a process that did not start through them (``python -S``, ``KVPATCH=off`` at start-up,
+a ``--target`` install) loads them from either place."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ __all__ = ["boot", "hooks"]
 
 
 def hooks() -> ModuleType | None:
-    """The process's post-import hook registry (``_kvpatch_hooks``: wrapt's ``register_post_import_hook`` without
-    wrapt's finder); ``None`` if it cannot load."""
+    """The process's post-import hook registry (``_kvpatch_hooks``); ``None`` if it cannot load."""
     try:
         return boot().hooks()
     except Exception:
@@ -21,8 +20,8 @@ def hooks() -> ModuleType | None:
 
 
 def boot() -> ModuleType:
-    """The bootstrap module (``_kvpatch_boot``; its ``is_off`` is the one reading of ``KVPATCH=off``), loaded for a
-    process that did not start through it. Raises ImportError when the install lacks it."""
+    """The bootstrap module (``_kvpatch_boot``), loaded for a process that did not start through it (ImportError
+    when the install lacks it)."""
     module = sys.modules.get("_kvpatch_boot")
     if module is not None:
         return module

@@ -24,9 +24,8 @@ _finder = _startup_path = _site_dir = _is_off = None
 
 
 def register_post_import_hook(hook, name):
-    """Call ``hook(module)`` once module ``name`` is imported (now, if it is imported already): wrapt's
-    ``register_post_import_hook`` without its finder (in the importing thread, after the module's code, no lock held).
-    """
+    """Call ``hook(module)`` once module ``name`` is imported (now, if it is already), in the importing thread,
+    after the module's code, no lock held: wrapt's ``register_post_import_hook`` without its finder."""
     _ensure_first()
     with _lock:
         _also.add(name)
@@ -84,7 +83,7 @@ def _chained_spec(name, path, target, top):
 
 
 def _own_spec(name, target):
-    """Find a top-level module for kvpatch's activation, outside the working and script directories."""
+    """A top-level module for kvpatch's activation, outside the working and script directories."""
     path_finder = sys.modules["_frozen_importlib_external"].PathFinder
     untrusted = {"", os.curdir}
     try:

@@ -21,7 +21,7 @@ RECORDS = registry.load().patches
 # Installs the gate tells apart: releases across every range, a newer one, archive and git installs, absent.
 _VERSIONS = ("0.19.3", "0.22.0", "0.26.1", "0.28.4", "0.30.4", "0.31.2", "0.32.0", "0.32.2", "0.33.0", "0.6.4",
              "0.6.15", "0.7.10", "0.8.0", "0.32.2.dev0", "0.32.2+local")  # fmt: skip
-_SOURCES = (Source(), Source(kind="archive", url="file:///w.whl"), Source(kind="vcs", vcs="git", commit="0" * 40))
+_SOURCES = (Source(), Source(kind="archive", url="file:///w.whl"), Source(kind="vcs", commit="0" * 40))
 
 
 def test_index_says_what_the_units_say():
