@@ -78,9 +78,9 @@ def cache_override() -> str | None:
     return os.environ.get(CACHE) or None
 
 
-def vendored(environ: Mapping[str, str] | None = None) -> str:
+def vendored() -> str:
     """``KVPATCH_VENDORED`` as set, stripped; :func:`kvpatch.vendored.setting` parses it."""
-    return (os.environ if environ is None else environ).get(VENDORED, "").strip()
+    return os.environ.get(VENDORED, "").strip()
 
 
 def values() -> list[tuple[str, str | None]]:
@@ -98,9 +98,7 @@ def _ids(
 
         named = []
         for item in unknown[:_NAMED]:
-            close = (
-                difflib.get_close_matches(item[:SHOWN], sorted(known_ids), n=1, cutoff=0.6) if len(item) <= 200 else []
-            )
+            close = difflib.get_close_matches(item[:SHOWN], sorted(known_ids), n=1) if len(item) <= 200 else []
             named.append(_shown(item) + (f" (did you mean {close[0]!r}?)" if close else ""))
         listed = ", ".join(named) + (f" and {len(unknown) - _NAMED} more" if len(unknown) > _NAMED else "")
         noun = "id" if len(unknown) == 1 else "ids"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -26,10 +26,6 @@ INDEX = Path(__file__).parent / "data" / "units.json"
 class Registry(NamedTuple):
     patches: list[Patch]
     broken: dict[str, str]  # unit module -> why it could not be loaded
-
-    @property
-    def by_id(self) -> dict[str, Patch]:
-        return {p.id: p for p in self.patches}
 
 
 def _unit(name: str) -> Patch:
@@ -94,10 +90,6 @@ class Stub:
         if record.id != self.id:
             raise ValueError(f"{self.module} defines {record.id!r}, the unit index says {self.id!r}")
         return record
-
-
-#: What ``units.json`` holds per unit module.
-INDEXED = tuple(f.name for f in fields(Stub) if f.name != "module")
 
 
 def index() -> list[Stub] | None:

@@ -47,7 +47,7 @@ def hooks():
                 KvpatchBootstrapFinder.find_spec = staticmethod(lambda name, path=None, target=None: None)
                 sys.stderr.write(f"kvpatch: bootstrap disabled ({type(exc).__name__}: {exc})\n")
                 return None
-        module._finder, module._site_dir, module._is_off = KvpatchBootstrapFinder, _HERE, is_off
+        module._finder, module._first, module._site_dir, module._is_off = KvpatchBootstrapFinder, first, _HERE, is_off
         module._startup_path = tuple(sys.path) if _startup_path is None else _startup_path
         _impl = module
     return _impl
@@ -64,20 +64,27 @@ def install():
         sys.meta_path.insert(0, KvpatchBootstrapFinder)
 
 
+def first(on=True):
+    """One bootstrap finder first on sys.meta_path (``on`` False: none), kvpatch.pth's stand-ins gone, in one slice
+    assignment: a thread iterating sys.meta_path meanwhile never skips a finder."""
+    meta_path = sys.meta_path
+    rest = [f for f in meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
+    if not on:
+        meta_path[:] = rest
+    elif len(rest) + 1 != len(meta_path) or meta_path[0] is not KvpatchBootstrapFinder:
+        meta_path[:] = [KvpatchBootstrapFinder, *rest]
+
+
 def from_shim(name, path=None, target=None):
-    """Take over from kvpatch.pth's stand-ins: one bootstrap finder, first, in one slice assignment (none with
-    KVPATCH=off). ``name`` "": kvpatch.pth at start-up with KVPATCH set."""
+    """Take over from kvpatch.pth's stand-ins (none with KVPATCH=off). ``name`` "": kvpatch.pth at start-up with
+    KVPATCH set."""
     global _startup_path
     if not name:
         return install()
-    meta_path = sys.meta_path
-    rest = [f for f in meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
     if is_off():
-        meta_path[:] = rest
-        return None
+        return first(False)
     if _startup_path is None:  # the entries a user named (PYTHONPATH): trusted even as the working directory
         named = "" if sys.flags.ignore_environment else os.environ.get("PYTHONPATH", "")
         _startup_path = tuple(os.path.abspath(e) for e in named.split(os.pathsep) if e)
-    if len(rest) + 1 != len(meta_path) or meta_path[0] is not KvpatchBootstrapFinder:
-        meta_path[:] = [KvpatchBootstrapFinder, *rest]
+    first()
     return KvpatchBootstrapFinder.find_spec(name, path, target)

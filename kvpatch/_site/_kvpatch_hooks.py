@@ -19,14 +19,15 @@ _running: dict = {}  # module name -> how many of our loaders are executing it n
 _tls = _thread._local()
 _warned: set = set()
 _activated = False
-# Set by _kvpatch_boot before any use: its finder, the trusted start-up path, its directory, its is_off.
-_finder = _startup_path = _site_dir = _is_off = None
+# Set by _kvpatch_boot before any use: its finder, its ``first`` (keeps that finder first on sys.meta_path: wrapt
+# puts its own at the front when first used), the trusted start-up path, its directory, its is_off.
+_finder = _first = _startup_path = _site_dir = _is_off = None
 
 
 def register_post_import_hook(hook, name):
     """Call ``hook(module)`` once module ``name`` is imported (now, if it is already), in the importing thread,
     after the module's code, no lock held: wrapt's ``register_post_import_hook`` without its finder."""
-    _ensure_first()
+    _first()
     with _lock:
         _also.add(name)
         module = sys.modules.get(name)
@@ -108,16 +109,6 @@ def _own_spec(name, target):
     raise ModuleNotFoundError(message, name=name)
 
 
-def _ensure_first():
-    """Keep this finder first on sys.meta_path, once (wrapt inserts its own at the front when first used;
-    kvpatch.pth's stand-in may still be there)."""
-    meta_path = sys.meta_path
-    rest = [f for f in meta_path if f is not _finder and getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
-    if len(rest) + 1 != len(meta_path) or meta_path[0] is not _finder:
-        # One slice assignment: a thread iterating sys.meta_path meanwhile never skips a finder.
-        meta_path[:] = [_finder, *rest]
-
-
 class _Loader:
     """Wraps an upstream module's loader: activation and hooks after the module's code ran."""
 
@@ -166,7 +157,7 @@ def _activate():
             _warn(f"kvpatch could not activate: {type(exc).__name__}: {exc}")
         finally:
             _tls.activating = False
-        _ensure_first()
+        _first()
     _activated = True
 
 

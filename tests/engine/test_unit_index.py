@@ -43,8 +43,8 @@ def test_stub_decides_as_its_record():
 
 def test_stub_holds_the_indexed_fields_only_and_resolves_to_its_record():
     stub = next(s for s in registry.index() or [] if s.id == "mask-fill")
-    record = registry.load().by_id["mask-fill"]
-    assert all(getattr(stub, name) == getattr(record, name) for name in registry.INDEXED)
+    record = next(p for p in registry.load().patches if p.id == "mask-fill")
+    assert all(getattr(stub, name) == getattr(record, name) for name in units.INDEXED)
     assert not hasattr(stub, "summary")  # a read never imports the unit
     assert stub.resolve() is record
 
