@@ -10,10 +10,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import resources
 
-from .record import DISTRIBUTIONS
-
-__all__ = ["DISTRIBUTIONS", "MIN_PREFIX", "CommitIndex", "Placement", "load_index", "place"]
-
 MIN_PREFIX = 7  # shortest commit prefix accepted by CommitIndex.resolve
 _HEX = frozenset("0123456789abcdef")
 _FULL = 40  # length of a full (SHA-1) commit id

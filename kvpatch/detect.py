@@ -13,8 +13,6 @@ from importlib.machinery import PathFinder
 
 from ._warn import failure
 
-__all__ = ["NOT_INSTALLED", "Source", "Upstream", "detect", "detect_one", "read_source"]
-
 #: The array library and the patched distributions: the module that shows each is importable (``mlx`` is a namespace).
 PROBES: dict[str, str] = {"mlx": "mlx.core", "mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
 
@@ -84,7 +82,7 @@ def detect_one(name: str) -> Upstream:
     except metadata.PackageNotFoundError:
         pass
     except Exception as exc:  # a METADATA that is not UTF-8 raises UnicodeDecodeError
-        problem = f"{'METADATA' if dist else 'metadata'} unreadable: {_err(exc)}"
+        problem = f"{'METADATA' if dist else 'metadata'} unreadable: {failure(exc)[:200]}"
     else:
         problem = f"METADATA {'missing' if text is None else 'has no Version' if text.strip() else 'empty'}"
     source = NOT_INSTALLED
@@ -92,7 +90,7 @@ def detect_one(name: str) -> Upstream:
         try:
             source = read_source(dist.read_text("direct_url.json"))
         except Exception as exc:
-            source = Source(kind="unknown", error=f"direct_url.json unreadable: {_err(exc)}")
+            source = Source(kind="unknown", error=f"direct_url.json unreadable: {failure(exc)[:200]}")
         with contextlib.suppress(Exception):
             location = str(dist.locate_file(""))
     if version is not None:
@@ -125,11 +123,6 @@ def _importable(name: str) -> str | None:
     except Exception:
         return None
     return spec.origin if spec is not None and spec.origin not in (None, "namespace") else None
-
-
-def _err(exc: BaseException) -> str:
-    text = failure(exc)
-    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def detect() -> dict[str, Upstream]:

@@ -16,8 +16,6 @@ from .record import Patch
 if TYPE_CHECKING:
     from .registry import Stub
 
-__all__ = ["Action", "Decision", "decide"]
-
 
 class Action(enum.Enum):
     APPLY = "apply"

@@ -8,6 +8,7 @@ before test modules import upstream) or a test asks for the fixture."""
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 import pytest
@@ -80,15 +81,13 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     code, text = getattr(config, _VERIFIED, (None, ""))
     if code:
         terminalreporter.section("kvpatch verify: needs attention", sep="=", red=True, bold=True)
-        for line in text.splitlines():
-            terminalreporter.line(f"  {line}", red=True)
+        terminalreporter.line(textwrap.indent(text, "  "), red=True)
     elif code == 0:
         terminalreporter.line(text.splitlines()[-1] if text else "kvpatch verify: nothing to settle")
     applicable, found = getattr(config, _FOUND, (None, None))
     if found:
         terminalreporter.section("kvpatch: applicable patches not applied", sep="=", red=True, bold=True)
-        for problem in found:
-            terminalreporter.line(f"  - {problem}", red=True)
+        terminalreporter.line("\n".join(f"  - {problem}" for problem in found), red=True)
         terminalreporter.line(f"--kvpatch-require-applied: failing the session ({len(found)} problem(s))", red=True)
     elif applicable is not None:
         applied = ", ".join(st.patch.id for st in applicable if st.state.value == "applied") or "none"

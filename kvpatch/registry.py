@@ -17,8 +17,6 @@ from packaging.specifiers import SpecifierSet
 from ._warn import failure
 from .record import DISTRIBUTIONS, Patch
 
-__all__ = ["Registry", "Stub", "index", "load"]
-
 PACKAGE = "kvpatch.patches"
 INDEX = Path(__file__).parent / "data" / "units.json"
 

@@ -8,8 +8,6 @@ import os
 import sys
 from types import ModuleType
 
-__all__ = ["boot", "hooks"]
-
 
 def hooks() -> ModuleType | None:
     """The process's post-import hook registry (``_kvpatch_hooks``); ``None`` if it cannot load."""
