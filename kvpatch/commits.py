@@ -128,10 +128,10 @@ def place(
     introduced = index.contains(pin, intro) if intro is not None else None
     subject = f"pinned commit {pin[:_SHORT] if index.mainline[pin_pos] == pin else index.describe(pin)}"
     clauses: list[str] = []
-    if introduced is not None:
+    if intro is not None and introduced is not None:
         when = "at or after the bug's introduction in" if introduced else "before the bug was introduced in"
         clauses.append(f"{when} {index.describe(intro)}")
-    if fixed is not None and introduced is not False:
+    if fix is not None and fixed is not None and introduced is not False:
         clauses.append(f"{'at or after' if fixed else 'before'} the fix {index.describe(fix)}")
     undecided = (fix is not None and fixed is None) or (intro is not None and introduced is None)
     if undecided and introduced is not False and fixed is not True:
