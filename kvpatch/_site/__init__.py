@@ -4,6 +4,7 @@ a ``--target`` install) loads them from either place."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from types import ModuleType
@@ -29,12 +30,9 @@ def boot() -> ModuleType:
     for folder in (os.path.dirname(os.path.dirname(here)), here):  # the installed top-level copy first: one registry
         path = os.path.join(folder, "_kvpatch_boot.py")
         spec = importlib.util.spec_from_file_location("_kvpatch_boot", path)
-        if spec is None or spec.loader is None or not os.path.isfile(path):
-            continue
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except Exception:
-            continue
-        return sys.modules.setdefault("_kvpatch_boot", module)  # a thread that lost the race uses the winner's
+        if spec is not None and spec.loader is not None and os.path.isfile(path):
+            module = importlib.util.module_from_spec(spec)
+            with contextlib.suppress(Exception):
+                spec.loader.exec_module(module)
+                return sys.modules.setdefault("_kvpatch_boot", module)  # a thread that lost the race uses the winner's
     raise ImportError("kvpatch's bootstrap (_kvpatch_boot.py) cannot be loaded: reinstall kvpatch")

@@ -56,8 +56,14 @@ def _call(hook, module, whose=""):
 
 def find_spec(name, path=None, target=None):
     top, dot, _ = name.partition(".")
-    if top in _WATCHED or name in _also:
-        return _chained_spec(name, path, target, top=top in _WATCHED and not dot)
+    if top in _WATCHED or name in _also:  # the others' spec, its loader wrapped
+        for finder in _others():
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if hasattr(spec.loader, "exec_module") and not isinstance(spec.loader, _Loader):
+                    spec.loader = _Loader(spec.loader, top in _WATCHED and not dot)
+                return spec
+        return None
     if not dot and getattr(_tls, "activating", False) and name not in sys.modules:
         return _own_spec(name, target)
     return None
@@ -70,17 +76,6 @@ def _others():
         wrapt = kind.__name__ == "ImportHookFinder" and kind.__module__ == "wrapt.importer"
         if finder is not _finder and not wrapt and hasattr(finder, "find_spec"):
             yield finder
-
-
-def _chained_spec(name, path, target, top):
-    for finder in _others():
-        spec = finder.find_spec(name, path, target)
-        if spec is not None:
-            loader = spec.loader
-            if hasattr(loader, "exec_module") and not isinstance(loader, _Loader):
-                spec.loader = _Loader(loader, top)
-            return spec
-    return None
 
 
 def _own_spec(name, target):
