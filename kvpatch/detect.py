@@ -78,7 +78,9 @@ def detect_one(name: str) -> Upstream:
     try:
         dist = metadata.distribution(name)
         text = dist.read_text("METADATA")
-        version = (_header_version(text) or dist.version or "").strip() or None
+        # The Version header; ``dist.version`` parses the long description too: most of detection's time.
+        header = re.search(r"(?im)^version:(.*)$", re.split(r"\n\s*\n", text or "", maxsplit=1)[0])
+        version = ((header[1].strip() if header else None) or dist.version or "").strip() or None
     except metadata.PackageNotFoundError:
         pass
     except Exception as exc:  # a METADATA that is not UTF-8 raises UnicodeDecodeError
@@ -101,16 +103,6 @@ def detect_one(name: str) -> Upstream:
     if dist is None:
         source = Source(kind="unknown", error=problem)
     return Upstream(name, None, source, location or where, version_unknown=problem)
-
-
-def _header_version(text: str | None) -> str | None:
-    """The ``Version:`` header (``dist.version`` parses the long description too: most of detection's time)."""
-    for line in (text or "").splitlines():
-        if not line.strip():
-            break  # the headers end at the first blank line
-        if line[:8].lower() == "version:":
-            return line[8:].strip()
-    return None
 
 
 def _importable(name: str) -> str | None:

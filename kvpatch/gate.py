@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
-from .config import Config
-from .detect import Upstream
-from .record import Patch
-
 if TYPE_CHECKING:
+    from .config import Config
+    from .detect import Upstream
+    from .record import Patch
     from .registry import Stub
 
 

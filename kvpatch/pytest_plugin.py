@@ -43,14 +43,9 @@ def _run_verify() -> tuple[int, str]:
     import sys
 
     safe = ["-P"] if sys.version_info >= (3, 11) else []
+    command = [sys.executable, *safe, "-m", "kvpatch", "verify", "--missing"]
     try:
-        proc = subprocess.run(
-            [sys.executable, *safe, "-m", "kvpatch", "verify", "--missing"],
-            cwd="/",
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
+        proc = subprocess.run(command, cwd="/", capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.SubprocessError) as exc:
         return 1, f"kvpatch verify could not run: {exc}"
     return proc.returncode, "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
