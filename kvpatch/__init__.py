@@ -2,8 +2,7 @@
 
 Importing kvpatch (or mlx-lm / mlx-vlm, through a ``.pth`` bootstrap) activates it: every patch whose upstream
 release or pinned commit has the bug is installed when its target module is imported. ``KVPATCH=off`` turns it
-off; ``python -m kvpatch status`` shows what is applied and why.
-"""
+off; ``python -m kvpatch status`` shows what is applied and why."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 full-attention ``KVCache`` becomes a ``RotatingKVCache(max_size=max_kv_size)``, without changing
 ``make_prompt_cache`` for the whole process (the opt-in ``max-kv-size-ignored`` does that). Unlike it, a
 ``CacheList``'s ``KVCache`` children are bounded too, and ``keep`` is 0 for a model without ``make_cache``. Any
-other cache (rotating, arrays, chunked, quantized, ``KVCache`` subclasses) stays as it is.
-"""
+other cache (rotating, arrays, chunked, quantized, ``KVCache`` subclasses) stays as it is."""
 
 from __future__ import annotations
 

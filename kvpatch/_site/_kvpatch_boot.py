@@ -1,9 +1,6 @@
-"""kvpatch's bootstrap finder. PYTEST_DONT_REWRITE
-
-Up to Python 3.14 kvpatch.pth's stand-in finder loads this file on the first mlx_* import and hands over
-(``from_shim``); from 3.15 (PEP 829) site runs ``install`` (kvpatch.start) at every start: keep this file small.
-The machinery is _kvpatch_hooks.py beside it. ``is_off`` is the one reading of KVPATCH=off.
-"""
+"""kvpatch's bootstrap finder (PYTEST_DONT_REWRITE). Up to Python 3.14 kvpatch.pth's stand-in finder loads this file
+on the first mlx_* import and hands over (``from_shim``); from 3.15 (PEP 829) site runs ``install`` (kvpatch.start)
+at every start: keep this file small. The machinery is _kvpatch_hooks.py beside it."""
 
 import os
 import sys
@@ -15,7 +12,7 @@ _startup_path = None  # the start-up sys.path entries that stay trusted (None: n
 
 
 def is_off(environ=None):
-    """Whether KVPATCH (in ``environ``, default os.environ) turns kvpatch off entirely."""
+    """Whether KVPATCH (in ``environ``, default os.environ) turns kvpatch off: the one reading of it."""
     return (os.environ if environ is None else environ).get("KVPATCH", "").strip().lower() in OFF_VALUES
 
 

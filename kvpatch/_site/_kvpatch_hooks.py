@@ -3,8 +3,7 @@ on first use and post-import hooks that cannot deadlock (docs/activation.md). It
 ``find_spec`` runs under the global import lock: it never imports or waits, and asks the other finders with the
 ``path`` the import system computed (``importlib.util.find_spec`` would import the parent package, which a thread
 waiting for that lock may be executing: wrapt's finder hangs so, and is skipped; its hooks fire through its
-``notify_module_loaded``). Activation and hooks run after the module's code, outside every lock of ours.
-"""
+``notify_module_loaded``). Activation and hooks run after the module's code, outside every lock of ours."""
 
 import _thread
 import os
