@@ -28,7 +28,6 @@ class KvpatchWarning(UserWarning):
 
 
 def failure(exc: BaseException) -> str:
-    """An exception as messages quote it: ``TypeError: text``."""
     return f"{type(exc).__name__}: {exc}"
 
 

@@ -29,7 +29,6 @@ class CommitIndex:
 
     @classmethod
     def parse(cls, text: str, distribution: str = "") -> CommitIndex:
-        """Parse the text of a ``commits-<dist>.txt`` file (see its header for the format)."""
         header: dict[str, str] = {}
         mainline: list[str] = []
         position: dict[str, int] = {}
@@ -91,7 +90,6 @@ class CommitIndex:
 
 @functools.cache
 def load_index(distribution: str) -> CommitIndex:
-    """The shipped commit index of ``mlx-lm`` or ``mlx-vlm``, parsed once."""
     text = resources.files("kvpatch.data").joinpath(f"commits-{distribution}.txt").read_text(encoding="ascii")
     return CommitIndex.parse(text, distribution)
 

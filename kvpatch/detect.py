@@ -33,8 +33,6 @@ NOT_INSTALLED = Source(kind="none")
 
 @dataclass(frozen=True)
 class Upstream:
-    """One installed (or absent) distribution."""
-
     name: str
     version: str | None
     source: Source = Source()
@@ -118,5 +116,4 @@ def _importable(name: str) -> str | None:
 
 
 def detect() -> dict[str, Upstream]:
-    """Detect mlx, mlx-lm and mlx-vlm (reads metadata only)."""
     return {name: detect_one(name) for name in PROBES}
