@@ -57,8 +57,7 @@ def install():
         return
     if _startup_path is None:
         _startup_path = tuple(sys.path)  # before the interpreter adds the script's or working directory
-    if not any(getattr(f, "__name__", "") == "KvpatchBootstrapFinder" for f in sys.meta_path):
-        sys.meta_path.insert(0, KvpatchBootstrapFinder)
+    first()
 
 
 def first(on=True):
