@@ -109,7 +109,6 @@ def _decide_installed(patch: Patch | Stub, upstream: Upstream) -> Decision:
         return Decision(Action.APPLY, f"{dist} {version}{local} is in the affected range {patch.affected}")
     if any(spec.operator in (">=", ">") and not spec.contains(public, prereleases=True) for spec in patch.range):
         return Decision(Action.OUT_OF_RANGE, f"{dist} {version} predates the affected range {patch.affected}")
-    if fixed is None:
-        through = patch.checked_through or "the last release checked"
-        return _verify(f"{dist} {version} is newer than {through} (not fixed as of then)")
+    if fixed is None:  # a record without fixed_in has checked_through
+        return _verify(f"{dist} {version} is newer than {patch.checked_through} (not fixed as of then)")
     return _verify(f"{dist} {version} lies between the affected range {patch.affected} and the fix {patch.fixed_in}")
