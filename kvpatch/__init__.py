@@ -57,11 +57,8 @@ def get_engine() -> Engine:
 
         # Built outside the lock: building imports patch units.
         stubs = registry.index()
-        if stubs is not None:
-            built = Engine(stubs)
-        else:
-            reg = registry.load()
-            built = Engine(reg.patches, broken=reg.broken)
+        patches, broken = (stubs, {}) if stubs is not None else registry.load()
+        built = Engine(patches, broken=broken)
         with _lock:
             if _engine is None:
                 _engine = built

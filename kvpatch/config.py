@@ -4,7 +4,7 @@ bootstrap, which :func:`is_off` asks). A malformed value never raises: :attr:`Co
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ._site import boot as _boot
@@ -66,16 +66,14 @@ def background_verification() -> bool:
     return os.environ.get(VERIFY, "").strip().lower() not in {"never", "off", "0", "no", "false"}
 
 
-def verifying() -> bool:
-    return bool(os.environ.get(VERIFYING))
+def _setting(name: str) -> Callable[[], str | None]:
+    """A reader of ``name``: its value where set and not empty, else None (read at each call)."""
+    return lambda: os.environ.get(name) or None
 
 
-def verdicts_override() -> str | None:
-    return os.environ.get(VERDICTS) or None
-
-
-def cache_override() -> str | None:
-    return os.environ.get(CACHE) or None
+verifying = _setting(VERIFYING)
+verdicts_override = _setting(VERDICTS)
+cache_override = _setting(CACHE)
 
 
 def vendored() -> str:

@@ -68,10 +68,8 @@ class Finding:
 
     @property
     def bug(self) -> Bug:
-        if self.skipped:
-            return Bug.SKIPPED
-        if self.inconclusive:
-            return Bug.INCONCLUSIVE
+        if self.skipped or self.inconclusive:
+            return Bug.SKIPPED if self.skipped else Bug.INCONCLUSIVE
         return Bug.PRESENT if self.present else Bug.ABSENT
 
     @classmethod
