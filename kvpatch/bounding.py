@@ -31,12 +31,9 @@ def bound_layout(caches: list[Any], max_kv_size: int, keep: int = 0) -> list[Any
         raise ValueError(f"max_kv_size must be positive, got {max_kv_size}")
     if not 0 <= keep < max_kv_size:
         raise ValueError(f"keep must be >= 0 and smaller than max_kv_size, got keep={keep}")
-    importlib.import_module("mlx_lm.models.cache")  # mlx-vlm's caches only where mlx-vlm is loaded already
-    origins: list[Any] = [sys.modules.get(f"{top}.models.cache") for top in ("mlx_lm", "mlx_vlm")]
-    # KVCache class -> the RotatingKVCache of the same origin
-    rotating = {
-        m.KVCache: m.RotatingKVCache for m in origins if hasattr(m, "KVCache") and hasattr(m, "RotatingKVCache")
-    }
+    # KVCache class -> the RotatingKVCache of the same origin (mlx-vlm's only where mlx-vlm is loaded already)
+    origins: list[Any] = [importlib.import_module("mlx_lm.models.cache"), sys.modules.get("mlx_vlm.models.cache")]
+    rotating = {m.KVCache: m.RotatingKVCache for m in origins if hasattr(m, "RotatingKVCache")}
 
     def bound(cache: Any) -> Any:
         make = rotating.get(type(cache))

@@ -81,8 +81,7 @@ def _decide_installed(patch: Patch | Stub, upstream: Upstream) -> Decision:
     source = upstream.source
     if source.kind == "unknown" and upstream.version is not None:
         return _verify(f"{dist} install source unknown ({source.error})")
-    decision = _pinned(patch, dist, source.commit) if source.kind == "vcs" and source.commit else None
-    if decision is not None:
+    if source.kind == "vcs" and source.commit and (decision := _pinned(patch, dist, source.commit)) is not None:
         return decision
     if upstream.version is None:  # no version in the metadata, or a git pin the commit index could not place
         why = upstream.version_unknown or "no version in its metadata"
