@@ -25,11 +25,11 @@ def bounded_prompt_cache(model: Any, max_kv_size: int | None, keep: int = 0) -> 
 def bound_layout(caches: list[Any], max_kv_size: int, keep: int = 0) -> list[Any]:
     """:func:`bounded_prompt_cache` for a layout of empty caches the caller has just built (CacheList layers are
     bounded in place); a populated cache is refused."""
-    if isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int):
+    if max_kv_size is not None and (isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int)):
         raise TypeError(f"max_kv_size must be an int or None, not {type(max_kv_size).__name__}")
-    if max_kv_size <= 0:
+    if isinstance(max_kv_size, int) and max_kv_size <= 0:
         raise ValueError(f"max_kv_size must be positive, got {max_kv_size}")
-    if not 0 <= keep < max_kv_size:
+    if keep < 0 or (isinstance(max_kv_size, int) and keep >= max_kv_size):
         raise ValueError(f"keep must be >= 0 and smaller than max_kv_size, got keep={keep}")
     # KVCache class -> the RotatingKVCache of the same origin (mlx-vlm's only where mlx-vlm is loaded already)
     origins: list[Any] = [importlib.import_module("mlx_lm.models.cache"), sys.modules.get("mlx_vlm.models.cache")]

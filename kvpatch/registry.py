@@ -8,7 +8,7 @@ import importlib
 import json
 import pkgutil
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -75,9 +75,8 @@ class Stub:
     order: int
     opt_in: bool
 
-    @cached_property
-    def range(self) -> SpecifierSet:
-        return SpecifierSet(self.affected)
+    def __post_init__(self) -> None:
+        self.range = SpecifierSet(self.affected)
 
     @property
     def import_name(self) -> str:
