@@ -11,8 +11,6 @@ import sys
 import threading
 import warnings
 
-__all__ = ["KvpatchWarning", "emit", "failure"]
-
 log = logging.getLogger("kvpatch")
 if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
     log.addHandler(logging.NullHandler())

@@ -139,11 +139,10 @@ def _patch_status(engine: Engine, patch_id: str) -> PatchStatus | Guarantee:
     """The patch's status, or the guarantee already known for a patch unit that could not be loaded."""
     if patch_id in engine.status:
         return engine.status[patch_id]
-    module = patch_id.replace("-", "_")
     for name, error in engine.broken.items():
-        folder, _, leaf = name.rpartition(".")  # the unit's file name drops its folder's lm/vlm (CONTRIBUTING.md)
-        short = folder.rpartition(".")[2].removeprefix("mlx_")
-        if module in (leaf, f"{short}_{leaf}", f"{leaf}_{short}"):
+        folder, _, leaf = name.rpartition(".")
+        short = folder.rpartition(".")[2].removeprefix("mlx_")  # the file name drops its folder's lm/vlm
+        if patch_id.replace("-", "_") in (leaf, f"{short}_{leaf}", f"{leaf}_{short}"):
             return Guarantee(patch_id, False, "broken", f"its patch unit could not be loaded: {error}")
     raise UnknownPatch(patch_id, engine.status)
 
