@@ -2,11 +2,11 @@
 
 Importing kvpatch (or mlx-lm / mlx-vlm, through a ``.pth`` bootstrap) activates it: every patch whose upstream
 release or pinned commit has the bug is installed when its target module is imported. ``KVPATCH=off`` turns it
-off; ``python -m kvpatch status`` shows what is applied and why.
-"""
+off; ``python -m kvpatch status`` shows what is applied and why."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 from collections.abc import Iterable
@@ -55,13 +55,10 @@ def get_engine() -> Engine:
     if _engine is None:
         from . import registry
 
-        # Built outside the lock: building imports the patch units (with the index, only those whose gate may apply).
+        # Built outside the lock: building imports patch units.
         stubs = registry.index()
-        if stubs is not None:
-            built = Engine(stubs)
-        else:
-            reg = registry.load()
-            built = Engine(reg.patches, broken=reg.broken)
+        patches, broken = (stubs, {}) if stubs is not None else registry.load()
+        built = Engine(patches, broken=broken)
         with _lock:
             if _engine is None:
                 _engine = built
@@ -94,10 +91,8 @@ def deactivate() -> None:
 
 
 def records() -> list[PatchStatus]:
-    """The status of every patch in this process as it is now, then one per registered copy and patch.
-
-    Each replacement is looked up again: one replaced since shows ``overridden`` (call this after your own patches
-    are in), and a reloaded target module gets its patches again."""
+    """The status of every patch in this process as it is now (a replacement replaced since shows ``overridden``;
+    call this after your own patches are in), then one per registered copy and patch."""
     engine = get_engine()
     patches = engine.materialise()
     engine.refresh()
@@ -122,8 +117,6 @@ def register_copy(module: str, *, of: str, version: str, patches: Iterable[str] 
 def __getattr__(name: str) -> object:
     if name not in _LAZY:
         raise AttributeError(f"module 'kvpatch' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
 
 

@@ -11,8 +11,6 @@ import sys
 import threading
 import warnings
 
-__all__ = ["KvpatchWarning", "emit"]
-
 log = logging.getLogger("kvpatch")
 if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
     log.addHandler(logging.NullHandler())
@@ -25,6 +23,10 @@ _emitted_lock = threading.Lock()
 
 class KvpatchWarning(UserWarning):
     """Something about kvpatch's patches needs attention (only ever warned, never raised)."""
+
+
+def failure(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _stacklevel() -> int:
@@ -42,21 +44,19 @@ def _stacklevel() -> int:
     return level if frame is not None else 1
 
 
-def emit(message: str, *, key: str | None = None) -> bool:
-    """Warn once per ``key`` (default: the message). Never raises. True if it was emitted now."""
+def emit(message: str, *, key: str | None = None) -> None:
+    """Warn once per ``key`` (default: the message). Never raises."""
     try:
         if len(message) > _MAX:
             message = f"{message[:_MAX]}... [{len(message) - _MAX} more characters]"
-        key = key or message
         with _emitted_lock:
-            if key in _emitted:
-                return False
-            _emitted.add(key)
+            if (key or message) in _emitted:
+                return
+            _emitted.add(key or message)
         log.info("%s", message)
         try:
             warnings.warn(message, KvpatchWarning, stacklevel=_stacklevel())
         except Exception:  # -W error made it an exception: say it on stderr instead, never raise
             sys.stderr.write(f"kvpatch: {message}\n")
-        return True
     except Exception:  # nothing in here may reach the host (a failing stderr included)
-        return False
+        pass

@@ -1,5 +1,5 @@
-"""Asserting that kvpatch's fixes are in effect, at a server's start-up (docs/servers.md) and in test sessions:
-:func:`require` / :func:`is_fixed` for the fixes a server names, :func:`require_applied` for every applicable patch."""
+"""Asserting that kvpatch's fixes are in effect (docs/servers.md): :func:`require` / :func:`is_fixed` for the fixes
+a server names, :func:`require_applied` for every applicable patch."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ class NotApplied(RuntimeError):
 
 
 def _gate(engine: Engine, patch: Patch | Stub, config: Config | None = None) -> Decision:
-    """The gate's decision for ``patch`` under ``config``; by default "applicable": the off switches ignored,
-    the environment's opt-ins kept, and a gate that raises reads APPLY, so the failure the engine recorded shows."""
+    """By default "applicable": the off switches ignored, the opt-ins kept; a gate that raises reads APPLY (so
+    the failure the engine recorded shows)."""
     upstream = engine.upstream.get(patch.distribution) or Upstream(patch.distribution, None)
     applicable = Config(enabled_ids=engine.config.enabled_ids, enable_all=engine.config.enable_all)
     try:
@@ -52,17 +52,16 @@ def _gate(engine: Engine, patch: Patch | Stub, config: Config | None = None) -> 
 
 def _import_pending(engine: Engine, statuses: Iterable[PatchStatus]) -> None:
     """Import the target modules of pending patches: their hooks get the chance to install them."""
-    for st in statuses:
-        if st.state is State.PENDING:
-            for module in engine.record_of(st).modules:
-                with contextlib.suppress(ImportError):
-                    __import__(module)
+    pending = [m for st in statuses if st.state is State.PENDING for m in engine.record_of(st).modules]
+    for module in pending:
+        with contextlib.suppress(ImportError):
+            __import__(module)
 
 
 def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[list[PatchStatus], list[Problem]]:
-    """(applicable statuses, problems): an applicable patch (or a registered copy's) not in, unless pending with
-    none of its modules ``imported`` (default ``sys.modules``); a patch the reproduction decides that failed,
-    drifted, was overridden or is inconclusive, or pending verification with a module imported; a broken unit."""
+    """(applicable statuses, problems): an applicable patch (or copy's) not in, unless pending with none of its
+    modules ``imported``; a verify-decided patch that failed, drifted, was overridden, is inconclusive, or
+    is unverified with a module imported; a broken unit."""
     loaded = set(sys.modules if imported is None else imported)
     engine.refresh()  # "applied" means reachable now
     applicable: list[PatchStatus] = []
@@ -92,10 +91,8 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
 
 def require_applied(*, import_targets: bool = True) -> list[PatchStatus]:
     """Raise :class:`NotApplied` unless every patch that applies to the installed upstream is installed (failed,
-    drifted, disabled by ``KVPATCH=off`` / ``KVPATCH_DISABLE``, or pending all count); return their statuses.
-
-    ``import_targets`` (default) imports their target modules first, so a pending patch gets its chance to install;
-    without it, pending patches whose modules are not imported yet are not counted as problems."""
+    drifted, disabled or pending all count); return their statuses. ``import_targets`` imports their target modules
+    first; without it, pending patches whose modules are not imported yet are not counted."""
     engine = get_engine()
     if import_targets:
         _import_pending(engine, [st for st in engine.status.values() if _gate(engine, st.patch).action is Action.APPLY])
@@ -115,8 +112,7 @@ class Guarantee:
     reason: str
 
     def __str__(self) -> str:
-        mark = "ok" if self.fixed else "NOT FIXED"
-        return f"{self.patch_id}: {mark}: {self.state}: {self.reason}"
+        return f"{self.patch_id}: {'ok' if self.fixed else 'NOT FIXED'}: {self.state}: {self.reason}"
 
 
 class NotFixed(RuntimeError):
@@ -125,8 +121,8 @@ class NotFixed(RuntimeError):
     def __init__(self, guarantees: list[Guarantee]) -> None:
         self.guarantees = guarantees
         self.problems = [g for g in guarantees if not g.fixed]
-        lines = "\n".join(f"  - {g}" for g in guarantees)
-        super().__init__(f"kvpatch: {len(self.problems)} required fix(es) not in effect:\n{lines}")
+        lines = "".join(f"\n  - {g}" for g in guarantees)
+        super().__init__(f"kvpatch: {len(self.problems)} required fix(es) not in effect:{lines}")
 
 
 class UnknownPatch(LookupError):
@@ -141,21 +137,18 @@ class UnknownPatch(LookupError):
 
 def _patch_status(engine: Engine, patch_id: str) -> PatchStatus | Guarantee:
     """The patch's status, or the guarantee already known for a patch unit that could not be loaded."""
-    st = engine.status.get(patch_id)
-    if st is not None:
-        return st
-    module = patch_id.replace("-", "_")
+    if patch_id in engine.status:
+        return engine.status[patch_id]
     for name, error in engine.broken.items():
-        folder, _, leaf = name.rpartition(".")  # the unit's file name drops its folder's lm/vlm (CONTRIBUTING.md)
-        short = folder.rpartition(".")[2].removeprefix("mlx_")
-        if module in (leaf, f"{short}_{leaf}", f"{leaf}_{short}"):
+        folder, _, leaf = name.rpartition(".")
+        short = folder.rpartition(".")[2].removeprefix("mlx_")  # the file name drops its folder's lm/vlm
+        if patch_id.replace("-", "_") in (leaf, f"{short}_{leaf}", f"{leaf}_{short}"):
             return Guarantee(patch_id, False, "broken", f"its patch unit could not be loaded: {error}")
     raise UnknownPatch(patch_id, engine.status)
 
 
 def _guarantee(engine: Engine, st: PatchStatus) -> Guarantee:
-    patch, state = engine.record_of(st), st.state
-    reason = st.error or st.reason
+    patch, state, reason = engine.record_of(st), st.state, st.error or st.reason
     if st.suspended:
         return Guarantee(patch.id, False, "suspended", "taken out in this process (suspend / kvpatch.testing.without)")
     if state in _FIXED_STATES:
@@ -173,8 +166,7 @@ def _guarantee(engine: Engine, st: PatchStatus) -> Guarantee:
 
 
 def guarantees(engine: Engine, patch_ids: Iterable[str]) -> list[Guarantee]:
-    """One :class:`Guarantee` per id, in order (what :func:`require` checks); an unknown id raises
-    :class:`UnknownPatch` before anything is imported."""
+    """One :class:`Guarantee` per id, in order; an unknown id raises :class:`UnknownPatch` before any import."""
     statuses = [_patch_status(engine, pid) for pid in patch_ids]
     _import_pending(engine, [st for st in statuses if isinstance(st, PatchStatus)])
     engine.refresh()  # "applied" means reached now
@@ -184,12 +176,9 @@ def guarantees(engine: Engine, patch_ids: Iterable[str]) -> list[Guarantee]:
 def require(*patch_ids: str) -> list[Guarantee]:
     """Raise :class:`NotFixed` unless every named fix is in effect in this process; return the guarantees.
 
-    A fix is in effect when its patch is applied and reached now (not overridden, suspended or disabled), or when
-    the installed upstream does not have the bug (out of range, not needed, not installed, or this environment's
-    verdict found it absent); a patch that is off (``KVPATCH=off``, ``KVPATCH_DISABLE``, an opt-in not enabled)
-    counts only there. Pending patches' target modules are imported first: call this after your own patches are
-    in. An id kvpatch does not know raises :class:`UnknownPatch` (with close matches).
-    """
+    A fix is in effect when its patch is applied and reached now, or when the installed upstream does not have the
+    bug (a patch that is off counts only then). Pending patches' target modules are imported first: call this after
+    your own patches are in. An unknown id raises :class:`UnknownPatch` (with close matches)."""
     if not patch_ids:
         raise TypeError("kvpatch.require() needs at least one patch id")
     found = guarantees(get_engine(), patch_ids)
@@ -199,8 +188,8 @@ def require(*patch_ids: str) -> list[Guarantee]:
 
 
 def is_fixed(patch_id: str) -> bool:
-    """Whether one fix is in effect in this process (the test :func:`require` makes); never raises for a
-    known id (an unknown one raises :class:`UnknownPatch`: a typo must not read as "not fixed")."""
+    """Whether one fix is in effect (:func:`require`'s test); never raises but :class:`UnknownPatch` (a typo must
+    not read as "not fixed")."""
     try:
         return guarantees(get_engine(), (patch_id,))[0].fixed
     except UnknownPatch:

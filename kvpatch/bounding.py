@@ -2,8 +2,7 @@
 full-attention ``KVCache`` becomes a ``RotatingKVCache(max_size=max_kv_size)``, without changing
 ``make_prompt_cache`` for the whole process (the opt-in ``max-kv-size-ignored`` does that). Unlike it, a
 ``CacheList``'s ``KVCache`` children are bounded too, and ``keep`` is 0 for a model without ``make_cache``. Any
-other cache (rotating, arrays, chunked, quantized, ``KVCache`` subclasses) stays as it is.
-"""
+other cache (rotating, arrays, chunked, quantized, ``KVCache`` subclasses) stays as it is."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ __all__ = ["bound_layout", "bounded_prompt_cache"]
 def bounded_prompt_cache(model: Any, max_kv_size: int | None, keep: int = 0) -> list[Any]:
     """The model's prompt cache with every full-attention ``KVCache`` a ``RotatingKVCache`` that never evicts its
     first ``keep`` positions; ``max_kv_size=None``: the model's own cache unchanged."""
-    _check(max_kv_size, keep)
     from mlx_lm.models.cache import make_prompt_cache
 
     caches = list(make_prompt_cache(model))  # without max_kv_size: the model's own layout, whoever patched it
@@ -27,13 +25,15 @@ def bounded_prompt_cache(model: Any, max_kv_size: int | None, keep: int = 0) -> 
 def bound_layout(caches: list[Any], max_kv_size: int, keep: int = 0) -> list[Any]:
     """:func:`bounded_prompt_cache` for a layout of empty caches the caller has just built (CacheList layers are
     bounded in place); a populated cache is refused."""
-    _check(max_kv_size, keep)
-    importlib.import_module("mlx_lm.models.cache")  # mlx-vlm's caches only where mlx-vlm is loaded already
-    origins: list[Any] = [sys.modules.get(f"{top}.models.cache") for top in ("mlx_lm", "mlx_vlm")]
-    # KVCache class -> the RotatingKVCache of the same origin
-    rotating = {
-        m.KVCache: m.RotatingKVCache for m in origins if hasattr(m, "KVCache") and hasattr(m, "RotatingKVCache")
-    }
+    if max_kv_size is not None and (isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int)):
+        raise TypeError(f"max_kv_size must be an int or None, not {type(max_kv_size).__name__}")
+    if isinstance(max_kv_size, int) and max_kv_size <= 0:
+        raise ValueError(f"max_kv_size must be positive, got {max_kv_size}")
+    if keep < 0 or (isinstance(max_kv_size, int) and keep >= max_kv_size):
+        raise ValueError(f"keep must be >= 0 and smaller than max_kv_size, got keep={keep}")
+    # KVCache class -> the RotatingKVCache of the same origin (mlx-vlm's only where mlx-vlm is loaded already)
+    origins: list[Any] = [importlib.import_module("mlx_lm.models.cache"), sys.modules.get("mlx_vlm.models.cache")]
+    rotating = {m.KVCache: m.RotatingKVCache for m in origins if hasattr(m, "RotatingKVCache")}
 
     def bound(cache: Any) -> Any:
         make = rotating.get(type(cache))
@@ -47,12 +47,3 @@ def bound_layout(caches: list[Any], max_kv_size: int, keep: int = 0) -> list[Any
         return cache
 
     return [bound(c) for c in caches]
-
-
-def _check(max_kv_size: object, keep: int) -> None:
-    if max_kv_size is not None and (isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int)):
-        raise TypeError(f"max_kv_size must be an int or None, not {type(max_kv_size).__name__}")
-    if isinstance(max_kv_size, int) and max_kv_size <= 0:
-        raise ValueError(f"max_kv_size must be positive, got {max_kv_size}")
-    if keep < 0 or (isinstance(max_kv_size, int) and keep >= max_kv_size):
-        raise ValueError(f"keep must be >= 0 and smaller than max_kv_size, got keep={keep}")

@@ -1,8 +1,6 @@
 """Place a git-pinned upstream commit against a bug's fixing and introducing commits, from the shipped index of
-each upstream's first-parent main line (``kvpatch/data/commits-<dist>.txt``, by ``scripts/build_commit_index.py``):
-a side-branch commit takes its merge's position. A pin not in the index is unknown: the reproduction decides. The
-file's release tags are not read (upstream tags and PyPI wheels disagree in places).
-"""
+each upstream's first-parent main line (``kvpatch/data/commits-<dist>.txt``): a side-branch commit takes its merge's
+position; a pin not in the index is unknown. Release tags are not read (upstream tags and PyPI wheels disagree)."""
 
 from __future__ import annotations
 
@@ -11,10 +9,6 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import resources
-
-from .record import DISTRIBUTIONS
-
-__all__ = ["DISTRIBUTIONS", "MIN_PREFIX", "CommitIndex", "Placement", "load_index", "place"]
 
 MIN_PREFIX = 7  # shortest commit prefix accepted by CommitIndex.resolve
 _HEX = frozenset("0123456789abcdef")
@@ -35,7 +29,6 @@ class CommitIndex:
 
     @classmethod
     def parse(cls, text: str, distribution: str = "") -> CommitIndex:
-        """Parse the text of a ``commits-<dist>.txt`` file (see its header for the format)."""
         header: dict[str, str] = {}
         mainline: list[str] = []
         position: dict[str, int] = {}
@@ -66,23 +59,17 @@ class CommitIndex:
         key = commit_or_prefix.strip().lower()
         if not MIN_PREFIX <= len(key) <= _FULL or not _HEX.issuperset(key):
             return None
-        ids = self._sorted
-        i = bisect_left(ids, key)
-        if i == len(ids) or not ids[i].startswith(key):
-            return None
-        if i + 1 < len(ids) and ids[i + 1].startswith(key):
-            return None  # ambiguous
-        return ids[i]
+        i = bisect_left(self._sorted, key)
+        found = [c for c in self._sorted[i : i + 2] if c.startswith(key)]
+        return found[0] if len(found) == 1 else None  # none, or ambiguous
 
     def contains(self, pinned: str, fix_commit: str) -> bool | None:
         """Whether the tree at ``pinned`` contains ``fix_commit`` (None: unknown). A pin on a merged side branch
         is decided only when the fix came in after its merge (False) or is the pin itself (True)."""
-        pin = self.resolve(pinned)
-        fix = self.resolve(fix_commit)
+        pin, fix = self.resolve(pinned), self.resolve(fix_commit)
         if pin is None or fix is None:
             return None
-        pin_pos = self._position[pin]
-        fix_pos = self._position[fix]
+        pin_pos, fix_pos = self._position[pin], self._position[fix]
         if self.mainline[pin_pos] == pin:
             return pin_pos >= fix_pos
         if pin == fix:
@@ -101,11 +88,8 @@ class CommitIndex:
         return f"{full[:_SHORT]} ({', '.join(notes)})" if notes else full[:_SHORT]
 
 
-@functools.lru_cache(maxsize=len(DISTRIBUTIONS))
+@functools.cache
 def load_index(distribution: str) -> CommitIndex:
-    """The shipped commit index of ``mlx-lm`` or ``mlx-vlm``, parsed once (ValueError for any other)."""
-    if distribution not in DISTRIBUTIONS:
-        raise ValueError(f"no commit index for {distribution!r}; known: {', '.join(DISTRIBUTIONS)}")
     text = resources.files("kvpatch.data").joinpath(f"commits-{distribution}.txt").read_text(encoding="ascii")
     return CommitIndex.parse(text, distribution)
 

@@ -1,12 +1,10 @@
-"""Every environment variable kvpatch reads (``docs/configuration.md`` is their table). The bootstrap in
-``kvpatch/_site`` reads ``KVPATCH`` itself, before kvpatch can be imported; :func:`is_off` asks it. A malformed
-value never raises: :attr:`Config.problems` says it (warned once), quoting at most :data:`SHOWN` characters.
-"""
+"""Every environment variable kvpatch reads (``docs/configuration.md`` is their table; ``KVPATCH`` is read by the
+bootstrap, which :func:`is_off` asks). A malformed value never raises: :attr:`Config.problems` says it."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ._site import boot as _boot
@@ -68,21 +66,19 @@ def background_verification() -> bool:
     return os.environ.get(VERIFY, "").strip().lower() not in {"never", "off", "0", "no", "false"}
 
 
-def verifying() -> bool:
-    return bool(os.environ.get(VERIFYING))
+def _setting(name: str) -> Callable[[], str | None]:
+    """A reader of ``name``: its value where set and not empty, else None (read at each call)."""
+    return lambda: os.environ.get(name) or None
 
 
-def verdicts_override() -> str | None:
-    return os.environ.get(VERDICTS) or None
+verifying = _setting(VERIFYING)
+verdicts_override = _setting(VERDICTS)
+cache_override = _setting(CACHE)
 
 
-def cache_override() -> str | None:
-    return os.environ.get(CACHE) or None
-
-
-def vendored(environ: Mapping[str, str] | None = None) -> str:
+def vendored() -> str:
     """``KVPATCH_VENDORED`` as set, stripped; :func:`kvpatch.vendored.setting` parses it."""
-    return (os.environ if environ is None else environ).get(VENDORED, "").strip()
+    return os.environ.get(VENDORED, "").strip()
 
 
 def values() -> list[tuple[str, str | None]]:
@@ -92,8 +88,7 @@ def values() -> list[tuple[str, str | None]]:
 def _ids(
     env: Mapping[str, str], variable: str, known_ids: frozenset[str] | None, problems: list[str]
 ) -> tuple[frozenset[str], bool]:
-    """The ids a comma-separated variable names, and whether it says ``*``. Unknown ids make one message in
-    ``problems``: the first few, each with its closest known id."""
+    """The ids a comma-separated variable names, and whether it says ``*``; unknown ids make one message."""
     names = dict.fromkeys(item.strip().lower() for item in env.get(variable, "").split(","))
     ids = [name for name in names if name not in ("", "*")]
     if known_ids is not None and (unknown := [name for name in ids if name not in known_ids]):
@@ -101,9 +96,7 @@ def _ids(
 
         named = []
         for item in unknown[:_NAMED]:
-            close = (
-                difflib.get_close_matches(item[:SHOWN], sorted(known_ids), n=1, cutoff=0.6) if len(item) <= 200 else []
-            )
+            close = difflib.get_close_matches(item[:SHOWN], sorted(known_ids), n=1) if len(item) <= 200 else []
             named.append(_shown(item) + (f" (did you mean {close[0]!r}?)" if close else ""))
         listed = ", ".join(named) + (f" and {len(unknown) - _NAMED} more" if len(unknown) > _NAMED else "")
         noun = "id" if len(unknown) == 1 else "ids"
@@ -115,5 +108,5 @@ def _ids(
 
 
 def _shown(value: str) -> str:
-    """``value`` quoted for a message, cut to :data:`SHOWN` characters (a 100 KB value is never echoed)."""
+    """``value`` quoted for a message, cut to :data:`SHOWN` characters."""
     return repr(value) if len(value) <= SHOWN else f"{value[:SHOWN]!r}... ({len(value)} characters)"

@@ -1,7 +1,6 @@
-"""Which upstream releases are installed (``importlib.metadata``), and from where (PEP 610's ``direct_url.json``),
-without importing them. Importable without a version in its metadata: *installed, version unknown*, for the
-reproduction. Importability is asked of ``PathFinder`` directly: no finder on ``sys.meta_path`` runs.
-"""
+"""Which upstream releases are installed, and from where (PEP 610's ``direct_url.json``), without importing them
+(``PathFinder`` is asked directly: no finder on ``sys.meta_path`` runs). Importable without a version in its
+metadata: *installed, version unknown*, for the reproduction."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from importlib.machinery import PathFinder
 
-__all__ = ["NOT_INSTALLED", "Source", "Upstream", "detect", "detect_one", "read_source"]
+from ._warn import failure
 
 #: The array library and the patched distributions: the module that shows each is importable (``mlx`` is a namespace).
 PROBES: dict[str, str] = {"mlx": "mlx.core", "mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
@@ -25,7 +24,6 @@ class Source:
     #: index (no direct_url.json), vcs, editable, directory, archive, unknown (unusable, no metadata), none (absent)
     kind: str = "index"
     url: str | None = None
-    vcs: str | None = None
     commit: str | None = None
     error: str | None = None  # why, when ``kind == "unknown"``
 
@@ -35,8 +33,6 @@ NOT_INSTALLED = Source(kind="none")
 
 @dataclass(frozen=True)
 class Upstream:
-    """One installed (or absent) distribution."""
-
     name: str
     version: str | None
     source: Source = Source()
@@ -63,7 +59,7 @@ def read_source(text: str | None) -> Source:
         commit = vcs_info.get("commit_id")
         if commit is not None and not (isinstance(commit, str) and re.fullmatch("[0-9a-fA-F]{4,64}", commit)):
             return Source(kind="unknown", url=url, error=f"vcs_info.commit_id {commit!r} is not a hex id")
-        return Source("vcs", url, str(vcs_info.get("vcs") or "git"), commit.lower() if commit else None)
+        return Source("vcs", url, commit.lower() if commit else None)
     if isinstance(dir_info := data.get("dir_info"), dict):
         return Source(kind="editable" if dir_info.get("editable") else "directory", url=url)
     if isinstance(data.get("archive_info"), dict):
@@ -80,11 +76,13 @@ def detect_one(name: str) -> Upstream:
     try:
         dist = metadata.distribution(name)
         text = dist.read_text("METADATA")
-        version = (_header_version(text) or dist.version or "").strip() or None
+        # The Version header; ``dist.version`` parses the long description too: most of detection's time.
+        header = re.search(r"(?im)^version:(.*)$", re.split(r"\n\s*\n", text or "", maxsplit=1)[0])
+        version = ((header[1].strip() if header else None) or dist.version or "").strip() or None
     except metadata.PackageNotFoundError:
         pass
     except Exception as exc:  # a METADATA that is not UTF-8 raises UnicodeDecodeError
-        problem = f"{'METADATA' if dist else 'metadata'} unreadable: {_err(exc)}"
+        problem = f"{'METADATA' if dist else 'metadata'} unreadable: {failure(exc)[:200]}"
     else:
         problem = f"METADATA {'missing' if text is None else 'has no Version' if text.strip() else 'empty'}"
     source = NOT_INSTALLED
@@ -92,7 +90,7 @@ def detect_one(name: str) -> Upstream:
         try:
             source = read_source(dist.read_text("direct_url.json"))
         except Exception as exc:
-            source = Source(kind="unknown", error=f"direct_url.json unreadable: {_err(exc)}")
+            source = Source(kind="unknown", error=f"direct_url.json unreadable: {failure(exc)[:200]}")
         with contextlib.suppress(Exception):
             location = str(dist.locate_file(""))
     if version is not None:
@@ -103,16 +101,6 @@ def detect_one(name: str) -> Upstream:
     if dist is None:
         source = Source(kind="unknown", error=problem)
     return Upstream(name, None, source, location or where, version_unknown=problem)
-
-
-def _header_version(text: str | None) -> str | None:
-    """The ``Version:`` header (``dist.version`` parses the long description too: most of detection's time)."""
-    for line in (text or "").splitlines():
-        if not line.strip():
-            break  # the headers end at the first blank line
-        if line[:8].lower() == "version:":
-            return line[8:].strip()
-    return None
 
 
 def _importable(name: str) -> str | None:
@@ -127,11 +115,5 @@ def _importable(name: str) -> str | None:
     return spec.origin if spec is not None and spec.origin not in (None, "namespace") else None
 
 
-def _err(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    return text if len(text) <= 200 else text[:200] + "..."
-
-
 def detect() -> dict[str, Upstream]:
-    """Detect mlx, mlx-lm and mlx-vlm (reads metadata only)."""
     return {name: detect_one(name) for name in PROBES}

@@ -9,14 +9,11 @@ from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
-from .config import Config
-from .detect import Upstream
-from .record import Patch
-
 if TYPE_CHECKING:
+    from .config import Config
+    from .detect import Upstream
+    from .record import Patch
     from .registry import Stub
-
-__all__ = ["Action", "Decision", "decide"]
 
 
 class Action(enum.Enum):
@@ -40,7 +37,6 @@ def _verify(why: str, sep: str = "; ") -> Decision:
 
 
 def decide(patch: Patch | Stub, upstream: Upstream, config: Config) -> Decision:
-    """Decide what to do with ``patch`` given the installed ``upstream`` distribution."""
     if not config.enabled:
         return Decision(Action.DISABLED, "kvpatch is off (KVPATCH=off)")
     if config.is_disabled(patch.id):
@@ -85,8 +81,7 @@ def _decide_installed(patch: Patch | Stub, upstream: Upstream) -> Decision:
     source = upstream.source
     if source.kind == "unknown" and upstream.version is not None:
         return _verify(f"{dist} install source unknown ({source.error})")
-    decision = _pinned(patch, dist, source.commit) if source.kind == "vcs" and source.commit else None
-    if decision is not None:
+    if source.kind == "vcs" and source.commit and (decision := _pinned(patch, dist, source.commit)) is not None:
         return decision
     if upstream.version is None:  # no version in the metadata, or a git pin the commit index could not place
         why = upstream.version_unknown or "no version in its metadata"
@@ -113,7 +108,6 @@ def _decide_installed(patch: Patch | Stub, upstream: Upstream) -> Decision:
         return Decision(Action.APPLY, f"{dist} {version}{local} is in the affected range {patch.affected}")
     if any(spec.operator in (">=", ">") and not spec.contains(public, prereleases=True) for spec in patch.range):
         return Decision(Action.OUT_OF_RANGE, f"{dist} {version} predates the affected range {patch.affected}")
-    if fixed is None:
-        through = patch.checked_through or "the last release checked"
-        return _verify(f"{dist} {version} is newer than {through} (not fixed as of then)")
+    if fixed is None:  # a record without fixed_in has checked_through
+        return _verify(f"{dist} {version} is newer than {patch.checked_through} (not fixed as of then)")
     return _verify(f"{dist} {version} lies between the affected range {patch.affected} and the fix {patch.fixed_in}")

@@ -1,22 +1,21 @@
 """pytest plugin for projects that depend on kvpatch (the ``pytest11`` entry point ``kvpatch``); off unless enabled.
 
 ``--kvpatch-require-applied`` (ini ``kvpatch_require_applied = true``) fails the session when a patch that applies
-to the installed upstream is not applied at its end (:func:`kvpatch.assertions.problems`). ``--kvpatch-verify``
-(ini ``kvpatch_verify = true``) runs ``python -m kvpatch verify --missing`` in a child process first, so every
-patch the reproduction decides has this environment's verdict; one that needs attention fails the session.
-The fixture ``kvpatch_status`` returns ``kvpatch.records()``. kvpatch is imported only when an option is on (at
-configure time, before test modules import upstream) or a test asks for the fixture.
-"""
+to the installed upstream is not applied at its end. ``--kvpatch-verify`` (ini ``kvpatch_verify = true``) first runs
+``python -m kvpatch verify --missing`` in a child; a verdict that needs attention fails the session. The fixture
+``kvpatch_status`` returns ``kvpatch.records()``. kvpatch is imported only when an option is on (at configure time,
+before test modules import upstream) or a test asks for the fixture."""
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 import pytest
 
 _REQUIRE = "kvpatch_require_applied"
 _VERIFY = "kvpatch_verify"
-#: What the session found, kept on the config (attributes, not ``config.stash``: any pytest a user has loads this)
+#: What the session found, kept on the config (not ``config.stash``: any pytest a user has loads this)
 _VERIFIED = "_kvpatch_verify_result"
 _FOUND = "_kvpatch_require_applied_problems"
 
@@ -24,10 +23,7 @@ _FOUND = "_kvpatch_require_applied_problems"
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvpatch")
     for name, text in (
-        (
-            _REQUIRE,
-            "fail the session when a kvpatch patch that applies to the installed mlx-lm / mlx-vlm is not applied",
-        ),
+        (_REQUIRE, "fail the session when a kvpatch patch that applies to the installed upstream is not applied"),
         (_VERIFY, "settle kvpatch's verdicts for this environment (python -m kvpatch verify) before the session"),
     ):
         option = "--" + name.replace("_", "-")
@@ -36,27 +32,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _on(config: pytest.Config, name: str) -> bool:
-    """The command-line option, else the ini setting."""
     option = config.getoption(name, default=None)
     return bool(config.getini(name) if option is None else option)
 
 
 def _run_verify() -> tuple[int, str]:
-    """``python -m kvpatch verify --missing`` in a child process: (exit status, its last lines). Like every child
-    kvpatch starts, it runs no code from a directory kvpatch did not choose (``-P``, in ``/``): this module must not
-    import kvpatch (that would activate it), so it cannot share kvpatch's code for that."""
+    """``python -m kvpatch verify --missing`` in a child (``-P``, in ``/``, like every child kvpatch starts; this
+    module must not import kvpatch, which would activate it): (exit status, its last lines)."""
     import subprocess
     import sys
 
     safe = ["-P"] if sys.version_info >= (3, 11) else []
+    command = [sys.executable, *safe, "-m", "kvpatch", "verify", "--missing"]
     try:
-        proc = subprocess.run(
-            [sys.executable, *safe, "-m", "kvpatch", "verify", "--missing"],
-            cwd="/",
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
+        proc = subprocess.run(command, cwd="/", capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.SubprocessError) as exc:
         return 1, f"kvpatch verify could not run: {exc}"
     return proc.returncode, "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
@@ -87,15 +76,13 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     code, text = getattr(config, _VERIFIED, (None, ""))
     if code:
         terminalreporter.section("kvpatch verify: needs attention", sep="=", red=True, bold=True)
-        for line in text.splitlines():
-            terminalreporter.line(f"  {line}", red=True)
+        terminalreporter.line(textwrap.indent(text, "  "), red=True)
     elif code == 0:
         terminalreporter.line(text.splitlines()[-1] if text else "kvpatch verify: nothing to settle")
     applicable, found = getattr(config, _FOUND, (None, None))
     if found:
         terminalreporter.section("kvpatch: applicable patches not applied", sep="=", red=True, bold=True)
-        for problem in found:
-            terminalreporter.line(f"  - {problem}", red=True)
+        terminalreporter.line("\n".join(f"  - {problem}" for problem in found), red=True)
         terminalreporter.line(f"--kvpatch-require-applied: failing the session ({len(found)} problem(s))", red=True)
     elif applicable is not None:
         applied = ", ".join(st.patch.id for st in applicable if st.state.value == "applied") or "none"

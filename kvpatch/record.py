@@ -1,7 +1,5 @@
-"""Patch records: a :class:`Patch` is plain data plus one *builder* per target (``@PATCH.replace`` /
-``@PATCH.add``: original, or ``None``, in, the replacement out, a plain function with no wrapper layer) and one
-*reproduction* (``@PATCH.reproduce``, returning a :class:`Finding`). Nothing here imports mlx, mlx-lm or mlx-vlm.
-"""
+"""Patch records: plain data, one *builder* per target (original, or ``None``, in, the replacement out: no wrapper
+layer) and one *reproduction* returning a :class:`Finding`. Nothing here imports mlx, mlx-lm or mlx-vlm."""
 
 from __future__ import annotations
 
@@ -14,12 +12,14 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from ._warn import failure
+
 #: The upstream distributions kvpatch patches, and their import names.
 DISTRIBUTIONS: dict[str, str] = {"mlx-lm": "mlx_lm", "mlx-vlm": "mlx_vlm"}
 
 
 class RecordError(ValueError):
-    """A patch record is malformed (raised when the record is built)."""
+    """A patch record is malformed."""
 
 
 class Kind(enum.Enum):
@@ -68,15 +68,13 @@ class Finding:
 
     @property
     def bug(self) -> Bug:
-        if self.skipped:
-            return Bug.SKIPPED
-        if self.inconclusive:
-            return Bug.INCONCLUSIVE
+        if self.skipped or self.inconclusive:
+            return Bug.SKIPPED if self.skipped else Bug.INCONCLUSIVE
         return Bug.PRESENT if self.present else Bug.ABSENT
 
     @classmethod
     def from_error(cls, exc: BaseException) -> Finding:
-        return cls(False, inconclusive=f"{type(exc).__name__}: {exc}")
+        return cls(False, inconclusive=failure(exc))
 
 
 def symptom(exc: BaseException, *fragments: str) -> str:
@@ -89,7 +87,7 @@ def symptom(exc: BaseException, *fragments: str) -> str:
 
 @dataclass(frozen=True)
 class Expiry:
-    """When a patch must go besides ``Patch.fixed_in``; ``review_by``: when an unfixed patch is looked at again."""
+    """When a patch must go besides ``Patch.fixed_in``; ``review_by``: when an unfixed one is looked at again."""
 
     condition: str
     review_by: _dt.date | None = None

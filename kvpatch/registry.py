@@ -1,37 +1,29 @@
 """The patch units (``kvpatch.patches.mlx_lm`` / ``mlx_vlm``; underscore modules are helpers): :func:`load` imports
-them all; :func:`index` gives a :class:`Stub` per unit from the shipped ``units.json``, so that the user's ``import
-mlx_lm`` imports only the units whose gate may apply. An index that does not list exactly the units on disk is unused.
-"""
+them all; :func:`index` gives a :class:`Stub` per unit from ``units.json``, so that ``import mlx_lm`` imports only
+the units whose gate may apply."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import pkgutil
-from dataclasses import dataclass, fields
-from functools import cached_property, lru_cache
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 from packaging.specifiers import SpecifierSet
 
+from ._warn import failure
 from .record import DISTRIBUTIONS, Patch
-
-__all__ = ["Registry", "Stub", "index", "load"]
 
 PACKAGE = "kvpatch.patches"
 INDEX = Path(__file__).parent / "data" / "units.json"
 
 
-class Registry:
-    def __init__(self, patches: list[Patch], broken: dict[str, str]) -> None:
-        self.patches = patches
-        self.broken = broken
-        self.by_id = {p.id: p for p in patches}
-
-    def get(self, patch_id: str) -> Patch:
-        if patch_id not in self.by_id:
-            raise KeyError(f"no patch {patch_id!r}; known: {', '.join(sorted(self.by_id))}")
-        return self.by_id[patch_id]
+class Registry(NamedTuple):
+    patches: list[Patch]
+    broken: dict[str, str]  # unit module -> why it could not be loaded
 
 
 def _unit(name: str) -> Patch:
@@ -63,7 +55,7 @@ def load() -> Registry:
                 raise ValueError(f"patch id {patch.id!r} is used by {patches[patch.id].module} too")
             patches[patch.id] = patch
         except Exception as exc:
-            broken[name] = f"{type(exc).__name__}: {exc}"
+            broken[name] = failure(exc)
     return Registry(list(patches.values()), broken)
 
 
@@ -83,24 +75,18 @@ class Stub:
     order: int
     opt_in: bool
 
-    @cached_property
-    def range(self) -> SpecifierSet:
-        return SpecifierSet(self.affected)
+    def __post_init__(self) -> None:
+        self.range = SpecifierSet(self.affected)
 
     @property
     def import_name(self) -> str:
         return DISTRIBUTIONS[self.distribution]
 
     def resolve(self) -> Patch:
-        """The unit's record (its import is cached in ``sys.modules``)."""
         record = _unit(self.module)
         if record.id != self.id:
             raise ValueError(f"{self.module} defines {record.id!r}, the unit index says {self.id!r}")
         return record
-
-
-#: What ``units.json`` holds per unit module.
-INDEXED = tuple(f.name for f in fields(Stub) if f.name != "module")
 
 
 def index() -> list[Stub] | None:

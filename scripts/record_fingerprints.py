@@ -330,13 +330,14 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     reg = load()
+    by_id = {p.id: p for p in reg.patches}
     only = {i.strip() for i in args.only.split(",") if i.strip()}
     patches = [p for p in reg.patches if (not only or p.id in only) and any(t.kind is Kind.REPLACE for t in p.targets)]
     old = json.loads(OUT.read_text()) if OUT.exists() else {"schema": SCHEMA, "patches": {}}
     table: dict[str, dict[str, dict[str, list[str]]]] = {
         pid: entry
         for pid, entry in old.get("patches", {}).items()
-        if pid in reg.by_id and pid not in {p.id for p in patches}
+        if pid in by_id and pid not in {p.id for p in patches}
     }
 
     versions = {d: index_versions(d) for d in DISTRIBUTIONS}
@@ -348,7 +349,7 @@ def main(argv: list[str]) -> int:
                 for t, fps in e.items()
             }
             for pid, e in old.get("patches", {}).items()
-            if pid in reg.by_id
+            if pid in by_id
         }
         table = {pid: {t: {fp: x for fp, x in fps.items() if x} for t, fps in e.items()} for pid, e in table.items()}
         patches = []
@@ -390,7 +391,7 @@ def main(argv: list[str]) -> int:
                 table[p.id][t.path][fp].append(release)
     git_counts: dict[str, dict[str, int]] = {}
     if not args.no_git:
-        for p in patches or [reg.by_id[pid] for pid in table]:
+        for p in patches or [by_id[pid] for pid in table]:
             rels = releases_in(p, versions[p.distribution])
             if rels:
                 git_counts[p.id] = git_fingerprints(p, rels[0], table.setdefault(p.id, {}))

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpatch import commits
 from kvpatch.commits import CommitIndex, Placement, load_index, place
+from kvpatch.record import DISTRIBUTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_SCRIPT = ROOT / "scripts" / "build_commit_index.py"
@@ -193,14 +193,14 @@ def test_resolve_ambiguous_prefix() -> None:
 
 
 def test_real_index_has_no_ambiguous_seven_char_prefix() -> None:
-    for dist in commits.DISTRIBUTIONS:
+    for dist in DISTRIBUTIONS:
         index = load_index(dist)
         ids = sorted(index._sorted)
         prefixes = {c[:7] for c in ids}
         assert len(prefixes) == len(ids), dist
 
 
-@pytest.mark.parametrize("dist", commits.DISTRIBUTIONS)
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
 def test_index_shape(dist: str) -> None:
     index = load_index(dist)
     assert index.distribution == dist
@@ -246,14 +246,9 @@ def test_fix_from_side_branch_maps_to_merge() -> None:
     assert index.contains("dccd29f4", "570afed3") is True
 
 
-def test_distribution_names() -> None:
-    with pytest.raises(ValueError, match="no commit index"):
-        load_index("mlx")
-
-
 def test_index_is_parsed_once_and_shared() -> None:
     """Each shipped index is parsed once per process and then shared (its cost belongs in a benchmark, not here)."""
-    for dist in commits.DISTRIBUTIONS:
+    for dist in DISTRIBUTIONS:
         load_index.cache_clear()
         first = load_index(dist)
         assert first._position and first.mainline[-1] == first.head
@@ -387,7 +382,7 @@ def test_shipped_index_matches_mirror(tmp_path: Path) -> None:
         check=False,
     )
     assert res.returncode == 0, res.stderr
-    for dist in commits.DISTRIBUTIONS:
+    for dist in DISTRIBUTIONS:
         fresh = CommitIndex.parse((tmp_path / f"commits-{dist}.txt").read_text())
         shipped = load_index(dist)
         if fresh.head != shipped.head:

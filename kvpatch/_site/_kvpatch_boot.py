@@ -1,20 +1,18 @@
-"""kvpatch's bootstrap finder. PYTEST_DONT_REWRITE
-
-Up to Python 3.14 kvpatch.pth's stand-in finder loads this file on the first mlx_* import and hands over
-(``from_shim``); from 3.15 (PEP 829) site runs ``install`` (kvpatch.start) at every start: keep this file small.
-The machinery is _kvpatch_hooks.py beside it. ``is_off`` is the one reading of KVPATCH=off.
-"""
+"""kvpatch's bootstrap finder (PYTEST_DONT_REWRITE). Up to Python 3.14 kvpatch.pth's stand-in finder loads this file
+on the first mlx_* import and hands over (``from_shim``); from 3.15 (PEP 829) site runs ``install`` (kvpatch.start)
+at every start: keep this file small. The machinery is _kvpatch_hooks.py beside it."""
 
 import os
 import sys
 
 _impl = None
+_HERE = os.path.dirname(os.path.abspath(__file__))
 OFF_VALUES = ("off", "0", "false", "no", "disable", "disabled")
 _startup_path = None  # the start-up sys.path entries that stay trusted (None: not recorded yet)
 
 
 def is_off(environ=None):
-    """Whether KVPATCH (in ``environ``, default os.environ) turns kvpatch off entirely."""
+    """Whether KVPATCH (in ``environ``, default os.environ) turns kvpatch off: the one reading of it."""
     return (os.environ if environ is None else environ).get("KVPATCH", "").strip().lower() in OFF_VALUES
 
 
@@ -35,7 +33,7 @@ def hooks():
         module = sys.modules.get("_kvpatch_hooks")
         if module is None:
             # No import statement: under the import lock (find_spec) it could wait on another thread.
-            here = os.path.join(os.path.dirname(__file__), "_kvpatch_hooks.py")
+            here = os.path.join(_HERE, "_kvpatch_hooks.py")
             try:
                 spec = sys.modules["_frozen_importlib_external"].spec_from_file_location("_kvpatch_hooks", here)
                 module = sys.modules["_frozen_importlib"].module_from_spec(spec)
@@ -46,8 +44,8 @@ def hooks():
                 KvpatchBootstrapFinder.find_spec = staticmethod(lambda name, path=None, target=None: None)
                 sys.stderr.write(f"kvpatch: bootstrap disabled ({type(exc).__name__}: {exc})\n")
                 return None
-        start = tuple(sys.path) if _startup_path is None else _startup_path
-        module._setup(KvpatchBootstrapFinder, start, __file__, is_off)
+        module._finder, module._first, module._site_dir, module._is_off = KvpatchBootstrapFinder, first, _HERE, is_off
+        module._startup_path = tuple(sys.path) if _startup_path is None else _startup_path
         _impl = module
     return _impl
 
@@ -59,24 +57,30 @@ def install():
         return
     if _startup_path is None:
         _startup_path = tuple(sys.path)  # before the interpreter adds the script's or working directory
-    if not any(getattr(f, "__name__", "") == "KvpatchBootstrapFinder" for f in sys.meta_path):
-        sys.meta_path.insert(0, KvpatchBootstrapFinder)
+    first()
+
+
+def first(on=True):
+    """One bootstrap finder first on sys.meta_path (``on`` False: none), kvpatch.pth's stand-ins gone, in one slice
+    assignment: a thread iterating sys.meta_path meanwhile never skips a finder."""
+    meta_path = sys.meta_path
+    rest = [f for f in meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
+    if not on:
+        meta_path[:] = rest
+    elif len(rest) + 1 != len(meta_path) or meta_path[0] is not KvpatchBootstrapFinder:
+        meta_path[:] = [KvpatchBootstrapFinder, *rest]
 
 
 def from_shim(name, path=None, target=None):
-    """Take over from kvpatch.pth's stand-ins: one bootstrap finder, first, in one slice assignment (none with
-    KVPATCH=off). ``name`` "": kvpatch.pth at start-up with KVPATCH set."""
+    """Take over from kvpatch.pth's stand-ins (none with KVPATCH=off). ``name`` "": kvpatch.pth at start-up with
+    KVPATCH set."""
     global _startup_path
     if not name:
         return install()
-    meta_path = sys.meta_path
-    rest = [f for f in meta_path if getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
     if is_off():
-        meta_path[:] = rest
-        return None
+        return first(False)
     if _startup_path is None:  # the entries a user named (PYTHONPATH): trusted even as the working directory
         named = "" if sys.flags.ignore_environment else os.environ.get("PYTHONPATH", "")
         _startup_path = tuple(os.path.abspath(e) for e in named.split(os.pathsep) if e)
-    if len(rest) + 1 != len(meta_path) or meta_path[0] is not KvpatchBootstrapFinder:
-        meta_path[:] = [KvpatchBootstrapFinder, *rest]
+    first()
     return KvpatchBootstrapFinder.find_spec(name, path, target)

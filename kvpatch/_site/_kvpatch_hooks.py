@@ -3,8 +3,7 @@ on first use and post-import hooks that cannot deadlock (docs/activation.md). It
 ``find_spec`` runs under the global import lock: it never imports or waits, and asks the other finders with the
 ``path`` the import system computed (``importlib.util.find_spec`` would import the parent package, which a thread
 waiting for that lock may be executing: wrapt's finder hangs so, and is skipped; its hooks fire through its
-``notify_module_loaded``). Activation and hooks run after the module's code, outside every lock of ours.
-"""
+``notify_module_loaded``). Activation and hooks run after the module's code, outside every lock of ours."""
 
 import _thread
 import os
@@ -19,25 +18,15 @@ _running: dict = {}  # module name -> how many of our loaders are executing it n
 _tls = _thread._local()
 _warned: set = set()
 _activated = False
-_finder = None
-_startup_path = ()
-_site_dir = ""
-_is_off = None  # _kvpatch_boot.is_off: the one reading of KVPATCH=off (all four set by _setup before any use)
-
-
-def _setup(finder, startup_path, boot_file, is_off):
-    global _finder, _startup_path, _site_dir, _is_off
-    _finder = finder
-    _startup_path = tuple(startup_path)
-    _site_dir = os.path.dirname(os.path.abspath(boot_file))
-    _is_off = is_off
+# Set by _kvpatch_boot before any use: its finder, its ``first`` (keeps that finder first on sys.meta_path: wrapt
+# puts its own at the front when first used), the trusted start-up path, its directory, its is_off.
+_finder = _first = _startup_path = _site_dir = _is_off = None
 
 
 def register_post_import_hook(hook, name):
-    """Call ``hook(module)`` once module ``name`` is imported (now, if it is imported already): wrapt's
-    ``register_post_import_hook`` without its finder (in the importing thread, after the module's code, no lock held).
-    """
-    _ensure_first()
+    """Call ``hook(module)`` once module ``name`` is imported (now, if it is already), in the importing thread,
+    after the module's code, no lock held: wrapt's ``register_post_import_hook`` without its finder."""
+    _first()
     with _lock:
         _also.add(name)
         module = sys.modules.get(name)
@@ -66,8 +55,14 @@ def _call(hook, module, whose=""):
 
 def find_spec(name, path=None, target=None):
     top, dot, _ = name.partition(".")
-    if top in _WATCHED or name in _also:
-        return _chained_spec(name, path, target, top=top in _WATCHED and not dot)
+    if top in _WATCHED or name in _also:  # the others' spec, its loader wrapped
+        for finder in _others():
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if hasattr(spec.loader, "exec_module") and not isinstance(spec.loader, _Loader):
+                    spec.loader = _Loader(spec.loader, top in _WATCHED and not dot)
+                return spec
+        return None
     if not dot and getattr(_tls, "activating", False) and name not in sys.modules:
         return _own_spec(name, target)
     return None
@@ -82,19 +77,8 @@ def _others():
             yield finder
 
 
-def _chained_spec(name, path, target, top):
-    for finder in _others():
-        spec = finder.find_spec(name, path, target)
-        if spec is not None:
-            loader = spec.loader
-            if hasattr(loader, "exec_module") and not isinstance(loader, _Loader):
-                spec.loader = _Loader(loader, top)
-            return spec
-    return None
-
-
 def _own_spec(name, target):
-    """Find a top-level module for kvpatch's activation, outside the working and script directories."""
+    """A top-level module for kvpatch's activation, outside the working and script directories."""
     path_finder = sys.modules["_frozen_importlib_external"].PathFinder
     untrusted = {"", os.curdir}
     try:
@@ -119,16 +103,6 @@ def _own_spec(name, target):
     raise ModuleNotFoundError(message, name=name)
 
 
-def _ensure_first():
-    """Keep this finder first on sys.meta_path, once (wrapt inserts its own at the front when first
-    used; kvpatch.pth's stand-in may still be there when kvpatch was imported before any mlx module)."""
-    meta_path = sys.meta_path
-    rest = [f for f in meta_path if f is not _finder and getattr(f, "__name__", "") != "KvpatchBootstrapFinder"]
-    if len(rest) + 1 != len(meta_path) or meta_path[0] is not _finder:
-        # One slice assignment: a thread iterating sys.meta_path meanwhile never skips a finder.
-        meta_path[:] = [_finder, *rest]
-
-
 class _Loader:
     """Wraps an upstream module's loader: activation and hooks after the module's code ran."""
 
@@ -136,7 +110,7 @@ class _Loader:
         self._kvpatch_loader = loader
         self._kvpatch_top = top
 
-    def __getattr__(self, attr):  # create_module, get_code, get_source, is_package, get_resource_reader, ...
+    def __getattr__(self, attr):  # create_module, get_code, get_source, ...
         if attr.startswith("_kvpatch_"):
             raise AttributeError(attr)
         return getattr(self._kvpatch_loader, attr)
@@ -177,13 +151,12 @@ def _activate():
             _warn(f"kvpatch could not activate: {type(exc).__name__}: {exc}")
         finally:
             _tls.activating = False
-        _ensure_first()
+        _first()
     _activated = True
 
 
 def _warn(message):
-    """Warn once per message, never raise, through ``kvpatch._warn`` (``KvpatchWarning``; stderr under ``-W
-    error``). A kvpatch that could not load even that has no warning category to filter: stderr, once."""
+    """Through ``kvpatch._warn`` when loaded; else (no warning category to filter) on stderr, once."""
     try:
         one_path = sys.modules.get("kvpatch._warn")
         if one_path is not None:

@@ -49,7 +49,7 @@ def fixed_text(p: Patch) -> str:
 
 
 def _pin_decision(patch: Patch, commit: str, version: str) -> str:
-    upstream = Upstream(patch.distribution, version, Source(kind="vcs", url="git", vcs="git", commit=commit))
+    upstream = Upstream(patch.distribution, version, Source(kind="vcs", url="git", commit=commit))
     decision = decide(patch, upstream, _ALL)
     return _ACTION_TEXT.get(decision.action, decision.action.value)
 

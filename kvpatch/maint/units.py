@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from typing import Any
 
 from kvpatch import registry
 from kvpatch.record import DISTRIBUTIONS
+
+#: What ``units.json`` holds per unit module.
+INDEXED = tuple(f.name for f in fields(registry.Stub) if f.name != "module")
 
 
 def module_for(patch_id: str, distribution: str) -> str:
@@ -31,7 +35,7 @@ def expected() -> dict[str, Any]:
     if reg.broken:
         raise RuntimeError(f"units that do not load: {reg.broken}")
     patches = sorted(reg.patches, key=lambda p: p.module)
-    return {"units": {p.module: {name: getattr(p, name) for name in registry.INDEXED} for p in patches}}
+    return {"units": {p.module: {name: getattr(p, name) for name in INDEXED} for p in patches}}
 
 
 def render(data: dict[str, Any]) -> str:

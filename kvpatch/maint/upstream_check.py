@@ -552,7 +552,7 @@ def child_main(argv: Sequence[str]) -> int:
         out: dict[str, Any] = {"kind": "patch", "id": pid}
         started = time.monotonic()
         try:
-            patch = reg.get(pid)
+            patch = next(p for p in reg.patches if p.id == pid)
             missing, exists, deps = _missing_targets(patch)
             out["missing"], out["exists"], out["deps"] = missing, exists, deps
             if engine is not None:

@@ -51,7 +51,7 @@ INTRO_PARENT = None
 
 
 def vcs(commit: str) -> Source:
-    return Source(kind="vcs", url="https://github.com/Blaizzy/mlx-vlm", vcs="git", commit=commit)
+    return Source(kind="vcs", url="https://github.com/Blaizzy/mlx-vlm", commit=commit)
 
 
 NO_COMMIT = Patch(
@@ -63,7 +63,7 @@ NO_COMMIT = Patch(
     reference="r",
     expiry=EXPIRY,
 )
-LM_PIN = Source(kind="vcs", url="https://github.com/ml-explore/mlx-lm", vcs="git", commit="a9e1e82c")
+LM_PIN = Source(kind="vcs", url="https://github.com/ml-explore/mlx-lm", commit="a9e1e82c")
 
 CASES = [
     (NO_COMMIT, "0.32.0", LM_PIN, Action.VERIFY),

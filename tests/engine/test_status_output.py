@@ -145,7 +145,7 @@ def test_version_unknown_and_sources_are_spelled_out():
     upstream["mlx-vlm"] = Upstream(
         "mlx-vlm",
         "0.5.0",
-        Source(kind="vcs", url="https://github.com/Blaizzy/mlx-vlm", vcs="git", commit="f96138ee" * 5),
+        Source(kind="vcs", url="https://github.com/Blaizzy/mlx-vlm", commit="f96138ee" * 5),
     )
     text = format_text(_report(upstream))
     assert "upstream: mlx 0.32.4, mlx-lm (version unknown), mlx-vlm 0.5.0" in text

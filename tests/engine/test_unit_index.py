@@ -21,7 +21,7 @@ RECORDS = registry.load().patches
 # Installs the gate tells apart: releases across every range, a newer one, archive and git installs, absent.
 _VERSIONS = ("0.19.3", "0.22.0", "0.26.1", "0.28.4", "0.30.4", "0.31.2", "0.32.0", "0.32.2", "0.33.0", "0.6.4",
              "0.6.15", "0.7.10", "0.8.0", "0.32.2.dev0", "0.32.2+local")  # fmt: skip
-_SOURCES = (Source(), Source(kind="archive", url="file:///w.whl"), Source(kind="vcs", vcs="git", commit="0" * 40))
+_SOURCES = (Source(), Source(kind="archive", url="file:///w.whl"), Source(kind="vcs", commit="0" * 40))
 
 
 def test_index_says_what_the_units_say():
@@ -43,8 +43,8 @@ def test_stub_decides_as_its_record():
 
 def test_stub_holds_the_indexed_fields_only_and_resolves_to_its_record():
     stub = next(s for s in registry.index() or [] if s.id == "mask-fill")
-    record = registry.load().get("mask-fill")
-    assert all(getattr(stub, name) == getattr(record, name) for name in registry.INDEXED)
+    record = next(p for p in registry.load().patches if p.id == "mask-fill")
+    assert all(getattr(stub, name) == getattr(record, name) for name in units.INDEXED)
     assert not hasattr(stub, "summary")  # a read never imports the unit
     assert stub.resolve() is record
 

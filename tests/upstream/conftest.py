@@ -51,7 +51,7 @@ def requires_patch(patch_id: str, *, applies: bool = False, needed: bool = False
     from kvpatch.gate import Action
     from kvpatch.testing import require_affected, require_applies
 
-    patch = registry.load().get(patch_id)
+    patch = next(p for p in registry.load().patches if p.id == patch_id)
     decision = require_applies(patch) if applies else require_affected(patch)
     if needed and decision.action is Action.NOT_NEEDED:
         pytest.skip(f"{patch.id}: {decision.reason}")
