@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from . import config
 from ._warn import emit as _emit
+from ._warn import failure as _failure
 from .engine import Engine, KvpatchWarning, PatchStatus, State
 from .fingerprints import fingerprint
 from .record import Expiry, Finding, Kind, Patch, Target
@@ -77,7 +78,7 @@ def activate() -> Engine | None:
                 vendored.hook(engine)
         return engine
     except Exception as exc:  # kvpatch must never break the user's program
-        _emit(f"kvpatch could not activate: {type(exc).__name__}: {exc}", key="activate")
+        _emit(f"kvpatch could not activate: {_failure(exc)}", key="activate")
         return None
 
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 from . import config, verdicts
 from . import store as _store
+from ._warn import failure
 
 _mode: tuple[str | None, bool] = (None, False)  # measuring as, remeasuring
 _requested: str | None = None
@@ -57,7 +58,7 @@ def request_verification(keys: list[str]) -> str:
         try:
             _requested = _start(keys)
         except Exception as exc:  # never break the import
-            _requested = f"no verdict yet (background verification could not start: {type(exc).__name__}: {exc});"
+            _requested = f"no verdict yet (background verification could not start: {failure(exc)});"
         _requested += " run `python -m kvpatch verify` to settle it now"
     return _requested
 

@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any, NamedTuple
 
 from . import __version__, _copy_records, measurer, verdicts
+from ._warn import failure
 from .engine import Engine, PatchStatus, State, import_target_modules
 from .gate import Action
 from .record import Bug, Finding, Patch
@@ -40,7 +41,7 @@ def _verify(engine: Engine, st: PatchStatus, check: dict[int, list[str]]) -> tup
     try:
         m = st.measurement or engine.measure(engine.record_of(st), install=False)
     except Exception as exc:
-        outcome, text = Outcome.COULD_NOT_RUN, f"{Outcome.COULD_NOT_RUN.value}: {type(exc).__name__}: {exc}"
+        outcome, text = Outcome.COULD_NOT_RUN, f"{Outcome.COULD_NOT_RUN.value}: {failure(exc)}"
         found: dict[str, Any] = {"without_patch": None, "with_patch": None, "foreign": []}
     else:
         applied = st.state is State.APPLIED

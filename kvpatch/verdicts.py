@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import store as _store
-from ._warn import emit
+from ._warn import emit, failure
 from .locate import module_file, stamp
 from .record import Bug
 
@@ -126,7 +126,7 @@ def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> st
             _loaded = None
             return None
     except Exception as exc:  # a cache must never break anything
-        why = f"{type(exc).__name__}: {exc}"
+        why = failure(exc)
     change(_memory)
     _loaded = None
     if not all(_store.untrusted(p) for p in _store.verdict_places()):  # an untrusted place has said so, once

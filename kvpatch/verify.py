@@ -11,6 +11,7 @@ import sys
 import time
 
 from . import config, deactivate, fingerprints, get_engine, measurer, verdicts
+from ._warn import failure
 from .engine import State
 from .settle import import_pending
 
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     by = "background" if args.background else "verify"
     with measurer.measuring_as(by, remeasure=not (args.background or args.missing)):
         engine.activate()
-        import_pending(engine, lambda pid, module, exc: errors.update({pid: f"{type(exc).__name__}: {exc}"}))
+        import_pending(engine, lambda pid, module, exc: errors.update({pid: failure(exc)}))
         fingerprints.save(wait=True)
     rows = [
         {
