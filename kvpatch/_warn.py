@@ -11,7 +11,7 @@ import sys
 import threading
 import warnings
 
-__all__ = ["KvpatchWarning", "emit"]
+__all__ = ["KvpatchWarning", "describe_error", "emit"]
 
 log = logging.getLogger("kvpatch")
 if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
@@ -60,3 +60,7 @@ def emit(message: str, *, key: str | None = None) -> bool:
         return True
     except Exception:  # nothing in here may reach the host (a failing stderr included)
         return False
+
+
+def describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -1,9 +1,6 @@
-"""Vendored copies of upstream code: a server's own copy of a module kvpatch patches has the same bugs.
-
-A copy is registered (:func:`register_copy`) and patched when it is imported, with a status per patch of
-its own (``PatchStatus.copy``). :func:`scan` only finds copies, reading source files: a function whose
-fingerprint equals a replaced target's in the installed upstream file. ``KVPATCH_VENDORED`` registers what
-it finds as copies of the installed release, only where each replaced function is that release's code.
+"""Vendored copies of upstream code (a server's own copy of a module kvpatch patches has the same bugs): a
+registered copy (:func:`register_copy`) is patched when it is imported, with statuses of its own. :func:`scan` reads
+source files only: a copy is a function whose fingerprint equals a replaced target's in the installed upstream file.
 """
 
 from __future__ import annotations
@@ -20,10 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import config, store, surgery
-from ._site import hooks
-from ._warn import emit
+from ._warn import describe_error, emit
 from .detect import Upstream
-from .engine import FROM_ACTION, PatchStatus, State, refresh_status, set_state
+from .engine import FROM_ACTION, PatchStatus, State, executing, hook_registry, refresh_status, set_state
 from .fingerprints import fingerprint, fingerprint_source, validated
 from .gate import Action, Decision, decide
 from .locate import module_file
@@ -40,8 +36,6 @@ OTHER_OWNER = "found (other owner: not patched)"
 
 @dataclass
 class Copy:
-    """A function that is a copy of a replaced upstream target."""
-
     patch_id: str
     target: str  # the upstream target, "module.Qual.name"
     module: str
@@ -63,15 +57,13 @@ class Copy:
 class _Registered:
     module: str
     of: str
-    #: Found by the scan, with each replaced function of its patches the installed upstream's code (else the code
-    #: must be what the patch was validated on, ``kvpatch/data/fingerprints.json``).
-    scanned: bool
+    scanned: bool  # found by the scan: the installed release's code (else: code the patch was validated on)
     statuses: dict[str, PatchStatus] = field(default_factory=dict)
     changes: dict[str, list[surgery.Change]] = field(default_factory=dict)
 
 
 class _Kept(Exception):
-    """The copy keeps its code for this patch (it drifted from the code the patch is for)."""
+    """The copy keeps its code for this patch: it is not the code the patch is for."""
 
 
 _lock = threading.RLock()
@@ -81,9 +73,8 @@ _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registra
 # -- finding copies: source text only ----------------------------------------------------------------------
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
     """``{qualname: (fingerprint, longest line, lines)}`` of the functions named in ``names`` at module level or in
-    classes of ``source``: the block ``inspect.getsource`` gives, so :func:`~kvpatch.fingerprints.fingerprint` agrees.
-    Found by indentation, not parsed: a tenth of ``ast.parse``'s time, and no SyntaxWarning from the file's code; an
-    odd block misses a copy, never invents one."""
+    classes of ``source``, each the block ``inspect.getsource`` gives. Found by indentation, not parsed: a tenth of
+    ``ast.parse``'s time and no SyntaxWarning; an odd block misses a copy, never invents one."""
     alternatives = "|".join(sorted(map(re.escape, names)))
     pattern = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+(" + alternatives + r")[ \t]*\(", re.M)
     lines = source.split("\n")
@@ -106,7 +97,7 @@ def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str
 
 
 def _enclosing(lines: list[str], row: int, indent: int, name: str) -> str | None:
-    """The qualified name of a ``def`` at ``row``: its enclosing classes; None inside a function or statement."""
+    """The qualified name of a ``def`` at ``row`` (None inside a function or statement)."""
     parts = [name]
     for text in reversed(lines[:row]):
         if indent == 0:
@@ -125,14 +116,14 @@ def _enclosing(lines: list[str], row: int, indent: int, name: str) -> str | None
 
 
 def _read(path: str | None) -> str:
-    """The text of a ``.py`` file, importing nothing ("" unless it is a regular file of bounded size)."""
+    """The text of a ``.py`` file ("" unless it is a regular file of bounded size)."""
     data = store.read_bytes(Path(path)) if path and path.endswith(".py") else None
     return data.decode(errors="replace") if data else ""
 
 
 def _upstream_fingerprints(engine: Engine) -> dict[str, list[tuple[str, Target, str]]]:
-    """``{fingerprint: [(patch id, target, longest line)]}`` of every replaced target of a patch that applies to
-    the installed upstream (applied, or waiting for its module: a copy may be imported before upstream's)."""
+    """``{fingerprint: [(patch id, target, longest line)]}`` of the replaced targets of the patches that apply to the
+    installed upstream (applied, or waiting for its module: a copy may be imported before upstream's)."""
     out: dict[str, list[tuple[str, Target, str]]] = {}
     texts: dict[str, dict[str, tuple[str, str, int]]] = {}
     patches = engine.materialise()
@@ -150,8 +141,7 @@ def _upstream_fingerprints(engine: Engine) -> dict[str, list[tuple[str, Target, 
 
 
 def _installed_dependents() -> dict[str, str]:
-    """``{module: file}`` of the ``.py`` files of installed distributions that require mlx, mlx-lm or mlx-vlm
-    (downstream servers), from their RECORD files."""
+    """``{module: file}`` of the ``.py`` files of installed distributions that require mlx, mlx-lm or mlx-vlm."""
     out: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
@@ -166,10 +156,9 @@ def _installed_dependents() -> dict[str, str]:
 
 
 def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, installed: bool = False) -> list[Copy]:
-    """Copies of the replaced targets of patches that apply here, among ``modules`` (default: every imported
-    module outside mlx_lm / mlx_vlm / kvpatch and the standard library) and, with ``installed``, the files of
-    every installed distribution that requires mlx / mlx-lm / mlx-vlm. The same code under another qualified
-    name (a subclass that copied a method) has the bug too, but is not patched: :data:`OTHER_OWNER`."""
+    """Copies of the replaced targets of patches that apply here among ``modules`` (default: the imported ones
+    outside upstream, kvpatch and the standard library) and, with ``installed``, the files of installed mlx
+    dependents. The same code under another qualified name (a subclass's copy) is :data:`OTHER_OWNER`."""
     if engine is None:
         from . import get_engine
 
@@ -205,8 +194,8 @@ def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, 
 
 
 def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> None:
-    """Register the copies :func:`scan` finds among ``modules`` (default: all imported) as copies of the installed
-    release, with the patches applied to it; only with ``KVPATCH_VENDORED`` on or ``force``. Never raises."""
+    """Register the copies :func:`scan` finds among ``modules`` as copies of the installed release (only with
+    ``KVPATCH_VENDORED`` on or ``force``). Never raises."""
     if not (force or setting() is not None):
         return
     try:
@@ -237,7 +226,7 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
                 engine, module, of=of, version=engine.upstream[dist].version or "", patches=whole, scanned=True
             )
     except Exception as exc:  # kvpatch never raises into its host
-        emit(f"kvpatch: patching vendored copies failed: {type(exc).__name__}: {exc}")
+        emit(f"kvpatch: patching vendored copies failed: {describe_error(exc)}")
 
 
 def setting() -> list[str] | None:
@@ -249,35 +238,25 @@ def setting() -> list[str] | None:
 
 
 def hook(engine: Engine) -> None:
-    """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported
-    (now, for those imported already). Never raises."""
+    """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported.
+    Never raises."""
     names = setting()
     try:
         for name in dict.fromkeys([*KNOWN, *names]) if names is not None else ():
-            if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False):
-                # kvpatch activated inside this module's own import: its classes do not exist yet, no hook will come
+            if executing(sys.modules.get(name)):  # activated inside its own import: no hook will come
                 emit(f"kvpatch: vendored copy {name} was still being imported: call kvpatch.vendored.apply()")
                 continue
-            _registry()(lambda module: apply(engine, modules=[module.__name__], force=True), name)
+            hook_registry()(lambda module: apply(engine, modules=[module.__name__], force=True), name)
     except Exception as exc:
-        emit(f"kvpatch: could not hook vendored modules: {type(exc).__name__}: {exc}")
-
-
-def _registry() -> Any:
-    """kvpatch's own post-import hooks (``_kvpatch_hooks``): run after the module's code, with no lock held."""
-    registry = hooks()
-    if registry is None:
-        raise ImportError("kvpatch's post-import hooks (_kvpatch_hooks) cannot be loaded: reinstall kvpatch")
-    return registry.register_post_import_hook
+        emit(f"kvpatch: could not hook vendored modules: {describe_error(exc)}")
 
 
 # -- registered copies ----------------------------------------------------------------------------------------
 def register_copy(
     engine: Engine, module: str, *, of: str, version: str, patches: Iterable[str] | None = None, scanned: bool = False
 ) -> list[PatchStatus]:
-    """Declare ``module`` a copy of ``of`` as released in ``version`` (see :func:`kvpatch.register_copy`): decide
-    each patch of ``of`` for that release, patch the copy when it is imported (or now). ``scanned``: see
-    :class:`_Registered`."""
+    """:func:`kvpatch.register_copy`: decide each patch of ``of`` for ``version``, patch the copy when it is
+    imported (or now)."""
     dist = next((d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0]), None)
     if dist is None:
         raise ValueError(f"{of} is not a module of {' or '.join(DISTRIBUTIONS)}")
@@ -306,12 +285,12 @@ def register_copy(
         _registered[(module, of)] = reg
     if earlier is not None:
         _restore(earlier)
-    _registry()(lambda loaded: _patch(reg), module)
+    hook_registry()(lambda loaded: _patch(reg), module)
     return list(statuses.values())
 
 
 def _patch(reg: _Registered) -> None:
-    """Install, on the imported copy, every pending patch of ``reg`` (all or nothing per patch)."""
+    """Install every pending patch of ``reg`` on the imported copy, all or nothing per patch."""
     with _lock:
         if _registered.get((reg.module, reg.of)) is not reg:
             return  # registered again since
@@ -329,7 +308,7 @@ def _patch(reg: _Registered) -> None:
                 surgery.restore(change)
             kept = isinstance(exc, _Kept)
             state = State.DRIFTED if kept else State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED
-            why = str(exc) if kept else f"{type(exc).__name__}: {exc}"
+            why = str(exc) if kept else describe_error(exc)
             set_state(st, state, f"{st.reason}; not applied: {why}", error=None if kept else why)
             if state is State.FAILED:
                 emit(f"kvpatch: vendored copy {reg.module}: {st.reason}", key=f"vendored:{pid}:{reg.module}")
@@ -342,8 +321,8 @@ def _patch(reg: _Registered) -> None:
 
 
 def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | None) -> surgery.Change | None:
-    """``target``'s fix on the copy's object of the same qualified name (:func:`kvpatch.surgery.install`) when the
-    copy's code is its own and, with ``known``, has one of those fingerprints; ``None``: nothing to change."""
+    """``target``'s fix on the copy's object of that qualified name, when the copy's code is its own and, with
+    ``known``, has one of those fingerprints."""
 
     def check(original: Any) -> None:
         # a plain value (a class attribute a patch serves through a property) has no code to compare
@@ -358,7 +337,6 @@ def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | 
 
 
 def _restore(reg: _Registered) -> None:
-    """Take ``reg``'s replacements out where they are still kvpatch's."""
     with _lock:
         changes, reg.changes = reg.changes, {}
     for pid, done in changes.items():
@@ -371,8 +349,7 @@ def _restore(reg: _Registered) -> None:
 
 
 def restore() -> None:
-    """Take kvpatch's replacements out of every copy (``kvpatch.deactivate()``); the copies the scan registered
-    are forgotten (``apply`` finds them again), those registered in code stay, pending."""
+    """Take kvpatch's replacements out of every copy; those the scan registered are forgotten, the others pending."""
     with _lock:
         regs = list(_registered.values())
         for key in [key for key, reg in _registered.items() if reg.scanned]:
@@ -382,8 +359,7 @@ def restore() -> None:
 
 
 def copy_records() -> list[PatchStatus]:
-    """Every registered copy's statuses, looked up again (``overridden`` where a replacement is no longer
-    reachable in the copy)."""
+    """Every registered copy's statuses, looked up again."""
     with _lock:
         pairs = [(st, reg.changes.get(pid, [])) for reg in _registered.values() for pid, st in reg.statuses.items()]
     for st, changes in pairs:
@@ -392,7 +368,6 @@ def copy_records() -> list[PatchStatus]:
 
 
 def format_copies(copies: list[Copy]) -> str:
-    """The text ``kvpatch status --scan`` prints."""
     if not copies:
         return "vendored copies: none found (scanned imported modules and installed mlx dependents)"
     lines = [
