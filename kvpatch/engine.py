@@ -162,22 +162,21 @@ class Engine:
 
     def _resolve(self, stubs: list[Stub]) -> list[Patch]:
         """Import the units of ``stubs`` outside the lock (a unit's code runs); one that fails goes to ``broken``."""
-        resolved: dict[str, Patch] = {}
-        failed: dict[str, str] = {}
+        results: dict[str, Patch | str] = {}
         for stub in stubs:
             try:
-                resolved[stub.id] = stub.resolve()
+                results[stub.id] = stub.resolve()
             except Exception as exc:
-                failed[stub.module] = describe_error(exc)
+                results[stub.id] = describe_error(exc)
         with self._lock:
-            for stub in (s for s in stubs if s in self.patches):
-                if stub.id in resolved:
-                    self.patches[self.patches.index(stub)] = self.status[stub.id].patch = resolved[stub.id]
+            for stub, result in ((s, results[s.id]) for s in stubs if s in self.patches):
+                if isinstance(result, Patch):
+                    self.patches[self.patches.index(stub)] = self.status[stub.id].patch = result
                 else:
                     self.patches.remove(stub)
                     self.status.pop(stub.id, None)
-                    self.broken[stub.module] = failed[stub.module]
-        return list(resolved.values())
+                    self.broken[stub.module] = result
+        return [r for r in results.values() if isinstance(r, Patch)]
 
     @staticmethod
     def record_of(st: PatchStatus) -> Patch:
@@ -216,10 +215,7 @@ class Engine:
             emit(error, key="activate")
             return
         for name in fresh:
-            try:
-                register(self._hook, name)
-            except Exception as exc:  # pragma: no cover - the registry itself failing
-                emit(f"could not hook {name}: {exc}", key=f"hook:{name}")
+            register(self._hook, name)
 
     def deactivate(self) -> None:
         """Restore every original still kvpatch's; the hooks stay registered and do nothing until re-activated."""
@@ -252,9 +248,8 @@ class Engine:
             hooking.add(name)
             try:
                 for st in [self.status[p.id] for p in self.patches]:
-                    if top and st.state is State.PENDING and st.patch.import_name == name:
-                        self._advance(st)
-                    elif not top and st.state in (State.PENDING, State.APPLIED) and name in st.record.modules:
+                    live = st.state is State.PENDING or (not top and st.state is State.APPLIED)
+                    if live and (st.patch.import_name == name if top else name in st.record.modules):
                         self._advance(st)
             finally:
                 hooking.discard(name)
@@ -416,8 +411,8 @@ class Engine:
             self._declined(st)
 
     def _declined(self, st: PatchStatus) -> bool:
-        """True (and the patch settled as not needed) when every builder whose target is imported returns the
-        original (nothing to change on this backend); a required target not imported yet keeps it pending."""
+        """True (and the patch settled as not needed) when every builder whose target is imported declines; a
+        required target not imported yet keeps it pending."""
         seen = False
         for target in st.record.targets:
             module = sys.modules.get(target.module)
@@ -447,8 +442,8 @@ class Engine:
         return function
 
     def _install_target(self, st: PatchStatus, target: Target, module: types.ModuleType) -> None:
-        """Install one target (:func:`kvpatch.surgery.install`: built outside the lock, committed under it). One
-        reaching the replacement already (re-exported, or under a foreign wrapper restore left) is adopted."""
+        """Install one target; one reaching the replacement already (re-exported, or under a foreign wrapper restore
+        left) is adopted."""
         patch = st.record
         owner = surgery.owner_of(target, module)
         present = inspect.getattr_static(owner, target.attribute, _MISSING)
@@ -496,15 +491,11 @@ class Engine:
         if first is not None and first.raw_original is not _MISSING:
             return getattr(first.raw_original, "__func__", first.raw_original)
         static = inspect.getattr_static(owner, target.attribute, _MISSING)
-        static = getattr(static, "__func__", static)
         # only kvpatch's own objects (an attribute a patch added): no upstream code to compare
-        return next(
-            (obj for obj in surgery.reachable(static, closures=False) if surgery.mark_of(obj) is None), _MISSING
-        )
+        return next((o for o in surgery.reachable(static, closures=False) if surgery.mark_of(o) is None), _MISSING)
 
     def _uninstall(self, st: PatchStatus) -> None:
-        """Remove one patch's changes, keeping patches stacked above it on the same attributes; only what is still
-        kvpatch's is put back (what a foreign wrapper holds stays, noted on the status)."""
+        """Remove one patch's changes, keeping patches stacked above it on the same attributes."""
         with self._lock:
             mine = [c for c in self._changes if c.patch_id == st.patch.id]
             st.installed.clear()
@@ -539,7 +530,6 @@ class Engine:
                 self._install_target(self.status[change.patch_id], change.target, module)
 
     def _drop(self, changes: list[Change]) -> None:
-        """Forget ``changes`` (under the lock): their patches no longer count their targets as installed."""
         for change in changes:
             self._changes.remove(change)
             installed = self.status[change.patch_id].installed
@@ -554,9 +544,8 @@ class Engine:
         emit(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
 
     def refresh(self) -> None:
-        """Re-read every installed replacement (:func:`refresh_status`). A target module executed again
-        (``importlib.reload``: no hook fires) gets its patches again first; the changes on the objects it no longer
-        holds stay (instances made before still use them) until deactivate."""
+        """Re-read every installed replacement; a reloaded target module (no hook fires) gets its patches again first,
+        and the changes on objects it no longer holds stay (older instances use them) until deactivate."""
         with self._lock:
             stale = [c for c in self._changes if _reexecuted(c)]
             self._drop(stale)
@@ -583,8 +572,7 @@ class Engine:
 
     @contextmanager
     def without(self, *patch_ids: str) -> Iterator[None]:
-        """Run a block with the named patches removed: outermost first, back innermost first, so a stack on one
-        attribute is as it was after the block whatever order the ids were named in."""
+        """Run a block with the named patches removed: outermost first, back innermost first (a stack is kept)."""
         ids = [pid for pid in patch_ids if self.status[pid].installed or self.status[pid].state is State.APPLIED]
         with self._lock:
             order = list(dict.fromkeys(c.patch_id for c in self._changes))
@@ -613,9 +601,8 @@ def hook_registry() -> Any:
 
 
 def import_target_modules(patch: Patch, failed: Callable[[str, Exception], None] | None = None) -> None:
-    """Import every module the patch targets (the hooks run). One holding only optional targets may fail (some
-    raise without Metal): they count as absent. Another's failure raises, or goes to ``failed`` and the rest
-    are still imported."""
+    """Import every module the patch targets (the hooks run). One holding only optional targets may fail (some raise
+    without Metal); another's failure raises, or goes to ``failed`` and the rest are still imported."""
     for module in patch.modules:
         try:
             importlib.import_module(module)
@@ -658,8 +645,7 @@ def run_reproduction(patch: Patch) -> Finding:
 
 
 def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _KEEP) -> None:
-    """The one place a patch's state changes (``reason`` None / ``error`` unset: kept); callers hold the engine's
-    lock where another thread may change the same status."""
+    """The one place a patch's state changes (``reason`` None / ``error`` unset: kept), under the engine's lock."""
     st.state = state
     if reason is not None:
         st.reason = reason
@@ -668,9 +654,7 @@ def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error
 
 
 def refresh_status(st: PatchStatus, changes: list[Change], lock: threading.RLock) -> None:
-    """Re-read ``st``'s installed replacements (``changes``), outside ``lock`` and then set under it: "applied"
-    means reachable now (``overridden`` when something else replaced one without calling it; a foreign wrapper that
-    reaches one is named in ``wrapped``)."""
+    """Re-read ``st``'s installed replacements outside ``lock``, set under it: "applied" means reachable now."""
     results = [surgery.liveness(change) for change in changes]
     with lock:
         gone = [detail for state, detail in results if state in ("overridden", "removed")]
@@ -682,8 +666,8 @@ def refresh_status(st: PatchStatus, changes: list[Change], lock: threading.RLock
 
 
 def _reexecuted(change: Change) -> bool:
-    """True when ``change``'s module was executed again since (``importlib.reload``): it reaches a different owner
-    now, or (a module-level target) holds a new function of its own code there."""
+    """True when ``change``'s module was executed again (``importlib.reload``): a different owner, or (module level)
+    a new function of its own code there."""
     module = sys.modules.get(change.target.module)
     if module is None or executing(module):
         return False

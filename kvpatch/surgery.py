@@ -140,8 +140,7 @@ def owner_of(target: Target, module: types.ModuleType) -> Any:
 
 
 def foreign_targets(patch: Patch) -> list[str]:
-    """``"<target>: <qualified name>"`` for each imported replaced target of ``patch`` whose live object is not
-    upstream's own (:func:`foreign`)."""
+    """``"<target>: <qualified name>"`` for each imported replaced target of ``patch`` that is :func:`foreign`."""
     found = []
     for target in patch.targets:
         module = sys.modules.get(target.module)
@@ -198,11 +197,9 @@ def install(
     lock: contextlib.AbstractContextManager[Any] | None = None,
     record: Callable[[Change], None] | None = None,
 ) -> Change | None:
-    """Install ``target``'s replacement on ``owner`` (upstream's or a vendored copy's, recorded as ``at``).
-
-    ``None`` when the attribute already carries the patch or ``make(original)`` (default: :func:`build`) declines.
-    ``check(original)`` may raise to keep the code. The attribute is read again under ``lock`` before it is set
-    (``record(change)`` runs there too): changed meanwhile, it is built again."""
+    """Install ``target``'s replacement on ``owner`` (upstream's, or a vendored copy's recorded as ``at``); ``None``:
+    it carries the patch already or ``make(original)`` declines. ``check(original)`` may raise to keep the code. The
+    attribute is read again under ``lock`` before it is set (``record(change)`` runs there): changed, it is rebuilt."""
     at = at or target
     name = target.attribute
     if owner is MISSING:
@@ -246,8 +243,7 @@ def install(
 
 
 def liveness(change: Change) -> tuple[str, str]:
-    """``("in place" | "wrapped" | "overridden" | "removed", detail)`` of ``change``'s replacement now; ``wrapped``:
-    a foreign wrapper holds the attribute and reaches it (the fix runs when it calls through)."""
+    """``("in place" | "wrapped" | "overridden" | "removed", detail)`` of ``change``'s replacement now."""
     current = inspect.getattr_static(change.owner, change.name, MISSING)
     if current is MISSING:
         return "removed", f"{change.target.path} no longer exists"

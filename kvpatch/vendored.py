@@ -155,14 +155,10 @@ def _installed_dependents() -> dict[str, str]:
     return out
 
 
-def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, installed: bool = False) -> list[Copy]:
+def scan(engine: Engine, *, modules: Iterable[str] | None = None, installed: bool = False) -> list[Copy]:
     """Copies of the replaced targets of patches that apply here among ``modules`` (default: the imported ones
     outside upstream, kvpatch and the standard library) and, with ``installed``, the files of installed mlx
     dependents. The same code under another qualified name (a subclass's copy) is :data:`OTHER_OWNER`."""
-    if engine is None:
-        from . import get_engine
-
-        engine = get_engine()
     upstream = _upstream_fingerprints(engine)
     if not upstream:
         return []
@@ -221,10 +217,7 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
             whole = [
                 pid for pid, got in paths.items() if {t.path for t in expected.get(pid, ()) if t.module == of} <= got
             ]
-            dist = next(d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0])
-            register_copy(
-                engine, module, of=of, version=engine.upstream[dist].version or "", patches=whole, scanned=True
-            )
+            register_copy(engine, module, of=of, version=None, patches=whole, scanned=True)
     except Exception as exc:  # kvpatch never raises into its host
         emit(f"kvpatch: patching vendored copies failed: {describe_error(exc)}")
 
@@ -253,13 +246,14 @@ def hook(engine: Engine) -> None:
 
 # -- registered copies ----------------------------------------------------------------------------------------
 def register_copy(
-    engine: Engine, module: str, *, of: str, version: str, patches: Iterable[str] | None = None, scanned: bool = False
+    engine: Engine, module: str, *, of: str, version: str | None, patches: Iterable[str] | None, scanned: bool = False
 ) -> list[PatchStatus]:
-    """:func:`kvpatch.register_copy`: decide each patch of ``of`` for ``version``, patch the copy when it is
-    imported (or now)."""
+    """:func:`kvpatch.register_copy`: decide each patch of ``of`` for ``version`` (None: the installed one), patch
+    the copy when it is imported (or now)."""
     dist = next((d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0]), None)
     if dist is None:
         raise ValueError(f"{of} is not a module of {' or '.join(DISTRIBUTIONS)}")
+    version = engine.upstream[dist].version or "" if version is None else version
     statuses: dict[str, PatchStatus] = {}
     wanted = None if patches is None else list(dict.fromkeys(patches))
     known = {p.id: p for p in engine.materialise()}
