@@ -32,8 +32,6 @@ from .verdicts import Outcome
 
 __all__ = ["Engine", "KvpatchWarning", "PatchStatus", "State"]
 
-_KEEP: Any = object()
-
 
 class State(enum.Enum):
     PENDING = "pending"  # decided to apply; the target module has not been imported yet
@@ -356,7 +354,7 @@ class Engine:
             Outcome.SKIPPED: (State.NOT_NEEDED, f"the reproduction cannot run on this backend ({found.detail})"),
         }.get(outcome, (State.DRIFTED, f"verdict: {st.verified}"))
         tail += "" if outcome is Outcome.ABSENT else ": not applied"
-        set_state(st, state, f"{why}; {tail}", error=found.detail if state is State.INCONCLUSIVE else _KEEP)
+        set_state(st, state, f"{why}; {tail}", error=found.detail if state is State.INCONCLUSIVE else _MISSING)
         if state is State.INCONCLUSIVE:
             emit(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"verdict:{patch.id}")
         elif state is State.DRIFTED:
@@ -370,15 +368,7 @@ class Engine:
         present without it."""
         import_target_modules(patch)
         st = self.status[patch.id]
-        mine = {(t.module, t.qualname) for t in patch.targets}
-        sharing = [
-            other.record.id
-            for other in (self.status[p.id] for p in self.patches)
-            if other.installed
-            and (other.record is patch or not other.record.enabler)
-            and mine & {(t.module, t.qualname) for t in other.record.targets}
-        ]
-        with self.without(*sharing):
+        with self.without(*self._sharing(patch)):
             foreign = tuple(surgery.foreign_targets(patch))
             before = run_reproduction(patch)
         after = None
@@ -392,13 +382,22 @@ class Engine:
                 self._uninstall(st)
         return Measurement(before, after, foreign)
 
+    def _sharing(self, patch: Patch) -> list[str]:
+        mine = {(t.module, t.qualname) for t in patch.targets}
+        return [
+            st.record.id
+            for st in (self.status[p.id] for p in self.patches)
+            if st.installed
+            and (st.record is patch or not st.record.enabler)
+            and mine & {(t.module, t.qualname) for t in st.record.targets}
+        ]
+
     def _install_available(self, st: PatchStatus) -> None:
         for target in st.record.targets:
             module = sys.modules.get(target.module)
-            if target in st.installed or module is None:
+            # a circular import still executing the module: its own hook will come
+            if target in st.installed or module is None or (target.module not in self._hooking() and executing(module)):
                 continue
-            if target.module not in self._hooking() and executing(module):
-                continue  # a circular import still executing it: its own hook will come
             try:
                 self._install_target(st, target, module)
             except Exception:
@@ -644,12 +643,12 @@ def run_reproduction(patch: Patch) -> Finding:
     return finding
 
 
-def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _KEEP) -> None:
+def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _MISSING) -> None:
     """The one place a patch's state changes (``reason`` None / ``error`` unset: kept), under the engine's lock."""
     st.state = state
     if reason is not None:
         st.reason = reason
-    if error is not _KEEP:
+    if error is not _MISSING:
         st.error = error
 
 

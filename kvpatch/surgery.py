@@ -106,9 +106,6 @@ def describe(obj: Any) -> str:
     return f"<{type(obj).__module__}.{type(obj).__qualname__} object>"
 
 
-_BUILTIN_METHODS = (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)
-
-
 def foreign(obj: Any, package: str) -> str | None:
     """Whose code ``obj`` is when not a plain function of ``package`` (``None``): another library's function's
     qualified name, or a wrapper's type and what it wraps. kvpatch's replacements count."""
@@ -117,7 +114,10 @@ def foreign(obj: Any, package: str) -> str | None:
         module = func.__module__ or ""
         return None if f"{module}.".startswith(f"{package}.") else f"{module}.{func.__qualname__}"
     owner = getattr(func, "__objclass__", None)
-    if isinstance(func, _BUILTIN_METHODS) and getattr(owner, "__module__", "") == "builtins":
+    if (
+        isinstance(func, (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType))
+        and getattr(owner, "__module__", "") == "builtins"
+    ):
         return None  # a method a class inherits from ``object`` (``__reduce_ex__``): no library's code
     kind = type(func)
     inner = getattr(func, "__wrapped__", None)
@@ -142,10 +142,8 @@ def owner_of(target: Target, module: types.ModuleType) -> Any:
 def foreign_targets(patch: Patch) -> list[str]:
     """``"<target>: <qualified name>"`` for each imported replaced target of ``patch`` that is :func:`foreign`."""
     found = []
-    for target in patch.targets:
-        module = sys.modules.get(target.module)
-        owner = owner_of(target, module) if module is not None and target.kind is Kind.REPLACE else MISSING
-        live = inspect.getattr_static(owner, target.attribute, MISSING) if owner is not MISSING else MISSING
+    for target in (t for t in patch.targets if t.kind is Kind.REPLACE and sys.modules.get(t.module) is not None):
+        live = inspect.getattr_static(owner_of(target, sys.modules[target.module]), target.attribute, MISSING)
         who = foreign(live, patch.import_name) if live is not MISSING else None
         if who is not None:
             found.append(f"{target.path}: {who}")

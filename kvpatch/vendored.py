@@ -70,7 +70,6 @@ _lock = threading.RLock()
 _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registration
 
 
-# -- finding copies: source text only ----------------------------------------------------------------------
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
     """``{qualname: (fingerprint, longest line, lines)}`` of the functions named in ``names`` at module level or in
     classes of ``source``, each the block ``inspect.getsource`` gives. Found by indentation, not parsed: a tenth of
@@ -244,7 +243,6 @@ def hook(engine: Engine) -> None:
         emit(f"kvpatch: could not hook vendored modules: {describe_error(exc)}")
 
 
-# -- registered copies ----------------------------------------------------------------------------------------
 def register_copy(
     engine: Engine, module: str, *, of: str, version: str | None, patches: Iterable[str] | None, scanned: bool = False
 ) -> list[PatchStatus]:
