@@ -195,9 +195,8 @@ class Engine:
             fresh = [n for n in names if n not in self._hooked]
             self._hooked.update(fresh)
         # Outside the lock: the registry may call the hook at once, and the hook takes the lock itself.
-        for loaded in (sys.modules.get(n) for n in names if n not in fresh):  # the registry will not call again
-            if loaded is not None:
-                self._hook(loaded)
+        for loaded in filter(None, (sys.modules.get(n) for n in names if n not in fresh)):  # not called again
+            self._hook(loaded)
         if not fresh:
             return
         try:
@@ -255,7 +254,6 @@ class Engine:
             emit(f"kvpatch hook for {getattr(module, '__name__', module)} failed: {exc}", key="hook-crash")
 
     def _advance(self, st: PatchStatus) -> None:
-        """Install whatever of ``st`` can be installed now; verify first where the facts say so."""
         if st.suspended:
             return
         try:
@@ -361,11 +359,9 @@ class Engine:
             emit(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
 
     def measure(self, patch: Patch, *, install: bool = True) -> Measurement:
-        """kvpatch's one "with and without" of ``patch``'s reproduction, its target modules imported. *Without*:
-        every installed patch on one of its targets taken out (one can hide the same symptom) except enablers
-        (:attr:`Patch.enabler`: needed to run at all); ``foreign`` names targets then holding another library's code.
-        *With*: as this process has it; not installed, installed for that run when ``install`` is on and the bug was
-        present without it."""
+        """kvpatch's one "with and without" of ``patch``'s reproduction. *Without*: every installed patch on one of its
+        targets taken out (it can hide the symptom) except enablers (needed to run at all). *With*: as this process
+        has it; not installed, installed for that run when ``install`` is on and the bug was present without it."""
         import_target_modules(patch)
         st = self.status[patch.id]
         with self.without(*self._sharing(patch)):
@@ -410,8 +406,7 @@ class Engine:
             self._declined(st)
 
     def _declined(self, st: PatchStatus) -> bool:
-        """True (and the patch settled as not needed) when every builder whose target is imported declines; a
-        required target not imported yet keeps it pending."""
+        """True (and the patch settled as not needed) when every builder whose target is imported declines."""
         seen = False
         for target in st.record.targets:
             module = sys.modules.get(target.module)
@@ -558,7 +553,6 @@ class Engine:
             refresh_status(self.status[pid], [c for c in changes if c.patch_id == pid], self._lock)
 
     def suspend(self, patch_id: str) -> None:
-        """Take one patch out (restoring the originals) without forgetting its decision."""
         st = self.status[patch_id]
         st.suspended = True
         self._uninstall(st)
@@ -618,9 +612,8 @@ REPRODUCTIONS_RUN: list[str] = []
 
 
 def run_reproduction(patch: Patch) -> Finding:
-    """Run ``patch``'s reproduction (an error that is not the bug's symptom is inconclusive), keeping mlx's default
-    device and stream, and its random state where mlx allows it (mlx up to 0.31: a plain list, put back; newer
-    mlx's ``_RandomState`` cannot be set back, one reason reproductions never run in a user's process)."""
+    """Run ``patch``'s reproduction keeping mlx's default device and stream, and its random state where mlx allows it
+    (up to 0.31; newer mlx's cannot be set back, one reason reproductions never run in a user's process)."""
     if patch.reproduction is None:
         raise LookupError(f"{patch.id} has no reproduction")
     REPRODUCTIONS_RUN.append(patch.id)
@@ -665,8 +658,7 @@ def refresh_status(st: PatchStatus, changes: list[Change], lock: threading.RLock
 
 
 def _reexecuted(change: Change) -> bool:
-    """True when ``change``'s module was executed again (``importlib.reload``): a different owner, or (module level)
-    a new function of its own code there."""
+    """True when ``change``'s module was executed again (``importlib.reload``): a new owner or module function."""
     module = sys.modules.get(change.target.module)
     if module is None or executing(module):
         return False

@@ -1,10 +1,6 @@
-"""Surgery on someone else's objects: install a replacement, tell whether it is still reached, put things back.
-
-A replacement is a plain function with the original's metadata (``functools.update_wrapper``: pickling by qualified
-name and ``inspect.signature`` work) and kvpatch's mark; before installing, what the attribute reaches is searched
-for the mark, so nothing is patched twice. Restore puts the original back only where kvpatch's replacement is still
-the attribute: under a foreign wrapt proxy the original is spliced in, a closure wrapper or an outright replacement
-stays (and is reported). Modules that imported a replaced module-level function by name are rebound, by identity.
+"""Surgery on someone else's objects: install a replacement (a plain function with the original's metadata and
+kvpatch's mark, never twice), tell whether it is still reached, put things back only where kvpatch's replacement is
+still the attribute (under a foreign wrapt proxy the original is spliced in; other wrappers stay, reported).
 """
 
 from __future__ import annotations
@@ -34,8 +30,6 @@ _OURS_PROPERTIES: dict[int, tuple[Any, str, Any]] = globals().get("_OURS_PROPERT
 
 @dataclass
 class Change:
-    """One attribute changed on one owner, and how to put it back."""
-
     patch_id: str
     target: Target
     owner: Any
@@ -57,8 +51,7 @@ def _property(obj: Any) -> tuple[Any, str, Any] | None:
 
 def _walk(obj: Any, closures: bool = True) -> Iterator[tuple[Any, Any]]:
     """What ``obj`` reaches through ``__wrapped__`` (and a kvpatch property's original) and, with ``closures``, the
-    functions a closure holds (servers' monkey patches call kvpatch's replacement from one), breadth first, each with
-    the outermost non-kvpatch object above it (``None``: only kvpatch's)."""
+    functions a closure holds, breadth first, each with the outermost non-kvpatch object above it (None: none)."""
     seen: set[int] = set()
     todo: list[tuple[Any, Any]] = [(_plain(obj), None)]
     while todo and len(seen) < 256:  # more is a cycle or a pathology: stop looking

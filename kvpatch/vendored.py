@@ -58,7 +58,7 @@ class _Registered:
     module: str
     of: str
     scanned: bool  # found by the scan: the installed release's code (else: code the patch was validated on)
-    statuses: dict[str, PatchStatus] = field(default_factory=dict)
+    statuses: dict[str, PatchStatus]
     changes: dict[str, list[surgery.Change]] = field(default_factory=dict)
 
 
@@ -71,9 +71,8 @@ _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registra
 
 
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
-    """``{qualname: (fingerprint, longest line, lines)}`` of the functions named in ``names`` at module level or in
-    classes of ``source``, each the block ``inspect.getsource`` gives. Found by indentation, not parsed: a tenth of
-    ``ast.parse``'s time and no SyntaxWarning; an odd block misses a copy, never invents one."""
+    """``{qualname: (fingerprint, longest line, lines)}`` of the functions in ``names`` at module or class level of
+    ``source``. Found by indentation, not parsed (a tenth of ``ast.parse``'s time, no SyntaxWarning)."""
     alternatives = "|".join(sorted(map(re.escape, names)))
     pattern = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+(" + alternatives + r")[ \t]*\(", re.M)
     lines = source.split("\n")
@@ -230,8 +229,7 @@ def setting() -> list[str] | None:
 
 
 def hook(engine: Engine) -> None:
-    """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported.
-    Never raises."""
+    """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported."""
     names = setting()
     try:
         for name in dict.fromkeys([*KNOWN, *names]) if names is not None else ():
@@ -351,7 +349,6 @@ def restore() -> None:
 
 
 def copy_records() -> list[PatchStatus]:
-    """Every registered copy's statuses, looked up again."""
     with _lock:
         pairs = [(st, reg.changes.get(pid, [])) for reg in _registered.values() for pid, st in reg.statuses.items()]
     for st, changes in pairs:
