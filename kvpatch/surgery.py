@@ -120,7 +120,8 @@ def foreign(obj: Any, package: str) -> str | None:
 
 def upstream_inner(obj: Any, package: str) -> Any:
     """The first function behind ``obj`` (a wrapper) that is ``package``'s own code, not kvpatch's; ``None``: none."""
-    return next((node for node in reachable(obj) if mark_of(node) is None and foreign(node, package) is None), None)
+    plain = (n for n in reachable(obj) if type(n) is types.FunctionType and mark_of(n) is None)
+    return next((n for n in plain if foreign(n, package) is None), None)
 
 
 def owner_of(target: Target, module: types.ModuleType) -> Any:
@@ -295,8 +296,9 @@ def rebind_aliases(old: Any, new: Any, *, skip: types.ModuleType, everywhere: bo
         namespace = getattr(module, "__dict__", None)  # None: a module stand-in without one
         if module is skip or not isinstance(namespace, dict) or not (everywhere or mod_name.split(".")[0] in packages):
             continue
-        if not any(map(operator.is_, namespace.values(), itertools.repeat(old))):
-            continue  # the usual case, tested at C speed (a late activation scans every module)
+        with contextlib.suppress(RuntimeError):  # the namespace changed size meanwhile (no GIL): look one by one
+            if not any(map(operator.is_, namespace.values(), itertools.repeat(old))):
+                continue  # the usual case, tested at C speed (a late activation scans every module)
         for name, value in list(namespace.items()):
             if value is old:
                 with contextlib.suppress(Exception):  # a read-only module stand-in
