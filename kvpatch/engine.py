@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any
 
 from . import fingerprints, measurer, surgery, verdicts
+from ._site import hooks
 from ._warn import KvpatchWarning, describe_error, emit
 from .config import Config, read_config
 from .detect import Upstream, detect
@@ -585,8 +586,6 @@ class Engine:
 
 def hook_registry() -> Any:
     """``register_post_import_hook(hook, name)`` of kvpatch's bootstrap: it never imports inside the import lock."""
-    from ._site import hooks
-
     registry = hooks()
     if registry is None:
         raise ImportError("kvpatch's post-import hooks (_kvpatch_hooks) cannot be loaded: reinstall kvpatch")
