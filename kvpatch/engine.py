@@ -50,7 +50,6 @@ class State(enum.Enum):
     INCONCLUSIVE = "inconclusive"  # the verdict's reproduction hit an error that is not the bug: not applied
 
 
-#: The state a patch starts in, per decision of the gate.
 FROM_ACTION = {a: State.PENDING if a in (Action.APPLY, Action.VERIFY) else State(a.value) for a in Action}
 
 
@@ -275,8 +274,7 @@ class Engine:
             self._fail(st, exc)
 
     def _check_drift(self, st: PatchStatus) -> None:
-        """A replaced target whose source fingerprint is none of those recorded for the affected releases sends the
-        patch to its verdict (where a VERIFY decision goes anyway)."""
+        """A replaced target whose fingerprint is none recorded for the affected releases: the verdict decides."""
         patch = st.record
         known = fingerprints.validated(patch) if st.decision.action is not Action.VERIFY else None
         if not known:
@@ -314,8 +312,7 @@ class Engine:
         fingerprints.save(wait=measurer.measuring() is not None)
 
     def _verify_and_apply(self, st: PatchStatus) -> None:
-        """Settle a patch the facts leave to its reproduction from this environment's verdict: a user's process only
-        reads verdicts (none: not applied, a background verification requested); a verification process measures."""
+        """Settle a patch by this environment's verdict: a verification process measures, a user's process reads."""
         patch = st.record
         why = "; ".join(st.drift) or st.decision.reason
         if self._declined(st):
@@ -437,8 +434,7 @@ class Engine:
         return function
 
     def _install_target(self, st: PatchStatus, target: Target, module: types.ModuleType) -> None:
-        """Install one target; one reaching the replacement already (re-exported, or under a foreign wrapper restore
-        left) is adopted."""
+        """Install one target; one reaching the replacement already (re-exported, or wrapped) is adopted."""
         patch = st.record
         owner = surgery.owner_of(target, module)
         present = inspect.getattr_static(owner, target.attribute, _MISSING)

@@ -100,8 +100,7 @@ def describe(obj: Any) -> str:
 
 
 def foreign(obj: Any, package: str) -> str | None:
-    """Whose code ``obj`` is when not a plain function of ``package`` (``None``): another library's function's
-    qualified name, or a wrapper's type and what it wraps. kvpatch's replacements count."""
+    """Whose code ``obj`` is (another library's function, or a wrapper's type); None: a function of ``package``."""
     func = _plain(obj)
     if type(func) is types.FunctionType:
         module = func.__module__ or ""
@@ -145,8 +144,7 @@ def foreign_targets(patch: Patch) -> list[str]:
 
 
 def build(patch: Patch, owner: Any, original: Any, builder: Callable[[Any], Any]) -> Any:
-    """``builder(original)``, or ``original`` where ``owner`` is another distribution's class and the patch fixes its
-    own only (``Patch.own_classes_only``)."""
+    """``builder(original)``, or ``original`` for another distribution's class (:attr:`Patch.own_classes_only`)."""
     if patch.own_classes_only and borrowed(owner, patch.import_name):
         return original
     return builder(original)
@@ -189,9 +187,8 @@ def install(
     lock: contextlib.AbstractContextManager[Any] | None = None,
     record: Callable[[Change], None] | None = None,
 ) -> Change | None:
-    """Install ``target``'s replacement on ``owner`` (upstream's, or a vendored copy's recorded as ``at``); ``None``:
-    it carries the patch already or ``make(original)`` declines. ``check(original)`` may raise to keep the code. The
-    attribute is read again under ``lock`` before it is set (``record(change)`` runs there): changed, it is rebuilt."""
+    """Install ``target``'s replacement on ``owner`` (a vendored copy's: recorded as ``at``); ``None``: nothing to do.
+    The attribute is read again under ``lock`` before it is set (``record(change)`` runs there): changed, rebuilt."""
     at = at or target
     name = target.attribute
     if owner is MISSING:
@@ -260,12 +257,8 @@ def restore(change: Change) -> str | None:
         wrapt = sys.modules.get("wrapt")
         # wrapt 2's function wrappers derive from BaseObjectProxy (ObjectProxy's base); wrapt 1 has ObjectProxy only
         proxy = getattr(wrapt, "BaseObjectProxy", None) or getattr(wrapt, "ObjectProxy", None)
-        spliced = (
-            p
-            for p in reachable(current, closures=False)
-            if proxy and isinstance(p, proxy) and splice_under(p, change.function, change.original)
-        )
-        change.spliced_into = next(spliced, None)
+        proxies = [p for p in reachable(current, closures=False) if proxy and isinstance(p, proxy)]
+        change.spliced_into = next((p for p in proxies if splice_under(p, change.function, change.original)), None)
         if change.spliced_into is None:
             note = (
                 f"{change.target.path}: left {describe(current)} in place; it wraps kvpatch's replacement in a way "

@@ -41,8 +41,7 @@ class Copy:
     module: str
     qualname: str
     fingerprint: str
-    #: "found", "patched", "not patched: <why>" or :data:`OTHER_OWNER`.
-    state: str = "found"
+    state: str = "found"  # "found", "patched", "not patched: <why>" or OTHER_OWNER
 
     @property
     def path(self) -> str:
@@ -120,8 +119,7 @@ def _read(path: str | None) -> str:
 
 
 def _upstream_fingerprints(engine: Engine) -> dict[str, list[tuple[str, Target, str]]]:
-    """``{fingerprint: [(patch id, target, longest line)]}`` of the replaced targets of the patches that apply to the
-    installed upstream (applied, or waiting for its module: a copy may be imported before upstream's)."""
+    """``{fingerprint: [(patch id, target, longest line)]}`` of the replaced targets of patches that apply (or wait)."""
     out: dict[str, list[tuple[str, Target, str]]] = {}
     texts: dict[str, dict[str, tuple[str, str, int]]] = {}
     patches = engine.materialise()
@@ -154,9 +152,8 @@ def _installed_dependents() -> dict[str, str]:
 
 
 def scan(engine: Engine, *, modules: Iterable[str] | None = None, installed: bool = False) -> list[Copy]:
-    """Copies of the replaced targets of patches that apply here among ``modules`` (default: the imported ones
-    outside upstream, kvpatch and the standard library) and, with ``installed``, the files of installed mlx
-    dependents. The same code under another qualified name (a subclass's copy) is :data:`OTHER_OWNER`."""
+    """Copies of the replaced targets of patches that apply here among ``modules`` (default: imported, not upstream's,
+    kvpatch's or the standard library's) and, with ``installed``, in installed mlx dependents' files."""
     upstream = _upstream_fingerprints(engine)
     if not upstream:
         return []
@@ -188,8 +185,7 @@ def scan(engine: Engine, *, modules: Iterable[str] | None = None, installed: boo
 
 
 def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> None:
-    """Register the copies :func:`scan` finds among ``modules`` as copies of the installed release (only with
-    ``KVPATCH_VENDORED`` on or ``force``). Never raises."""
+    """Register the copies :func:`scan` finds (with ``KVPATCH_VENDORED`` on or ``force``). Never raises."""
     if not (force or setting() is not None):
         return
     try:
@@ -244,8 +240,7 @@ def hook(engine: Engine) -> None:
 def register_copy(
     engine: Engine, module: str, *, of: str, version: str | None, patches: Iterable[str] | None, scanned: bool = False
 ) -> list[PatchStatus]:
-    """:func:`kvpatch.register_copy`: decide each patch of ``of`` for ``version`` (None: the installed one), patch
-    the copy when it is imported (or now)."""
+    """:func:`kvpatch.register_copy` (``version`` None: the installed release's)."""
     dist = next((d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0]), None)
     if dist is None:
         raise ValueError(f"{of} is not a module of {' or '.join(DISTRIBUTIONS)}")
@@ -311,8 +306,7 @@ def _patch(reg: _Registered) -> None:
 
 
 def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | None) -> surgery.Change | None:
-    """``target``'s fix on the copy's object of that qualified name, when the copy's code is its own and, with
-    ``known``, has one of those fingerprints."""
+    """``target``'s fix on the copy, where its code is its own (and, with ``known``, has one of those fingerprints)."""
 
     def check(original: Any) -> None:
         # a plain value (a class attribute a patch serves through a property) has no code to compare
