@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import config, store, surgery
+from . import config, get_engine, store, surgery
 from ._warn import describe_error, emit
 from .detect import Upstream
 from .engine import FROM_ACTION, PatchStatus, State, executing, hook_registry, refresh_status, set_state
@@ -189,10 +189,7 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
     if not (force or setting() is not None):
         return
     try:
-        if engine is None:
-            from . import get_engine
-
-            engine = get_engine()
+        engine = engine or get_engine()
         found: dict[str, dict[str, dict[str, set[str]]]] = {}  # module -> of -> {patch id: its targets found}
         for c in scan(engine, modules=modules):
             if c.state != OTHER_OWNER:
