@@ -535,8 +535,7 @@ class Engine:
         emit(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
 
     def refresh(self) -> None:
-        """Re-read every installed replacement; a reloaded target module (no hook fires) gets its patches again first,
-        and the changes on objects it no longer holds stay (older instances use them) until deactivate."""
+        """Re-read every installed replacement; a reloaded target module (no hook fires) is patched again first."""
         with self._lock:
             stale = [c for c in self._changes if _reexecuted(c)]
             self._drop(stale)
@@ -589,8 +588,7 @@ def hook_registry() -> Any:
 
 
 def import_target_modules(patch: Patch, failed: Callable[[str, Exception], None] | None = None) -> None:
-    """Import every module the patch targets (the hooks run). One holding only optional targets may fail (some raise
-    without Metal); another's failure raises, or goes to ``failed`` and the rest are still imported."""
+    """Import the patch's target modules; one holding only optional targets may fail (some raise without Metal)."""
     for module in patch.modules:
         try:
             importlib.import_module(module)
