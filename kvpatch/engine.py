@@ -1,9 +1,8 @@
 """The lifecycle of kvpatch in one process: decide once (the gate), hook each target module, install the patches
-that apply when it arrives, and put the originals back on request.
+that apply when it arrives, and put the originals back on request (the mechanics: :mod:`kvpatch.surgery`).
 
 The engine's lock guards its bookkeeping only: it is never held while importing, building a replacement (builders
-may import), registering hooks or warning. Nothing in a hook raises into the user's import: errors become the
-patch's state and one warning. The mechanics on someone else's objects live in :mod:`kvpatch.surgery`.
+may import), registering hooks or warning. Nothing in a hook raises: errors become the patch's state and a warning.
 """
 
 from __future__ import annotations
@@ -21,7 +20,8 @@ from functools import partial
 from typing import Any
 
 from . import fingerprints, measurer, surgery, verdicts
-from ._warn import KvpatchWarning, emit
+from ._site import hooks
+from ._warn import KvpatchWarning, emit, failure
 from .config import Config, read_config
 from .detect import Upstream, detect
 from .gate import Action, Decision, decide
@@ -32,8 +32,6 @@ from .surgery import Change, TargetMissing
 from .verdicts import Outcome
 
 __all__ = ["Engine", "KvpatchWarning", "PatchStatus", "State"]
-
-_KEEP: Any = object()
 
 
 class State(enum.Enum):
@@ -52,20 +50,19 @@ class State(enum.Enum):
     INCONCLUSIVE = "inconclusive"  # the verdict's reproduction hit an error that is not the bug: not applied
 
 
-#: The state a patch starts in, per decision of the gate.
 FROM_ACTION = {a: State.PENDING if a in (Action.APPLY, Action.VERIFY) else State(a.value) for a in Action}
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """A reproduction run without its patch (``before``) and with it (``after``): see :meth:`Engine.measure`."""
+    """The runs of :meth:`Engine.measure`."""
 
     before: Finding
     after: Finding | None = None  # None: not tried (the bug was absent without it, or it is not installed)
     foreign: tuple[str, ...] = ()  # targets holding another library's code during the run without the patch
 
     def outcome(self, applied: bool = True) -> tuple[Outcome, str]:
-        """:func:`kvpatch.verdicts.judge` of the runs; ``applied`` false ignores the run with the patch."""
+        """:func:`kvpatch.verdicts.judge` of the runs (``applied`` false: without the run with the patch)."""
         return verdicts.judge(self.before, self.after if applied else None, self.foreign)
 
 
@@ -93,14 +90,14 @@ class PatchStatus:
 
     @property
     def record(self) -> Patch:
-        """``patch`` as its record: the engine resolves a stub before it installs, verifies or restores it."""
+        """``patch`` as its record (the engine resolves a stub before it installs, verifies or restores it)."""
         if not isinstance(self.patch, Patch):
             raise TypeError(f"{self.patch!r} is not resolved")
         return self.patch
 
 
 class Engine:
-    """Installs a set of patches into this process: the one per process is :func:`kvpatch.get_engine`."""
+    """Installs a set of patches into this process (the process's one: :func:`kvpatch.get_engine`)."""
 
     def __init__(
         self,
@@ -124,7 +121,7 @@ class Engine:
         self._ready: set[str] = set()  # top-level upstream packages fully imported
         self._local = threading.local()  # per thread: modules whose post-import hook runs now
         self._lock = threading.RLock()
-        self._active = False
+        self.active = False  # hooks registered by an inactive engine do nothing
         for problem in self.config.problems:
             emit(problem, key=f"config:{problem}")
         self._decide_all()
@@ -132,7 +129,6 @@ class Engine:
             emit(f"patch module {module} could not be loaded: {error}", key=f"broken:{module}")
 
     def _decide_all(self) -> None:
-        """Decide every patch; the unit of a stub that may be installed is imported now."""
         for patch in self.patches:
             self.status[patch.id] = self._decide(patch)
         pending = [p for p in self.patches if isinstance(p, Stub) and self.status[p.id].state is State.PENDING]
@@ -145,18 +141,17 @@ class Engine:
             decision = decide(patch, upstream, self.config)
         except Exception as exc:  # a broken record must not break imports
             decision = Decision(Action.DISABLED, "gate raised")
-            return PatchStatus(patch, decision, State.FAILED, "the gate raised", error=_describe(exc))
+            return PatchStatus(patch, decision, State.FAILED, "the gate raised", error=failure(exc))
         return PatchStatus(patch, decision, FROM_ACTION[decision.action], decision.reason)
 
     def reconsider(self, config: Config) -> None:
-        """Restore everything and decide every patch again under ``config``: ``kvpatch verify`` measures what the
-        user's ``KVPATCH_DISABLE`` / ``KVPATCH_ENABLE`` leave out too, with this process's one engine."""
+        """Restore everything and decide every patch again under ``config`` (``kvpatch verify``)."""
         self.deactivate()
         self.config = config
         self._decide_all()
 
     def materialise(self) -> list[Patch]:
-        """Every patch as its record, in install order, importing the units still stubs."""
+        """Every patch as its record, in install order (importing the units)."""
         with self._lock:
             stubs = [p for p in self.patches if isinstance(p, Stub)]
         self._resolve(stubs)
@@ -164,60 +159,52 @@ class Engine:
             return [p for p in self.patches if isinstance(p, Patch)]
 
     def _resolve(self, stubs: list[Stub]) -> list[Patch]:
-        """Import the units of ``stubs`` (outside the lock: a unit's code runs) and put their records in their
-        place; a unit that fails to import is left out and reported in :attr:`broken`."""
-        resolved: dict[str, Patch] = {}
-        failed: dict[str, str] = {}
+        """Import the units of ``stubs`` outside the lock (a unit's code runs); one that fails goes to ``broken``."""
+        results: dict[str, Patch | str] = {}
         for stub in stubs:
             try:
-                resolved[stub.id] = stub.resolve()
+                results[stub.id] = stub.resolve()
             except Exception as exc:
-                failed[stub.module] = _describe(exc)
+                results[stub.id] = failure(exc)
         with self._lock:
-            for stub in (s for s in stubs if s in self.patches):
-                if stub.id in resolved:
-                    self.patches[self.patches.index(stub)] = self.status[stub.id].patch = resolved[stub.id]
+            for stub, result in ((s, results[s.id]) for s in stubs if s in self.patches):
+                if isinstance(result, Patch):
+                    self.patches[self.patches.index(stub)] = self.status[stub.id].patch = result
                 else:
                     self.patches.remove(stub)
                     self.status.pop(stub.id, None)
-                    self.broken[stub.module] = failed[stub.module]
-        return list(resolved.values())
+                    self.broken[stub.module] = result
+        return [r for r in results.values() if isinstance(r, Patch)]
 
     @staticmethod
     def record_of(st: PatchStatus) -> Patch:
         return st.patch if isinstance(st.patch, Patch) else st.patch.resolve()
 
     def import_failed(self, patch_id: str, module: str, exc: BaseException) -> None:
-        """A target module failed to import outside the hooks (``status`` settling it): the patch failed."""
-        error = f"importing {module} failed: {_describe(exc)}"
+        error = f"importing {module} failed: {failure(exc)}"
         with self._lock:
             set_state(self.status[patch_id], State.FAILED, f"failed: {error}", error=error)
 
-    @property
-    def active(self) -> bool:
-        return self._active
-
     def activate(self) -> None:
-        """Register the post-import hooks; modules imported already are patched now."""
         with self._lock:
-            if self._active:
+            if self.active:
                 return
-            self._active = True
+            self.active = True
             live = [st for st in self.status.values() if st.state in (State.PENDING, State.APPLIED)]
             names = dict.fromkeys(n for st in live for n in (st.patch.import_name, *st.record.modules))
             fresh = [n for n in names if n not in self._hooked]
             self._hooked.update(fresh)
         # Outside the lock: the registry may call the hook at once, and the hook takes the lock itself.
-        for loaded in (sys.modules.get(n) for n in names if n not in fresh):  # the registry will not call again
-            if loaded is not None:
-                self._hook(loaded)
+        for loaded in filter(None, (sys.modules.get(n) for n in names if n not in fresh)):  # not called again
+            self._hook(loaded)
         if not fresh:
             return
-        register = hook_registry()
-        if isinstance(register, BaseException):  # no hook will ever fire: nothing pending can apply
-            error = f"kvpatch could not activate: {_describe(register)}"
+        try:
+            register = hook_registry()
+        except Exception as exc:  # no hook will ever fire: nothing pending can apply
+            error = f"kvpatch could not activate: {failure(exc)}"
             with self._lock:
-                self._active = False
+                self.active = False
                 self._hooked.clear()
                 for st in self.status.values():
                     if st.state is State.PENDING:
@@ -225,16 +212,12 @@ class Engine:
             emit(error, key="activate")
             return
         for name in fresh:
-            try:
-                register(self._hook, name)
-            except Exception as exc:  # pragma: no cover - the registry itself failing
-                emit(f"could not hook {name}: {exc}", key=f"hook:{name}")
+            register(self._hook, name)
 
     def deactivate(self) -> None:
-        """Restore every original still held by kvpatch (what foreign wrappers hold stays, noted on the status);
-        the hooks stay registered and do nothing until re-activated."""
+        """Restore every original still kvpatch's; the hooks stay registered and do nothing until re-activated."""
         with self._lock:
-            self._active = False
+            self.active = False
             statuses = [st for st in self.status.values() if st.installed]
             orphans, self._orphans = self._orphans, []
         for st in statuses:
@@ -252,7 +235,7 @@ class Engine:
     def _hook(self, module: types.ModuleType) -> None:
         """Runs inside the user's import statement: never raises."""
         try:
-            if not self._active:
+            if not self.active:
                 return
             name = module.__name__
             top = name in DISTRIBUTIONS.values()
@@ -262,9 +245,8 @@ class Engine:
             hooking.add(name)
             try:
                 for st in [self.status[p.id] for p in self.patches]:
-                    if top and st.state is State.PENDING and st.patch.import_name == name:
-                        self._advance(st)
-                    elif not top and st.state in (State.PENDING, State.APPLIED) and name in st.record.modules:
+                    live = st.state is State.PENDING or (not top and st.state is State.APPLIED)
+                    if live and (st.patch.import_name == name if top else name in st.record.modules):
                         self._advance(st)
             finally:
                 hooking.discard(name)
@@ -272,7 +254,6 @@ class Engine:
             emit(f"kvpatch hook for {getattr(module, '__name__', module)} failed: {exc}", key="hook-crash")
 
     def _advance(self, st: PatchStatus) -> None:
-        """Install whatever of ``st`` can be installed now; verify first where the facts say so."""
         if st.suspended:
             return
         try:
@@ -280,7 +261,7 @@ class Engine:
                 self._check_drift(st)
                 if st.decision.action is Action.VERIFY or st.drift:
                     package = sys.modules.get(st.patch.import_name)
-                    if st.patch.import_name not in self._ready and (package is None or _executing(package)):
+                    if st.patch.import_name not in self._ready and (package is None or executing(package)):
                         return  # reproductions import freely: wait until the package is fully imported
                     if st.installed:
                         self._uninstall(st)  # a newly arrived target drifted: judge the whole patch
@@ -293,8 +274,7 @@ class Engine:
             self._fail(st, exc)
 
     def _check_drift(self, st: PatchStatus) -> None:
-        """Compare each replaced target's source fingerprint with those recorded for the affected releases: a
-        mismatch sends the patch to its verdict (where a VERIFY decision goes anyway)."""
+        """A replaced target whose fingerprint is none recorded for the affected releases: the verdict decides."""
         patch = st.record
         known = fingerprints.validated(patch) if st.decision.action is not Action.VERIFY else None
         if not known:
@@ -320,9 +300,7 @@ class Engine:
                     f"{patch.distribution} releases in {patch.affected}"
                 )
                 continue
-            inner = next(
-                (n for n in surgery.reachable(original) if surgery.mark_of(n) is None and _module_top(n) == top), None
-            )
+            inner = surgery.upstream_inner(original, top)
             if inner is not None and fingerprints.cached(inner) in recorded:
                 continue  # another library's wrapper around upstream code kvpatch validated
             # a replacement not reaching upstream's code: no verdict (measured on upstream's code) vouches for it
@@ -334,20 +312,14 @@ class Engine:
         fingerprints.save(wait=measurer.measuring() is not None)
 
     def _verify_and_apply(self, st: PatchStatus) -> None:
-        """Settle a patch the facts leave to its reproduction, from this environment's verdict. A user's process only
-        reads verdicts (none: not applied, one background verification requested); only a verification process
-        (:func:`kvpatch.measurer.measuring`) measures."""
+        """Settle a patch by this environment's verdict: a verification process measures, a user's process reads."""
         patch = st.record
         why = "; ".join(st.drift) or st.decision.reason
         if self._declined(st):
             return  # nothing would change here (e.g. a CUDA-only fix on the CPU): no verdict needed
         if st.foreign:
-            set_state(
-                st,
-                State.DRIFTED,
-                f"{why}: kvpatch's fix was validated on {patch.distribution}'s code and a verdict measures that "
-                "code, not this replacement: not applied",
-            )
+            validated = f"kvpatch's fix was validated on {patch.distribution}'s code and a verdict measures that code"
+            set_state(st, State.DRIFTED, f"{why}: {validated}, not this replacement: not applied")
             emit(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
             return
         verdict_key = verdicts.key(patch, self.upstream)
@@ -369,10 +341,8 @@ class Engine:
             set_state(st, State.PENDING, f"{why}; verdict: {st.verified}")  # installed now, or by hooks later
             self._install_available(st)
             if st.drift:
-                emit(
-                    f"kvpatch: {patch.id} applied to drifted code after its reproduction confirmed it: {why}",
-                    key=f"drift:{patch.id}",
-                )
+                note = f"kvpatch: {patch.id} applied to drifted code after its reproduction confirmed it: {why}"
+                emit(note, key=f"drift:{patch.id}")
             return
         state, tail = {
             Outcome.ABSENT: (State.NOT_NEEDED, f"verdict: {st.verified}"),
@@ -380,18 +350,16 @@ class Engine:
             Outcome.SKIPPED: (State.NOT_NEEDED, f"the reproduction cannot run on this backend ({found.detail})"),
         }.get(outcome, (State.DRIFTED, f"verdict: {st.verified}"))
         tail += "" if outcome is Outcome.ABSENT else ": not applied"
-        set_state(st, state, f"{why}; {tail}", error=found.detail if state is State.INCONCLUSIVE else _KEEP)
+        set_state(st, state, f"{why}; {tail}", error=found.detail if state is State.INCONCLUSIVE else _MISSING)
         if state is State.INCONCLUSIVE:
             emit(f"kvpatch: {patch.id} not applied: {st.reason}", key=f"verdict:{patch.id}")
         elif state is State.DRIFTED:
             emit(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
 
     def measure(self, patch: Patch, *, install: bool = True) -> Measurement:
-        """Run ``patch``'s reproduction without the patch and with it: kvpatch's one "with and without", after
-        importing its target modules. *Without*: every installed patch on one of its targets taken out (one on the
-        same attribute can hide the same symptom) except enablers (:attr:`Patch.enabler`: needed to run at all);
-        ``foreign`` names targets then holding another library's code. *With*: as this process has it; not
-        installed, installed for that run when ``install`` is on and the bug was present without it."""
+        """kvpatch's one "with and without" of ``patch``'s reproduction. *Without*: every installed patch on one of its
+        targets taken out (it can hide the symptom) except enablers (needed to run at all). *With*: as this process
+        has it; not installed, installed for that run when ``install`` is on and the bug was present without it."""
         import_target_modules(patch)
         st = self.status[patch.id]
         with self.without(*self._sharing(patch)):
@@ -409,7 +377,6 @@ class Engine:
         return Measurement(before, after, foreign)
 
     def _sharing(self, patch: Patch) -> list[str]:
-        """Ids of installed patches that change one of ``patch``'s targets (itself included), less the enablers."""
         mine = {(t.module, t.qualname) for t in patch.targets}
         return [
             st.record.id
@@ -422,10 +389,9 @@ class Engine:
     def _install_available(self, st: PatchStatus) -> None:
         for target in st.record.targets:
             module = sys.modules.get(target.module)
-            if target in st.installed or module is None:
+            # a circular import still executing the module: its own hook will come
+            if target in st.installed or module is None or (target.module not in self._hooking() and executing(module)):
                 continue
-            if target.module not in self._hooking() and _executing(module):
-                continue  # a circular import still executing it: its own hook will come
             try:
                 self._install_target(st, target, module)
             except Exception:
@@ -438,8 +404,7 @@ class Engine:
             self._declined(st)
 
     def _declined(self, st: PatchStatus) -> bool:
-        """True (and the patch settled as not needed) when every builder whose target is imported returns the
-        original (nothing to change on this backend); a required target not imported yet keeps it pending."""
+        """True (and the patch settled as not needed) when every builder whose target is imported declines."""
         seen = False
         for target in st.record.targets:
             module = sys.modules.get(target.module)
@@ -469,14 +434,9 @@ class Engine:
         return function
 
     def _install_target(self, st: PatchStatus, target: Target, module: types.ModuleType) -> None:
-        """Install one target (:func:`kvpatch.surgery.install`: built outside the lock, committed under it). One
-        reaching the replacement already (re-exported, or under a foreign wrapper restore left) is adopted."""
+        """Install one target; one reaching the replacement already (re-exported, or wrapped) is adopted."""
         patch = st.record
         owner = surgery.owner_of(target, module)
-        if owner is _MISSING:
-            if target.optional:
-                return
-            raise TargetMissing(f"{target.path}: {'.'.join(target.owner_path)} not found in {target.module}")
         present = inspect.getattr_static(owner, target.attribute, _MISSING)
         if present is not _MISSING and surgery.carries(present, patch.id):
             with self._lock:
@@ -490,7 +450,10 @@ class Engine:
         if old is not None and old.patch_id == patch.id and present is not _MISSING:
             # its restore spliced the original in under a foreign proxy: splice the fix back there (or, the proxy
             # changed or went, install afresh next time the module is seen)
-            function = surgery.prepare(patch, old.target, owner, old.original, patch.builders[old.target])
+            built = surgery.build(patch, owner, old.original, patch.builders[old.target])
+            function = (
+                old.original if built is old.original else surgery.mark(patch, old.target, owner, old.original, built)
+            )
             with self._lock:
                 self._spliced.pop((id(owner), target.attribute), None)
                 if present is old.spliced_into and surgery.splice_under(present, old.original, function):
@@ -519,13 +482,11 @@ class Engine:
         if first is not None and first.raw_original is not _MISSING:
             return getattr(first.raw_original, "__func__", first.raw_original)
         static = inspect.getattr_static(owner, target.attribute, _MISSING)
-        static = getattr(static, "__func__", static)
         # only kvpatch's own objects (an attribute a patch added): no upstream code to compare
-        return next((obj for obj in surgery.chain(static) if surgery.mark_of(obj) is None), _MISSING)
+        return next((o for o in surgery.reachable(static, closures=False) if surgery.mark_of(o) is None), _MISSING)
 
     def _uninstall(self, st: PatchStatus) -> None:
-        """Remove one patch's changes, keeping patches stacked above it on the same attributes; only what is still
-        kvpatch's is put back (what a foreign wrapper holds stays, noted on the status)."""
+        """Remove one patch's changes, keeping patches stacked above it on the same attributes."""
         with self._lock:
             mine = [c for c in self._changes if c.patch_id == st.patch.id]
             st.installed.clear()
@@ -549,7 +510,7 @@ class Engine:
                 try:
                     hook()
                 except Exception as exc:  # noted and warned about once, never raised
-                    note = f"restore hook {getattr(hook, '__qualname__', hook)} raised: {_describe(exc)}"
+                    note = f"restore hook {getattr(hook, '__qualname__', hook)} raised: {failure(exc)}"
                     with self._lock:
                         if note not in restored.notes:
                             restored.notes.append(note)
@@ -560,7 +521,6 @@ class Engine:
                 self._install_target(self.status[change.patch_id], change.target, module)
 
     def _drop(self, changes: list[Change]) -> None:
-        """Forget ``changes`` (under the lock): their patches no longer count their targets as installed."""
         for change in changes:
             self._changes.remove(change)
             installed = self.status[change.patch_id].installed
@@ -570,14 +530,12 @@ class Engine:
     def _fail(self, st: PatchStatus, exc: BaseException, state: State = State.FAILED) -> None:
         with suppress(Exception):  # restoring failed too: the first error is the one to report
             self._uninstall(st)
-        error = _describe(exc)
+        error = failure(exc)
         set_state(st, state, f"{state.value}: {error}", error=error)
         emit(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {st.error}", key=f"fail:{st.patch.id}")
 
     def refresh(self) -> None:
-        """Re-read every installed replacement (:func:`refresh_status`). A target module executed again
-        (``importlib.reload``: no hook fires) gets its patches again first; the changes on the objects it no longer
-        holds stay (instances made before still use them) until deactivate."""
+        """Re-read every installed replacement; a reloaded target module (no hook fires) is patched again first."""
         with self._lock:
             stale = [c for c in self._changes if _reexecuted(c)]
             self._drop(stale)
@@ -591,7 +549,6 @@ class Engine:
             refresh_status(self.status[pid], [c for c in changes if c.patch_id == pid], self._lock)
 
     def suspend(self, patch_id: str) -> None:
-        """Take one patch out (restoring the originals) without forgetting its decision."""
         st = self.status[patch_id]
         st.suspended = True
         self._uninstall(st)
@@ -604,8 +561,7 @@ class Engine:
 
     @contextmanager
     def without(self, *patch_ids: str) -> Iterator[None]:
-        """Run a block with the named patches removed: outermost first, back innermost first, so a stack on one
-        attribute is as it was after the block whatever order the ids were named in."""
+        """Run a block with the named patches removed: outermost first, back innermost first (a stack is kept)."""
         ids = [pid for pid in patch_ids if self.status[pid].installed or self.status[pid].state is State.APPLIED]
         with self._lock:
             order = list(dict.fromkeys(c.patch_id for c in self._changes))
@@ -624,25 +580,15 @@ class Engine:
 
 
 def hook_registry() -> Any:
-    """``register_post_import_hook(hook, name)`` of kvpatch's bootstrap (never inside the import lock), else, for an
-    install without its top-level files, wrapt's (its finder can deadlock threaded imports: still better than no
-    fix); else the error."""
-    from ._site import hooks
-
+    """``register_post_import_hook(hook, name)`` of kvpatch's bootstrap: it never imports inside the import lock."""
     registry = hooks()
-    if registry is not None:
-        return registry.register_post_import_hook
-    try:
-        import wrapt
-    except Exception as exc:
-        return exc
-    return wrapt.register_post_import_hook
+    if registry is None:
+        raise ImportError("kvpatch's post-import hooks (_kvpatch_hooks) cannot be loaded: reinstall kvpatch")
+    return registry.register_post_import_hook
 
 
 def import_target_modules(patch: Patch, failed: Callable[[str, Exception], None] | None = None) -> None:
-    """Import every module the patch targets (the hooks run). One holding only optional targets may fail (some
-    raise without Metal): they count as absent. Another's failure raises, or goes to ``failed`` and the rest
-    are still imported."""
+    """Import the patch's target modules; one holding only optional targets may fail (some raise without Metal)."""
     for module in patch.modules:
         try:
             importlib.import_module(module)
@@ -659,53 +605,41 @@ REPRODUCTIONS_RUN: list[str] = []
 
 
 def run_reproduction(patch: Patch) -> Finding:
-    """Run ``patch``'s reproduction (an error that is not the bug's symptom is inconclusive), keeping mlx's
-    default device and stream, and its random state where mlx allows it."""
+    """Run ``patch``'s reproduction keeping mlx's default device and stream, and its random state where mlx allows it
+    (up to 0.31; newer mlx's cannot be set back, one reason reproductions never run in a user's process)."""
     if patch.reproduction is None:
         raise LookupError(f"{patch.id} has no reproduction")
     REPRODUCTIONS_RUN.append(patch.id)
-    with _mlx_state_kept():
-        try:
-            finding = patch.reproduction()
-        except Exception as exc:
-            return Finding.from_error(exc)
-    if not isinstance(finding, Finding):
-        raise TypeError(f"{patch.id}: reproduction returned {finding!r}, not a Finding")
-    return finding
-
-
-@contextmanager
-def _mlx_state_kept() -> Iterator[None]:
-    """mlx up to 0.31 keeps its random key in a plain list, which is put back; newer mlx's ``_RandomState`` cannot
-    be set back, one reason reproductions never run in a user's process."""
     mx: Any = sys.modules.get("mlx.core") or importlib.import_module("mlx.core")
     state: Any = getattr(mx.random, "state", None)
     saved = list(state) if isinstance(state, list) else None
     device = mx.default_device()
     stream = mx.default_stream(device)
     try:
-        yield
+        finding = patch.reproduction()
+    except Exception as exc:
+        return Finding.from_error(exc)
     finally:
         if saved is not None:
             state[:] = saved
         mx.set_default_device(device)
         mx.set_default_stream(stream)
+    if not isinstance(finding, Finding):
+        raise TypeError(f"{patch.id}: reproduction returned {finding!r}, not a Finding")
+    return finding
 
 
-def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _KEEP) -> None:
-    """The one place a patch's state changes (``reason`` None / ``error`` unset: kept); callers hold the engine's
-    lock where another thread may change the same status."""
+def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _MISSING) -> None:
+    """The one place a patch's state changes (``reason`` None / ``error`` unset: kept), under the engine's lock."""
     st.state = state
     if reason is not None:
         st.reason = reason
-    if error is not _KEEP:
+    if error is not _MISSING:
         st.error = error
 
 
 def refresh_status(st: PatchStatus, changes: list[Change], lock: threading.RLock) -> None:
-    """Re-read ``st``'s installed replacements (``changes``), outside ``lock`` and then set under it: "applied"
-    means reachable now (``overridden`` when something else replaced one without calling it; a foreign wrapper that
-    reaches one is named in ``wrapped``)."""
+    """Re-read ``st``'s installed replacements outside ``lock``, set under it: "applied" means reachable now."""
     results = [surgery.liveness(change) for change in changes]
     with lock:
         gone = [detail for state, detail in results if state in ("overridden", "removed")]
@@ -717,10 +651,9 @@ def refresh_status(st: PatchStatus, changes: list[Change], lock: threading.RLock
 
 
 def _reexecuted(change: Change) -> bool:
-    """True when ``change``'s module was executed again since (``importlib.reload``): it reaches a different owner
-    now, or (a module-level target) holds a new function of its own code there."""
+    """True when ``change``'s module was executed again (``importlib.reload``): a new owner or module function."""
     module = sys.modules.get(change.target.module)
-    if module is None or _executing(module):
+    if module is None or executing(module):
         return False
     owner = surgery.owner_of(change.target, module)
     if owner is not change.owner:
@@ -735,14 +668,6 @@ def _reexecuted(change: Change) -> bool:
     )
 
 
-def _module_top(obj: Any) -> str:
-    return str(getattr(obj, "__module__", "")).split(".", 1)[0]
-
-
-def _executing(module: types.ModuleType) -> bool:
+def executing(module: types.ModuleType | None) -> bool:
     """True while ``module``'s own code is still running (importlib marks its spec)."""
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"

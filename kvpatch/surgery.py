@@ -1,10 +1,6 @@
-"""Surgery on someone else's objects: install a replacement, tell whether it is still reached, put things back.
-
-A replacement is a plain function with the original's metadata (``functools.update_wrapper``: pickling by qualified
-name and ``inspect.signature`` work) and kvpatch's mark; before installing, what the attribute reaches is searched
-for the mark, so nothing is patched twice. Restore puts the original back only where kvpatch's replacement is still
-the attribute: under a foreign wrapt proxy the original is spliced in, a closure wrapper or an outright replacement
-stays (and is reported). Modules that imported a replaced module-level function by name are rebound, by identity.
+"""Surgery on someone else's objects: install a replacement (a plain function with the original's metadata and
+kvpatch's mark, never twice), tell whether it is still reached, put things back only where kvpatch's replacement is
+still the attribute (under a foreign wrapt proxy the original is spliced in; other wrappers stay, reported).
 """
 
 from __future__ import annotations
@@ -24,19 +20,16 @@ from typing import Any
 from .record import DISTRIBUTIONS, Kind, Patch, Target, borrowed
 
 MISSING: Any = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
-#: Every replacement function kvpatch made, with its patch id: ``functools.wraps`` copies the visible mark
-#: (``__kvpatch__``) onto a foreign wrapper, so only this registry says which functions are kvpatch's. Kept across
-#: ``importlib.reload``.
+#: Every replacement function kvpatch made, with its patch id (kept across ``importlib.reload``): ``functools.wraps``
+#: copies the visible mark (``__kvpatch__``) onto a foreign wrapper, so only this says which functions are kvpatch's.
 _OURS: weakref.WeakKeyDictionary[Any, str] = globals().get("_OURS") or weakref.WeakKeyDictionary()
-#: The same for replacements that are properties (they carry no attributes): id -> (property, patch id, what it
-#: replaced: the original property or value, or None for one added in front of an instance attribute).
+#: The same for replacement properties (they carry no attributes): id -> (property, patch id, the original property
+#: or value; None: one added in front of an instance attribute).
 _OURS_PROPERTIES: dict[int, tuple[Any, str, Any]] = globals().get("_OURS_PROPERTIES") or {}
 
 
 @dataclass
 class Change:
-    """One attribute changed on one owner, and how to put it back."""
-
     patch_id: str
     target: Target
     owner: Any
@@ -47,8 +40,7 @@ class Change:
     spliced_into: Any = None  # the foreign wrapt proxy :func:`restore` put the original in under
 
 
-def _plain(obj: Any) -> Any:
-    # type(), not isinstance(): a wrapt proxy reports its wrapped object's class through __class__
+def _plain(obj: Any) -> Any:  # type(), not isinstance(): a wrapt proxy reports its wrapped object's class
     return obj.__func__ if type(obj) in (classmethod, staticmethod) else obj
 
 
@@ -58,9 +50,8 @@ def _property(obj: Any) -> tuple[Any, str, Any] | None:
 
 
 def _walk(obj: Any, closures: bool = True) -> Iterator[tuple[Any, Any]]:
-    """Everything reachable from ``obj`` through ``__wrapped__`` (and the original of a property kvpatch replaced)
-    and, with ``closures``, the functions a closure holds (servers' own monkey patches call kvpatch's replacement
-    from a closure), breadth first, each with the outermost non-kvpatch object above it (``None``: only kvpatch's)."""
+    """What ``obj`` reaches through ``__wrapped__`` (and a kvpatch property's original) and, with ``closures``, the
+    functions a closure holds, breadth first, each with the outermost non-kvpatch object above it (None: none)."""
     seen: set[int] = set()
     todo: list[tuple[Any, Any]] = [(_plain(obj), None)]
     while todo and len(seen) < 256:  # more is a cycle or a pathology: stop looking
@@ -72,10 +63,8 @@ def _walk(obj: Any, closures: bool = True) -> Iterator[tuple[Any, Any]]:
         if above is None and mark_of(current) is None:
             above = current
         entry = _property(current)
-        try:
+        with contextlib.suppress(Exception):  # a proxy whose __wrapped__ raises
             todo.append((_plain(entry[2] if entry else getattr(current, "__wrapped__", None)), above))
-        except Exception:  # a proxy whose __wrapped__ raises
-            pass
         cells = current.__closure__ if closures and type(current) is types.FunctionType else None
         for cell in cells or ():
             with contextlib.suppress(ValueError):  # an empty cell
@@ -83,22 +72,15 @@ def _walk(obj: Any, closures: bool = True) -> Iterator[tuple[Any, Any]]:
                     todo.append((_plain(cell.cell_contents), above))
 
 
-def chain(obj: Any) -> Iterator[Any]:
-    """``obj`` and everything it wraps, following ``__wrapped__`` (classmethod/staticmethod unwrapped)."""
-    return (node for node, _ in _walk(obj, closures=False))
-
-
-def reachable(obj: Any) -> Iterator[Any]:
-    return (node for node, _ in _walk(obj))
+def reachable(obj: Any, closures: bool = True) -> Iterator[Any]:
+    return (node for node, _ in _walk(obj, closures))
 
 
 def carries(obj: Any, patch_id: str) -> bool:
-    """True when kvpatch's replacement for ``patch_id`` is ``obj`` or reachable from it."""
     return any(mark_of(node) == patch_id for node in reachable(obj))
 
 
-def mark_of(obj: Any) -> str | None:
-    # only a real function carries the mark: a proxy forwards attribute reads to what it wraps
+def mark_of(obj: Any) -> str | None:  # only a plain function: a proxy forwards attribute reads to what it wraps
     entry = _property(obj)
     if entry is not None:
         return entry[1]
@@ -106,7 +88,6 @@ def mark_of(obj: Any) -> str | None:
 
 
 def describe(obj: Any) -> str:
-    """``module.qualname`` of a function or wrapper (or its type's name)."""
     obj = _plain(obj)
     try:
         module = getattr(obj, "__module__", None)
@@ -118,18 +99,17 @@ def describe(obj: Any) -> str:
     return f"<{type(obj).__module__}.{type(obj).__qualname__} object>"
 
 
-_BUILTIN_METHODS = (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType)
-
-
 def foreign(obj: Any, package: str) -> str | None:
-    """Whose code ``obj`` is when not ``package``'s own (``None``: a plain function of ``package``): another
-    library's function's qualified name, or a wrapper's type and what it wraps. kvpatch's replacements count."""
+    """Whose code ``obj`` is (another library's function, or a wrapper's type); None: a function of ``package``."""
     func = _plain(obj)
     if type(func) is types.FunctionType:
         module = func.__module__ or ""
         return None if f"{module}.".startswith(f"{package}.") else f"{module}.{func.__qualname__}"
     owner = getattr(func, "__objclass__", None)
-    if isinstance(func, _BUILTIN_METHODS) and getattr(owner, "__module__", "") == "builtins":
+    if (
+        isinstance(func, (types.MethodDescriptorType, types.WrapperDescriptorType, types.ClassMethodDescriptorType))
+        and getattr(owner, "__module__", "") == "builtins"
+    ):
         return None  # a method a class inherits from ``object`` (``__reduce_ex__``): no library's code
     kind = type(func)
     inner = getattr(func, "__wrapped__", None)
@@ -137,8 +117,13 @@ def foreign(obj: Any, package: str) -> str | None:
     return f"{kind.__module__}.{kind.__qualname__}{wraps}"
 
 
+def upstream_inner(obj: Any, package: str) -> Any:
+    """The first function behind ``obj`` (a wrapper) that is ``package``'s own code, not kvpatch's; ``None``: none."""
+    plain = (n for n in reachable(obj) if type(n) is types.FunctionType and mark_of(n) is None)
+    return next((n for n in plain if foreign(n, package) is None), None)
+
+
 def owner_of(target: Target, module: types.ModuleType) -> Any:
-    """The object holding ``target``'s attribute in ``module`` now, or ``MISSING``."""
     owner: Any = module
     for part in target.owner_path:
         owner = getattr(owner, part, MISSING)
@@ -148,13 +133,10 @@ def owner_of(target: Target, module: types.ModuleType) -> Any:
 
 
 def foreign_targets(patch: Patch) -> list[str]:
-    """``"<target>: <qualified name>"`` for each imported replaced target of ``patch`` whose live object is not
-    upstream's own (:func:`foreign`); kvpatch's own replacements count: take them out first."""
+    """``"<target>: <qualified name>"`` for each imported replaced target of ``patch`` that is :func:`foreign`."""
     found = []
-    for target in patch.targets:
-        module = sys.modules.get(target.module)
-        owner = owner_of(target, module) if module is not None and target.kind is Kind.REPLACE else MISSING
-        live = inspect.getattr_static(owner, target.attribute, MISSING) if owner is not MISSING else MISSING
+    for target in (t for t in patch.targets if t.kind is Kind.REPLACE and sys.modules.get(t.module) is not None):
+        live = inspect.getattr_static(owner_of(target, sys.modules[target.module]), target.attribute, MISSING)
         who = foreign(live, patch.import_name) if live is not MISSING else None
         if who is not None:
             found.append(f"{target.path}: {who}")
@@ -162,22 +144,14 @@ def foreign_targets(patch: Patch) -> list[str]:
 
 
 def build(patch: Patch, owner: Any, original: Any, builder: Callable[[Any], Any]) -> Any:
-    """``builder(original)``, or ``original`` itself where the patch declines (its builder returns it, or
-    ``owner`` is another distribution's class and the patch fixes its own only: ``Patch.own_classes_only``)."""
+    """``builder(original)``, or ``original`` for another distribution's class (:attr:`Patch.own_classes_only`)."""
     if patch.own_classes_only and borrowed(owner, patch.import_name):
         return original
     return builder(original)
 
 
-def prepare(patch: Patch, target: Target, owner: Any, original: Any, builder: Callable[[Any], Any]) -> Any:
-    """:func:`build` then :func:`mark` the replacement; ``original`` itself where the patch declines."""
-    function = build(patch, owner, original, builder)
-    return original if function is original else mark(patch, target, owner, original, function)
-
-
 def mark(patch: Patch, target: Target, owner: Any, original: Any, function: Any) -> Any:
-    """Give a built replacement the original's identity (added: the qualified name it would have had) and
-    kvpatch's mark."""
+    """Give a built replacement the original's identity (added: the name it would have had) and kvpatch's mark."""
     if isinstance(function, property) and (
         isinstance(original, property) or (isinstance(owner, type) and (original is None or not callable(original)))
     ):
@@ -199,7 +173,7 @@ def mark(patch: Patch, target: Target, owner: Any, original: Any, function: Any)
 
 
 class TargetMissing(LookupError):
-    """A target attribute is not where the patch expects it."""
+    pass
 
 
 def install(
@@ -213,13 +187,8 @@ def install(
     lock: contextlib.AbstractContextManager[Any] | None = None,
     record: Callable[[Change], None] | None = None,
 ) -> Change | None:
-    """Install ``target``'s replacement on ``owner`` (``MISSING``: not there), for upstream and vendored copies.
-
-    ``None`` when the attribute already carries the patch or ``make(original)`` (default: :func:`build`) returns
-    the original. :class:`TargetMissing` for a missing target that is not optional, or an added one that exists.
-    ``check(original)`` may raise to keep the code as it is; ``at``: the path to record (a copy's own). The attribute
-    is read again under ``lock`` before it is set (``record(change)`` runs there too): changed meanwhile, it is
-    built again."""
+    """Install ``target``'s replacement on ``owner`` (a vendored copy's: recorded as ``at``); ``None``: nothing to do.
+    The attribute is read again under ``lock`` before it is set (``record(change)`` runs there): changed, rebuilt."""
     at = at or target
     name = target.attribute
     if owner is MISSING:
@@ -263,12 +232,10 @@ def install(
 
 
 def liveness(change: Change) -> tuple[str, str]:
-    """Where ``change``'s replacement stands now: ``("in place" | "wrapped" | "overridden" | "removed", detail)``;
-    ``wrapped``: a foreign wrapper holds the attribute and reaches it (the fix runs when it calls through)."""
+    """``("in place" | "wrapped" | "overridden" | "removed", detail)`` of ``change``'s replacement now."""
     current = inspect.getattr_static(change.owner, change.name, MISSING)
     if current is MISSING:
         return "removed", f"{change.target.path} no longer exists"
-    # the outermost non-kvpatch object above the replacement (None: only kvpatch's own; MISSING: not reached)
     above = next((above for node, above in _walk(current) if node is change.function), MISSING)
     if above is MISSING:
         return "overridden", f"overridden by {describe(current)}"
@@ -290,12 +257,8 @@ def restore(change: Change) -> str | None:
         wrapt = sys.modules.get("wrapt")
         # wrapt 2's function wrappers derive from BaseObjectProxy (ObjectProxy's base); wrapt 1 has ObjectProxy only
         proxy = getattr(wrapt, "BaseObjectProxy", None) or getattr(wrapt, "ObjectProxy", None)
-        spliced = (
-            p
-            for p in chain(current)
-            if proxy and isinstance(p, proxy) and splice_under(p, change.function, change.original)
-        )
-        change.spliced_into = next(spliced, None)
+        proxies = [p for p in reachable(current, closures=False) if proxy and isinstance(p, proxy)]
+        change.spliced_into = next((p for p in proxies if splice_under(p, change.function, change.original)), None)
         if change.spliced_into is None:
             note = (
                 f"{change.target.path}: left {describe(current)} in place; it wraps kvpatch's replacement in a way "
@@ -320,18 +283,15 @@ def splice_under(proxy: Any, old: Any, new: Any) -> bool:
 
 
 def rebind_aliases(old: Any, new: Any, *, skip: types.ModuleType, everywhere: bool = False) -> None:
-    """Rebind module attributes that are ``old`` (by identity) to ``new`` inside the upstream packages, or in every
-    module (``everywhere``)."""
+    """Rebind module attributes that are ``old`` to ``new`` in the upstream packages (or ``everywhere``)."""
     packages = frozenset(DISTRIBUTIONS.values())
     for mod_name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)  # None: a module stand-in without one
         if module is skip or not isinstance(namespace, dict) or not (everywhere or mod_name.split(".")[0] in packages):
             continue
-        try:
+        with contextlib.suppress(RuntimeError):  # the namespace changed size meanwhile (no GIL): look one by one
             if not any(map(operator.is_, namespace.values(), itertools.repeat(old))):
                 continue  # the usual case, tested at C speed (a late activation scans every module)
-        except RuntimeError:  # pragma: no cover - the namespace changed size meanwhile: look one by one
-            pass
         for name, value in list(namespace.items()):
             if value is old:
                 with contextlib.suppress(Exception):  # a read-only module stand-in

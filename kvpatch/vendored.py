@@ -1,9 +1,6 @@
-"""Vendored copies of upstream code: a server's own copy of a module kvpatch patches has the same bugs.
-
-A copy is registered (:func:`register_copy`) and patched when it is imported, with a status per patch of
-its own (``PatchStatus.copy``). :func:`scan` only finds copies, reading source files: a function whose
-fingerprint equals a replaced target's in the installed upstream file. ``KVPATCH_VENDORED`` registers what
-it finds as copies of the installed release, only where each replaced function is that release's code.
+"""Vendored copies of upstream code (a server's own copy of a module kvpatch patches has the same bugs): a
+registered copy (:func:`register_copy`) is patched when it is imported, with statuses of its own. :func:`scan` reads
+source files only: a copy is a function whose fingerprint equals a replaced target's in the installed upstream file.
 """
 
 from __future__ import annotations
@@ -19,11 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import config, store, surgery
-from ._site import hooks
-from ._warn import emit
+from . import config, get_engine, store, surgery
+from ._warn import emit, failure
 from .detect import Upstream
-from .engine import FROM_ACTION, PatchStatus, State, refresh_status, set_state
+from .engine import FROM_ACTION, PatchStatus, State, executing, hook_registry, refresh_status, set_state
 from .fingerprints import fingerprint, fingerprint_source, validated
 from .gate import Action, Decision, decide
 from .locate import module_file
@@ -40,15 +36,12 @@ OTHER_OWNER = "found (other owner: not patched)"
 
 @dataclass
 class Copy:
-    """A function that is a copy of a replaced upstream target."""
-
     patch_id: str
     target: str  # the upstream target, "module.Qual.name"
     module: str
     qualname: str
     fingerprint: str
-    #: "found", "patched", "not patched: <why>" or :data:`OTHER_OWNER`.
-    state: str = "found"
+    state: str = "found"  # "found", "patched", "not patched: <why>" or OTHER_OWNER
 
     @property
     def path(self) -> str:
@@ -63,27 +56,22 @@ class Copy:
 class _Registered:
     module: str
     of: str
-    #: Found by the scan, with each replaced function of its patches the installed upstream's code (else the code
-    #: must be what the patch was validated on, ``kvpatch/data/fingerprints.json``).
-    scanned: bool
-    statuses: dict[str, PatchStatus] = field(default_factory=dict)
+    scanned: bool  # found by the scan: the installed release's code (else: code the patch was validated on)
+    statuses: dict[str, PatchStatus]
     changes: dict[str, list[surgery.Change]] = field(default_factory=dict)
 
 
 class _Kept(Exception):
-    """The copy keeps its code for this patch (it drifted from the code the patch is for)."""
+    """The copy keeps its code for this patch: it is not the code the patch is for."""
 
 
 _lock = threading.RLock()
 _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registration
 
 
-# -- finding copies: source text only ----------------------------------------------------------------------
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
-    """``{qualname: (fingerprint, longest line, lines)}`` of the functions named in ``names`` at module level or in
-    classes of ``source``: the block ``inspect.getsource`` gives, so :func:`~kvpatch.fingerprints.fingerprint` agrees.
-    Found by indentation, not parsed: a tenth of ``ast.parse``'s time, and no SyntaxWarning from the file's code; an
-    odd block misses a copy, never invents one."""
+    """``{qualname: (fingerprint, longest line, lines)}`` of the functions in ``names`` at module or class level of
+    ``source``. Found by indentation, not parsed (a tenth of ``ast.parse``'s time, no SyntaxWarning)."""
     alternatives = "|".join(sorted(map(re.escape, names)))
     pattern = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+(" + alternatives + r")[ \t]*\(", re.M)
     lines = source.split("\n")
@@ -106,7 +94,7 @@ def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str
 
 
 def _enclosing(lines: list[str], row: int, indent: int, name: str) -> str | None:
-    """The qualified name of a ``def`` at ``row``: its enclosing classes; None inside a function or statement."""
+    """The qualified name of a ``def`` at ``row`` (None inside a function or statement)."""
     parts = [name]
     for text in reversed(lines[:row]):
         if indent == 0:
@@ -125,14 +113,13 @@ def _enclosing(lines: list[str], row: int, indent: int, name: str) -> str | None
 
 
 def _read(path: str | None) -> str:
-    """The text of a ``.py`` file, importing nothing ("" unless it is a regular file of bounded size)."""
+    """The text of a ``.py`` file ("" unless it is a regular file of bounded size)."""
     data = store.read_bytes(Path(path)) if path and path.endswith(".py") else None
     return data.decode(errors="replace") if data else ""
 
 
 def _upstream_fingerprints(engine: Engine) -> dict[str, list[tuple[str, Target, str]]]:
-    """``{fingerprint: [(patch id, target, longest line)]}`` of every replaced target of a patch that applies to
-    the installed upstream (applied, or waiting for its module: a copy may be imported before upstream's)."""
+    """``{fingerprint: [(patch id, target, longest line)]}`` of the replaced targets of patches that apply (or wait)."""
     out: dict[str, list[tuple[str, Target, str]]] = {}
     texts: dict[str, dict[str, tuple[str, str, int]]] = {}
     patches = engine.materialise()
@@ -150,8 +137,7 @@ def _upstream_fingerprints(engine: Engine) -> dict[str, list[tuple[str, Target, 
 
 
 def _installed_dependents() -> dict[str, str]:
-    """``{module: file}`` of the ``.py`` files of installed distributions that require mlx, mlx-lm or mlx-vlm
-    (downstream servers), from their RECORD files."""
+    """``{module: file}`` of the ``.py`` files of installed distributions that require mlx, mlx-lm or mlx-vlm."""
     out: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
         name = (dist.metadata["Name"] or "").lower().replace("_", "-")
@@ -165,15 +151,9 @@ def _installed_dependents() -> dict[str, str]:
     return out
 
 
-def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, installed: bool = False) -> list[Copy]:
-    """Copies of the replaced targets of patches that apply here, among ``modules`` (default: every imported
-    module outside mlx_lm / mlx_vlm / kvpatch and the standard library) and, with ``installed``, the files of
-    every installed distribution that requires mlx / mlx-lm / mlx-vlm. The same code under another qualified
-    name (a subclass that copied a method) has the bug too, but is not patched: :data:`OTHER_OWNER`."""
-    if engine is None:
-        from . import get_engine
-
-        engine = get_engine()
+def scan(engine: Engine, *, modules: Iterable[str] | None = None, installed: bool = False) -> list[Copy]:
+    """Copies of the replaced targets of patches that apply here among ``modules`` (default: imported, not upstream's,
+    kvpatch's or the standard library's) and, with ``installed``, in installed mlx dependents' files."""
     upstream = _upstream_fingerprints(engine)
     if not upstream:
         return []
@@ -205,15 +185,11 @@ def scan(engine: Engine | None = None, *, modules: Iterable[str] | None = None, 
 
 
 def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> None:
-    """Register the copies :func:`scan` finds among ``modules`` (default: all imported) as copies of the installed
-    release, with the patches applied to it; only with ``KVPATCH_VENDORED`` on or ``force``. Never raises."""
+    """Register the copies :func:`scan` finds (with ``KVPATCH_VENDORED`` on or ``force``). Never raises."""
     if not (force or setting() is not None):
         return
     try:
-        if engine is None:
-            from . import get_engine
-
-            engine = get_engine()
+        engine = engine or get_engine()
         found: dict[str, dict[str, dict[str, set[str]]]] = {}  # module -> of -> {patch id: its targets found}
         for c in scan(engine, modules=modules):
             if c.state != OTHER_OWNER:
@@ -232,12 +208,9 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
             whole = [
                 pid for pid, got in paths.items() if {t.path for t in expected.get(pid, ()) if t.module == of} <= got
             ]
-            dist = next(d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0])
-            register_copy(
-                engine, module, of=of, version=engine.upstream[dist].version or "", patches=whole, scanned=True
-            )
+            register_copy(engine, module, of=of, version=None, patches=whole, scanned=True)
     except Exception as exc:  # kvpatch never raises into its host
-        emit(f"kvpatch: patching vendored copies failed: {type(exc).__name__}: {exc}")
+        emit(f"kvpatch: patching vendored copies failed: {failure(exc)}")
 
 
 def setting() -> list[str] | None:
@@ -249,38 +222,26 @@ def setting() -> list[str] | None:
 
 
 def hook(engine: Engine) -> None:
-    """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported
-    (now, for those imported already). Never raises."""
+    """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported."""
     names = setting()
     try:
         for name in dict.fromkeys([*KNOWN, *names]) if names is not None else ():
-            if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False):
-                # kvpatch activated inside this module's own import: its classes do not exist yet, no hook will come
+            if executing(sys.modules.get(name)):  # activated inside its own import: no hook will come
                 emit(f"kvpatch: vendored copy {name} was still being imported: call kvpatch.vendored.apply()")
                 continue
-            _registry()(lambda module: apply(engine, modules=[module.__name__], force=True), name)
+            hook_registry()(lambda module: apply(engine, modules=[module.__name__], force=True), name)
     except Exception as exc:
-        emit(f"kvpatch: could not hook vendored modules: {type(exc).__name__}: {exc}")
+        emit(f"kvpatch: could not hook vendored modules: {failure(exc)}")
 
 
-def _registry() -> Any:
-    """kvpatch's own post-import hooks (``_kvpatch_hooks``): run after the module's code, with no lock held."""
-    registry = hooks()
-    if registry is None:
-        raise ImportError("kvpatch's post-import hooks (_kvpatch_hooks) cannot be loaded: reinstall kvpatch")
-    return registry.register_post_import_hook
-
-
-# -- registered copies ----------------------------------------------------------------------------------------
 def register_copy(
-    engine: Engine, module: str, *, of: str, version: str, patches: Iterable[str] | None = None, scanned: bool = False
+    engine: Engine, module: str, *, of: str, version: str | None, patches: Iterable[str] | None, scanned: bool = False
 ) -> list[PatchStatus]:
-    """Declare ``module`` a copy of ``of`` as released in ``version`` (see :func:`kvpatch.register_copy`): decide
-    each patch of ``of`` for that release, patch the copy when it is imported (or now). ``scanned``: see
-    :class:`_Registered`."""
+    """:func:`kvpatch.register_copy` (``version`` None: the installed release's)."""
     dist = next((d for d, name in DISTRIBUTIONS.items() if name == of.split(".", 1)[0]), None)
     if dist is None:
         raise ValueError(f"{of} is not a module of {' or '.join(DISTRIBUTIONS)}")
+    version = engine.upstream[dist].version or "" if version is None else version
     statuses: dict[str, PatchStatus] = {}
     wanted = None if patches is None else list(dict.fromkeys(patches))
     known = {p.id: p for p in engine.materialise()}
@@ -306,12 +267,12 @@ def register_copy(
         _registered[(module, of)] = reg
     if earlier is not None:
         _restore(earlier)
-    _registry()(lambda loaded: _patch(reg), module)
+    hook_registry()(lambda loaded: _patch(reg), module)
     return list(statuses.values())
 
 
 def _patch(reg: _Registered) -> None:
-    """Install, on the imported copy, every pending patch of ``reg`` (all or nothing per patch)."""
+    """Install every pending patch of ``reg`` on the imported copy, all or nothing per patch."""
     with _lock:
         if _registered.get((reg.module, reg.of)) is not reg:
             return  # registered again since
@@ -329,7 +290,7 @@ def _patch(reg: _Registered) -> None:
                 surgery.restore(change)
             kept = isinstance(exc, _Kept)
             state = State.DRIFTED if kept else State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED
-            why = str(exc) if kept else f"{type(exc).__name__}: {exc}"
+            why = str(exc) if kept else failure(exc)
             set_state(st, state, f"{st.reason}; not applied: {why}", error=None if kept else why)
             if state is State.FAILED:
                 emit(f"kvpatch: vendored copy {reg.module}: {st.reason}", key=f"vendored:{pid}:{reg.module}")
@@ -342,8 +303,7 @@ def _patch(reg: _Registered) -> None:
 
 
 def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | None) -> surgery.Change | None:
-    """``target``'s fix on the copy's object of the same qualified name (:func:`kvpatch.surgery.install`) when the
-    copy's code is its own and, with ``known``, has one of those fingerprints; ``None``: nothing to change."""
+    """``target``'s fix on the copy, where its code is its own (and, with ``known``, has one of those fingerprints)."""
 
     def check(original: Any) -> None:
         # a plain value (a class attribute a patch serves through a property) has no code to compare
@@ -358,7 +318,6 @@ def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | 
 
 
 def _restore(reg: _Registered) -> None:
-    """Take ``reg``'s replacements out where they are still kvpatch's."""
     with _lock:
         changes, reg.changes = reg.changes, {}
     for pid, done in changes.items():
@@ -371,8 +330,7 @@ def _restore(reg: _Registered) -> None:
 
 
 def restore() -> None:
-    """Take kvpatch's replacements out of every copy (``kvpatch.deactivate()``); the copies the scan registered
-    are forgotten (``apply`` finds them again), those registered in code stay, pending."""
+    """Take kvpatch's replacements out of every copy; those the scan registered are forgotten, the others pending."""
     with _lock:
         regs = list(_registered.values())
         for key in [key for key, reg in _registered.items() if reg.scanned]:
@@ -382,8 +340,6 @@ def restore() -> None:
 
 
 def copy_records() -> list[PatchStatus]:
-    """Every registered copy's statuses, looked up again (``overridden`` where a replacement is no longer
-    reachable in the copy)."""
     with _lock:
         pairs = [(st, reg.changes.get(pid, [])) for reg in _registered.values() for pid, st in reg.statuses.items()]
     for st, changes in pairs:
@@ -392,7 +348,6 @@ def copy_records() -> list[PatchStatus]:
 
 
 def format_copies(copies: list[Copy]) -> str:
-    """The text ``kvpatch status --scan`` prints."""
     if not copies:
         return "vendored copies: none found (scanned imported modules and installed mlx dependents)"
     lines = [

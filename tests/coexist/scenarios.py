@@ -424,13 +424,13 @@ def scenario_vendored(order: str, module: str = "rapid_mlx.models.mlx_vlm_vendor
         kvpatch = activate_kvpatch()
     from kvpatch import vendored
 
-    copies = {f"{c.patch_id} {c.path}": c.state for c in vendored.scan()}
+    copies = {f"{c.patch_id} {c.path}": c.state for c in vendored.scan(kvpatch.get_engine())}
     cls = vendored_module.BatchKVCache
     active = offset_graph(cls)
     function = vars(cls)["update_and_fetch"].__code__.co_filename  # a replacement carries the original's names
     kvpatch.deactivate()
     restored = vars(cls)["update_and_fetch"].__code__.co_filename
-    after = {f"{c.patch_id} {c.path}": c.state for c in vendored.scan()}
+    after = {f"{c.patch_id} {c.path}": c.state for c in vendored.scan(kvpatch.get_engine())}
     return {"copies": copies, "edges": active, "function": function, "restored": restored, "after": after}
 
 

@@ -50,7 +50,7 @@ def _imported() -> str:
     code = (
         "import json, sys, kvpatch\n"
         "from kvpatch import vendored\n"
-        "vendored.scan(installed=True)\n"
+        "vendored.scan(kvpatch.get_engine(), installed=True)\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('mlx_lm', 'mlx_vlm', 'rapid_mlx')))))\n"
     )
     return subprocess.run(

@@ -195,14 +195,17 @@ def test_target_outside_upstream_is_rejected():
 
 
 def test_no_hook_registry_means_failed_not_pending(monkeypatch):
-    """Neither the bootstrap's registry nor wrapt loads: no hook will ever fire, so a patch that would apply is
+    """The bootstrap's hook registry does not load: no hook will ever fire, so a patch that would apply is
     reported failed with the reason, never left pending (an outcome, not a prediction)."""
     import kvpatch.engine as engine_module
     from kvpatch.config import Config
     from kvpatch.detect import Upstream
     from kvpatch.engine import Engine, State
 
-    monkeypatch.setattr(engine_module, "hook_registry", lambda: ImportError("No module named 'wrapt'"))
+    def hook_registry():
+        raise ImportError("kvpatch's post-import hooks (_kvpatch_hooks) cannot be loaded: reinstall kvpatch")
+
+    monkeypatch.setattr(engine_module, "hook_registry", hook_registry)
     p = Patch(
         id="t-hook",
         summary="s",
@@ -219,5 +222,5 @@ def test_no_hook_registry_means_failed_not_pending(monkeypatch):
     with pytest.warns(Warning):
         eng.activate()
     st = eng.status["t-hook"]
-    assert st.state is State.FAILED and "could not activate" in st.reason and "wrapt" in st.reason, st.reason
+    assert st.state is State.FAILED and "could not activate" in st.reason and "_kvpatch_hooks" in st.reason, st.reason
     assert not eng.active

@@ -51,11 +51,12 @@ CHILD_COPY = """
 import importlib, io, json, sys
 import mlx.core as mx
 import {package}.models.cache  # kvpatch activates (the copy imports upstream modules itself)
+import kvpatch
 from kvpatch import vendored
 copy = importlib.import_module("kvpatch_test_vendor.cache")
 if {apply}:
     vendored.apply()
-found = {{f"{{c.patch_id}} {{c.qualname}}": c.state for c in vendored.scan(modules=["kvpatch_test_vendor.cache"])}}
+found = {{f"{{c.patch_id}} {{c.qualname}}": c.state for c in vendored.scan(kvpatch.get_engine(), modules=["kvpatch_test_vendor.cache"])}}
 edges = None
 cls = getattr(copy, "BatchKVCache", None)
 if cls is not None:
