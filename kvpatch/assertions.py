@@ -14,29 +14,11 @@ from .config import Config
 from .detect import Upstream
 from .engine import Engine, PatchStatus, State
 from .gate import Action, Decision, decide
-from .record import Patch
-from .registry import Stub
+from .record import DISTRIBUTIONS, Patch
+from .registry import Stub, module_for
 
 #: States in which the bug cannot bite this process: the fix is reached now, or upstream has no such bug.
 _FIXED_STATES = frozenset({State.APPLIED, State.NOT_NEEDED, State.OUT_OF_RANGE, State.NOT_INSTALLED})
-
-
-@dataclass(frozen=True)
-class Problem:
-    patch_id: str
-    state: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.patch_id}: {self.state}: {self.reason}"
-
-
-class NotApplied(RuntimeError):
-    """An applicable patch is not installed in this process."""
-
-    def __init__(self, found: list[Problem]) -> None:
-        self.problems = found
-        super().__init__("kvpatch: applicable patches are not applied:\n" + "\n".join(f"  - {p}" for p in found))
 
 
 def _gate(engine: Engine, patch: Patch | Stub, config: Config | None = None) -> Decision:
@@ -58,14 +40,14 @@ def _import_pending(engine: Engine, statuses: Iterable[PatchStatus]) -> None:
             __import__(module)
 
 
-def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[list[PatchStatus], list[Problem]]:
+def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[list[PatchStatus], list[Guarantee]]:
     """(applicable statuses, problems): an applicable patch (or copy's) not in, unless pending with none of its
     modules ``imported``; a verify-decided patch that failed, drifted, was overridden, is inconclusive, or
     is unverified with a module imported; a broken unit."""
     loaded = set(sys.modules if imported is None else imported)
     engine.refresh()  # "applied" means reachable now
     applicable: list[PatchStatus] = []
-    found: list[Problem] = []
+    found: list[Guarantee] = []
     for patch in engine.materialise():
         st = engine.status[patch.id]
         action = _gate(engine, st.patch).action
@@ -79,13 +61,13 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
                 or (st.state is State.UNVERIFIED and touched)
             )
         if bad:
-            found.append(Problem(patch.id, st.state.value, st.error or st.reason))
+            found.append(Guarantee(patch.id, False, st.state.value, st.error or st.reason))
     for st in _copy_records():
         if st.decision.action is Action.APPLY:
             applicable.append(st)
             if st.state not in _FIXED_STATES and (st.state is not State.PENDING or st.copy in loaded):
-                found.append(Problem(f"{st.record.id} in {st.copy}", st.state.value, st.error or st.reason))
-    found.extend(Problem(module, "broken", error) for module, error in engine.broken.items())
+                found.append(Guarantee(f"{st.record.id} in {st.copy}", False, st.state.value, st.error or st.reason))
+    found.extend(Guarantee(module, False, "broken", error) for module, error in engine.broken.items())
     return applicable, found
 
 
@@ -118,11 +100,18 @@ class Guarantee:
 class NotFixed(RuntimeError):
     """A fix named to :func:`require` is neither in effect nor needless with the installed upstream."""
 
-    def __init__(self, guarantees: list[Guarantee]) -> None:
+    def __init__(self, guarantees: list[Guarantee], headline: str = "") -> None:
         self.guarantees = guarantees
         self.problems = [g for g in guarantees if not g.fixed]
-        lines = "".join(f"\n  - {g}" for g in guarantees)
-        super().__init__(f"kvpatch: {len(self.problems)} required fix(es) not in effect:{lines}")
+        headline = headline or f"{len(self.problems)} required fix(es) not in effect"
+        super().__init__(f"kvpatch: {headline}:" + "".join(f"\n  - {g}" for g in guarantees))
+
+
+class NotApplied(NotFixed):
+    """An applicable patch is not installed in this process."""
+
+    def __init__(self, found: list[Guarantee]) -> None:
+        super().__init__(found, "applicable patches are not applied")
 
 
 class UnknownPatch(LookupError):
@@ -140,9 +129,7 @@ def _patch_status(engine: Engine, patch_id: str) -> PatchStatus | Guarantee:
     if patch_id in engine.status:
         return engine.status[patch_id]
     for name, error in engine.broken.items():
-        folder, _, leaf = name.rpartition(".")
-        short = folder.rpartition(".")[2].removeprefix("mlx_")  # the file name drops its folder's lm/vlm
-        if patch_id.replace("-", "_") in (leaf, f"{short}_{leaf}", f"{leaf}_{short}"):
+        if name in (module_for(patch_id, dist) for dist in DISTRIBUTIONS):
             return Guarantee(patch_id, False, "broken", f"its patch unit could not be loaded: {error}")
     raise UnknownPatch(patch_id, engine.status)
 

@@ -96,3 +96,12 @@ def index() -> list[Stub] | None:
         return [Stub(name, **units[name]) for name in units] if sorted(units) == _unit_names() else None
     except Exception:
         return None
+
+
+def module_for(patch_id: str, distribution: str) -> str:
+    """The unit module a patch's record must live in (CONTRIBUTING.md, "Layout"): the folder of the distribution
+    whose release gates it, and the id with ``-`` as ``_``, less the ``lm``/``vlm`` prefix or suffix that the
+    folder already says (``offset-detach-vlm`` -> ``kvpatch.patches.mlx_vlm.offset_detach``)."""
+    short = distribution.removeprefix("mlx-")
+    name = patch_id.removeprefix(f"{short}-").removesuffix(f"-{short}")
+    return f"{PACKAGE}.{DISTRIBUTIONS[distribution]}.{name.replace('-', '_')}"

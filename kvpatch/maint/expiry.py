@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from packaging.version import Version
 
 from ..record import Patch
+from ..registry import module_for
 from .matrix import SUPPORTED_FLOOR
-from .units import module_for
 
 __all__ = [
     "SUPPORTED_FLOOR",

@@ -14,19 +14,9 @@ from dataclasses import fields
 from typing import Any
 
 from kvpatch import registry
-from kvpatch.record import DISTRIBUTIONS
 
 #: What ``units.json`` holds per unit module.
 INDEXED = tuple(f.name for f in fields(registry.Stub) if f.name != "module")
-
-
-def module_for(patch_id: str, distribution: str) -> str:
-    """The unit module a patch's record must live in (CONTRIBUTING.md, "Layout"): the folder of the distribution
-    whose release gates it, and the id with ``-`` as ``_``, less the ``lm``/``vlm`` prefix or suffix that the
-    folder already says (``offset-detach-vlm`` -> ``kvpatch.patches.mlx_vlm.offset_detach``)."""
-    short = distribution.removeprefix("mlx-")
-    name = patch_id.removeprefix(f"{short}-").removesuffix(f"-{short}")
-    return f"{registry.PACKAGE}.{DISTRIBUTIONS[distribution]}.{name.replace('-', '_')}"
 
 
 def expected() -> dict[str, Any]:

@@ -79,7 +79,7 @@ def test_unknown_id_suggests_close_matches():
 
 def test_broken_unit_is_not_fixed_and_not_unknown():
     with pytest.warns(UserWarning, match="could not be loaded"):
-        engine = _engine("0.23.2", broken={"kvpatch.patches.some_fix": "SyntaxError: x"})
+        engine = _engine("0.23.2", broken={"kvpatch.patches.mlx_lm.some_fix": "SyntaxError: x"})
     (g,) = guarantees(engine, ["some-fix"])
     assert not g.fixed and g.state == "broken" and "SyntaxError: x" in g.reason, g
     with pytest.warns(UserWarning, match="could not be loaded"):

@@ -9,7 +9,7 @@ from support import REPO
 
 import kvpatch.patches
 from kvpatch import registry
-from kvpatch.maint.units import module_for
+from kvpatch.registry import module_for
 
 
 def test_every_unit_lives_where_its_id_and_distribution_say():

@@ -152,7 +152,7 @@ def test_disabled_patch_fails_the_session(pytester, upstream_env):
     result = pytester.runpytest_subprocess(*_plugin_args(), "--kvpatch-require-applied")
     result.assert_outcomes(passed=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*kvpatch: applicable patches not applied*", "*mask-fill: disabled*"])
+    result.stdout.fnmatch_lines(["*kvpatch: applicable patches not applied*", "*mask-fill: NOT FIXED: disabled*"])
 
 
 @pytest.mark.slow
@@ -162,7 +162,7 @@ def test_kvpatch_off_fails_the_session_via_ini(pytester, upstream_env):
     pytester.makepyfile(test_up=USES_UPSTREAM)
     result = pytester.runpytest_subprocess(*_plugin_args())
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*mask-fill: disabled: kvpatch is off*"])
+    result.stdout.fnmatch_lines(["*mask-fill: NOT FIXED: disabled: kvpatch is off*"])
 
 
 @pytest.mark.slow
@@ -253,7 +253,7 @@ def test_verify_that_failed_is_a_problem_and_broken_units_too():
     engine.status["v"].state = State.DRIFTED
     _, found = problems(engine, imported=[])
     assert [str(p).split(":")[0] for p in found] == ["v", "kvpatch.patches.bad"]
-    assert "kvpatch.patches.bad: broken: SyntaxError: x" in str(NotApplied(found))
+    assert "kvpatch.patches.bad: NOT FIXED: broken: SyntaxError: x" in str(NotApplied(found))
 
 
 def _broken_engine() -> Engine:
