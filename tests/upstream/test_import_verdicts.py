@@ -259,7 +259,7 @@ from kvpatch.status import build_report
 from kvpatch.testing import natural_decision
 
 reg = registry.load()
-patch = reg.get("rotating-merge-empty")
+patch = next(p for p in reg.patches if p.id == "rotating-merge-empty")
 if natural_decision(patch).action is not Action.APPLY:
     print("@@" + json.dumps(None)); raise SystemExit
 target = patch.targets[0]
