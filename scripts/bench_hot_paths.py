@@ -8,7 +8,8 @@ back), on a tiny random-weight llama (hidden 64, 2 layers, CPU or Metal, whateve
    evaluated);
 2. ``mlx_lm.generate.generate_step`` (single sequence: KVCache, which no hot-path patch touches);
    this and any row whose code no toggled patch changes is a noise control: its ratio shows how far
-   the machine lets two identical runs differ.
+   the machine lets two identical runs differ. Then with an 8-bit KV cache, whose attention goes through
+   ``quantized_scaled_dot_product_attention`` (replaced by mask-fill and qsdpa-gqa-batch-mask where they apply).
 3. ``mlx_lm.generate.BatchGenerator`` with 4 rows (BatchKVCache), with ``max_kv_size`` where the
    release supports it (BatchRotatingKVCache), and on a tiny hybrid LFM2 (ArraysCache.advance).
 4. Where mlx-vlm has them, decode steps of a left-padded 2-row batch through a tiny random ``LanguageModel`` of
@@ -47,14 +48,14 @@ _CACHE_CLASSES: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
 )
 
 
-def _tiny_llama() -> Any:
+def _tiny_llama(hidden_size: int = 64) -> Any:
     import mlx.core as mx
     from mlx_lm.models import llama
 
     mx.random.seed(0)
     args = llama.ModelArgs(
         model_type="llama",
-        hidden_size=64,
+        hidden_size=hidden_size,
         num_hidden_layers=2,
         intermediate_size=128,
         num_attention_heads=4,
@@ -121,7 +122,7 @@ def _update_loop(module: str, name: str, ctor: tuple[Any, ...], steps: int) -> C
     return run
 
 
-def _generate_step(model: Any, tokens: int) -> Callable[[], int]:
+def _generate_step(model: Any, tokens: int, **kwargs: Any) -> Callable[[], int]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -129,7 +130,7 @@ def _generate_step(model: Any, tokens: int) -> Callable[[], int]:
 
     def run() -> int:
         n = 0
-        for _ in generate_step(prompt, model, max_tokens=tokens):
+        for _ in generate_step(prompt, model, max_tokens=tokens, **kwargs):
             n += 1
         return n
 
@@ -244,6 +245,7 @@ def main() -> int:
     import mlx.core as mx
     import mlx_lm
     import mlx_lm.generate  # imports the cache module, so the engine installs its patches
+    import mlx_lm.models.base  # (older releases import it only with a model)
 
     vlm_models = [name for name in ("qwen3_5", "glm4v_moe") if _importable(f"mlx_vlm.models.{name}.language")]
 
@@ -265,13 +267,20 @@ def main() -> int:
             compare(f"{name}.update_and_fetch + eval", run, ids, args, "calls/s")
     model = _tiny_llama()
     compare("generate_step (1 row, KVCache)", _generate_step(model, args.tokens), ids, args)
-    compare("BatchGenerator (4 rows, BatchKVCache)", _batch_generator(model, args.tokens), ids, args)
-    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.generate import generate_step
 
-    if "max_kv_size" in inspect.signature(BatchGenerator).parameters:
+    if "kv_bits" in inspect.signature(generate_step).parameters:
+        # every layer's attention through quantized_scaled_dot_product_attention (mask-fill, qsdpa-gqa-batch-mask)
+        quantized = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}  # head_dim 32
+        run = _generate_step(_tiny_llama(hidden_size=128), args.tokens, **quantized)
+        compare("generate_step (1 row, 8-bit KV cache)", run, ids, args)
+    BatchGenerator = getattr(mlx_lm.generate, "BatchGenerator", None)  # mlx-lm >= 0.24
+    if BatchGenerator is not None:
+        compare("BatchGenerator (4 rows, BatchKVCache)", _batch_generator(model, args.tokens), ids, args)
+    if BatchGenerator is not None and "max_kv_size" in inspect.signature(BatchGenerator).parameters:
         run = _batch_generator(model, args.tokens, max_kv_size=64)
         compare("BatchGenerator (4 rows, max_kv_size=64)", run, ids, args)
-    if importlib.util.find_spec("mlx_lm.models.lfm2") is not None:
+    if BatchGenerator is not None and importlib.util.find_spec("mlx_lm.models.lfm2") is not None:
         run = _batch_generator(_tiny_lfm2(), args.tokens)
         compare("BatchGenerator (4 rows, LFM2 hybrid)", run, ids, args)
     for name in vlm_models:
