@@ -7,8 +7,9 @@ knows whether the running upstream *should* be patched even when ``KVPATCH_DISAB
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from . import get_engine
 from .config import Config
@@ -33,8 +34,11 @@ __all__ = [
     "same_greedy",
     "skip_on_gap",
     "tolerance",
+    "with_and_without",
     "without",
 ]
+
+_T = TypeVar("_T")
 
 
 def natural_decision(patch: Patch | Stub) -> Decision:
@@ -52,6 +56,13 @@ def import_targets(patch: Patch) -> None:
 def without(*patch_ids: str) -> Iterator[None]:
     with get_engine().without(*patch_ids):
         yield
+
+
+def with_and_without(patch_id: str, run: Callable[[], _T]) -> tuple[_T, _T]:
+    """``run()`` as this process has the patch, then again with it taken out (:func:`without`)."""
+    with_patch = run()
+    with without(patch_id):
+        return with_patch, run()
 
 
 def reproduce(patch: Patch) -> Finding:

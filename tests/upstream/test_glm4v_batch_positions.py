@@ -5,12 +5,10 @@ it got before."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 from kvpatch.patches.mlx_vlm.glm4v_batch_positions import PATCH, batched_vs_alone, tiny_language_model, tiny_model
-from kvpatch.testing import require_affected, without
+from kvpatch.testing import require_affected, with_and_without
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,13 +30,14 @@ def test_given_positions_and_int_offsets_are_upstreams():
     model = tiny_model()
     tokens = mx.random.randint(1, 60, (2, 5), key=mx.random.key(3))
     positions = mx.broadcast_to(mx.arange(5)[None, None], (3, 2, 5))
-    results = []
-    for patched in (True, False):
-        with without(PATCH.id) if not patched else contextlib.nullcontext():
-            given = model(tokens, cache=[BatchKVCache([0, 0]) for _ in model.layers], position_ids=positions)
-            single = model(tokens[:1], cache=[KVCache() for _ in model.layers])
-            results.append((given.tolist(), single.tolist()))
-    assert results[0] == results[1]
+
+    def run():
+        given = model(tokens, cache=[BatchKVCache([0, 0]) for _ in model.layers], position_ids=positions)
+        single = model(tokens[:1], cache=[KVCache() for _ in model.layers])
+        return given.tolist(), single.tolist()
+
+    patched, unpatched = with_and_without(PATCH.id, run)
+    assert patched == unpatched
 
 
 def test_language_model_with_rope_state_or_given_positions_is_upstreams():
@@ -49,15 +48,16 @@ def test_language_model_with_rope_state_or_given_positions_is_upstreams():
     model = tiny_language_model()
     tokens = mx.random.randint(1, 60, (2, 5), key=mx.random.key(3))
     positions = mx.broadcast_to(mx.arange(5)[None, None], (3, 2, 5))
-    results = []
-    for patched in (True, False):
-        with without(PATCH.id) if not patched else contextlib.nullcontext():
-            model._rope_deltas, model._position_ids = mx.array([[2], [0]]), None
-            held = model(tokens, cache=[BatchKVCache([1, 0]) for _ in model.layers]).logits
-            model._rope_deltas = None
-            given = model(tokens, cache=[BatchKVCache([1, 0]) for _ in model.layers], position_ids=positions).logits
-            results.append((held.tolist(), given.tolist()))
-    assert results[0] == results[1]
+
+    def run():
+        model._rope_deltas, model._position_ids = mx.array([[2], [0]]), None
+        held = model(tokens, cache=[BatchKVCache([1, 0]) for _ in model.layers]).logits
+        model._rope_deltas = None
+        given = model(tokens, cache=[BatchKVCache([1, 0]) for _ in model.layers], position_ids=positions).logits
+        return held.tolist(), given.tolist()
+
+    patched, unpatched = with_and_without(PATCH.id, run)
+    assert patched == unpatched
 
 
 def test_mlx_vlm_batch_generator_first_batch_rows_equal_each_row_alone():

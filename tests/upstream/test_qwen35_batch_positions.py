@@ -5,12 +5,10 @@ before."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 from kvpatch.patches.mlx_vlm.qwen35_batch_positions import PATCH, batched_vs_alone, tiny_attention
-from kvpatch.testing import require_affected, without
+from kvpatch.testing import require_affected, with_and_without
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,11 +29,12 @@ def test_given_positions_and_int_offsets_are_upstreams():
     attention = tiny_attention()
     x = mx.random.normal((2, 5, 64), key=mx.random.key(3))
     positions = mx.broadcast_to(mx.arange(5)[None, None], (3, 2, 5))
-    results = []
-    for patched in (True, False):
-        with contextlib.nullcontext() if patched else without(PATCH.id):
-            cache = BatchKVCache([0, 0])
-            given = attention(x, mask=cache.make_mask(5, return_array=True), cache=cache, position_ids=positions)
-            single = attention(x[:1], mask="causal", cache=KVCache())
-            results.append((given.tolist(), single.tolist()))
-    assert results[0] == results[1]
+
+    def run():
+        cache = BatchKVCache([0, 0])
+        given = attention(x, mask=cache.make_mask(5, return_array=True), cache=cache, position_ids=positions)
+        single = attention(x[:1], mask="causal", cache=KVCache())
+        return given.tolist(), single.tolist()
+
+    patched, unpatched = with_and_without(PATCH.id, run)
+    assert patched == unpatched
