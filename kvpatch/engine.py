@@ -606,7 +606,9 @@ REPRODUCTIONS_RUN: list[str] = []
 
 def run_reproduction(patch: Patch) -> Finding:
     """Run ``patch``'s reproduction keeping mlx's default device and stream, and its random state where mlx allows it
-    (up to 0.31; newer mlx's cannot be set back, one reason reproductions never run in a user's process)."""
+    (up to 0.31; newer mlx's cannot be set back, one reason reproductions never run in a user's process). It runs on
+    the CPU unless its bug lives in a device's kernels (``Patch.on_device``): a logic bug's verdict is then the same
+    on every machine, whatever the GPU's arithmetic (TF32)."""
     if patch.reproduction is None:
         raise LookupError(f"{patch.id} has no reproduction")
     REPRODUCTIONS_RUN.append(patch.id)
@@ -616,7 +618,11 @@ def run_reproduction(patch: Patch) -> Finding:
     device = mx.default_device()
     stream = mx.default_stream(device)
     try:
-        finding = patch.reproduction()
+        if patch.on_device or patch.metal_only:
+            finding = patch.reproduction()
+        else:
+            with mx.stream(mx.cpu):
+                finding = patch.reproduction()
     except Exception as exc:
         return Finding.from_error(exc)
     finally:

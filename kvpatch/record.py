@@ -65,6 +65,10 @@ class Finding:
     detail: str = ""
     skipped: str | None = None  # why the reproduction cannot run here at all (e.g. a Metal-only bug on CPU)
     inconclusive: str | None = None  # the error that is not the bug, as text
+    #: For a symptom that is a computed difference (:func:`kvpatch.patches._numbers.judge`): its size, and the rounding
+    #: of the backend and dtype it was judged against.
+    error: float | None = None
+    rounding: float | None = None
 
     @property
     def bug(self) -> Bug:
@@ -135,6 +139,9 @@ class Patch:
     hot_path: bool = False  # called per token / per layer per step
     order: int = 100  # several patches on one target: lower installs first (innermost)
     metal_only: bool = False  # the bug cannot be observed off Metal
+    #: The bug lives in a device's kernels (Metal, CUDA): its reproduction runs on the default device. Every other
+    #: reproduction runs on the CPU, so that its verdict is the same on every machine.
+    on_device: bool = False
     opt_in: bool = False  # changes documented upstream behaviour (a policy): off unless ``KVPATCH_ENABLE`` names it
     #: Only makes the target compute on a backend: another patch's run without its fix keeps it in place.
     enabler: bool = False
