@@ -47,6 +47,7 @@ PATCH = Patch(
     affected=">=0.19.3,<=0.32.2",
     checked_through="0.32.2",
     reference="not reported upstream (mlx CUDA backend, mlx 0.32.4)",
+    catalogue="CUDA (docs/cuda.md)",
     hot_path=True,
     enabler=True,
     order=90,

@@ -35,6 +35,7 @@ PATCH = Patch(
     affected=">=0.6.4,<=0.7.10",
     checked_through="0.7.10",
     reference="not reported upstream (mlx CUDA backend, mlx 0.32.4; mlx-lm twin: qsdpa-cuda-shapes)",
+    catalogue="CUDA (docs/cuda.md)",
     hot_path=True,
     enabler=True,
     order=90,
