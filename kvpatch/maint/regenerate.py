@@ -13,8 +13,10 @@
    ``--offline``;
 3. ``COMPAT.md``, the compatibility table (:mod:`kvpatch.maint.compat`);
 4. the ``kvpatch status --verify`` example in ``docs/status.md``: that command's output in the newest mlx-vlm
-   matrix bucket (which holds the newest mlx-lm too), with a throwaway verdict cache; ``--check`` leaves it
-   (tests/engine/test_compat_doc.py checks that it shows the catalogue's patches), ``--no-example`` too.
+   matrix bucket (which holds the newest mlx-lm too), with a throwaway verdict cache. Only a whole regeneration
+   (no ``--only``, no ``--check``, no ``--no-example``) refreshes it: it is a snapshot of what the command printed,
+   which a new patch's stubs would only spoil (tests/engine/test_compat_doc.py checks that it names no patch the
+   catalogue lacks).
 
 A unit that does not load, or a record the maintainer checks refuse (:func:`kvpatch.maint.new.record_problems`),
 stops it before anything is written, with one line per problem naming the file and the field.
@@ -139,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         "--offline", action="store_true", help="ask no package index, download nothing: use the cached layers only"
     )
     parser.add_argument("--no-fingerprints", action="store_true", help="leave fingerprints.json")
-    parser.add_argument("--no-example", action="store_true", help="leave the status example in docs/status.md")
+    parser.add_argument(
+        "--no-example", action="store_true", help="leave the status example in docs/status.md (--only leaves it too)"
+    )
     parser.add_argument("--no-git", action="store_true", help="fingerprint releases only, no git commits")
     args = parser.parse_args(argv)
     found = problems()
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             stale.append("kvpatch/data/fingerprints.json")
     if not _file(COMPAT, compat.render(), args.check):
         stale.append(str(COMPAT))
-    if not (args.check or args.no_example):
+    if not (args.check or args.no_example or args.only):
         output = status_example(offline=args.offline)
         if output is not None:
             _file(STATUS_DOC, with_example(STATUS_DOC.read_text(encoding="utf-8"), output), check=False)
