@@ -68,18 +68,19 @@ def record_problems(patch: Patch) -> list[str]:
     return out
 
 
-def test_path(patch_id: str, root: Path = REPO) -> Path:
-    """The patch's own test file (CONTRIBUTING.md, "Adding a patch")."""
-    return root / "tests" / "upstream" / f"test_{patch_id.replace('-', '_')}.py"
+def test_path(patch_id: str, root: Path | None = None) -> Path:
+    """The patch's own test file (CONTRIBUTING.md, "Adding a patch") in the clone at ``root`` (default: this one)."""
+    return (root or REPO) / "tests" / "upstream" / f"test_{patch_id.replace('-', '_')}.py"
 
 
-def unit_path(patch_id: str, distribution: str, root: Path = REPO) -> Path:
-    return root.joinpath(*registry.module_for(patch_id, distribution).split(".")).with_suffix(".py")
+def unit_path(patch_id: str, distribution: str, root: Path | None = None) -> Path:
+    return (root or REPO).joinpath(*registry.module_for(patch_id, distribution).split(".")).with_suffix(".py")
 
 
-def unfinished(root: Path = REPO) -> list[str]:
-    """Every :data:`STUB` line left in the patch units and the patches' tests under ``root``, as ``path:line: what to
-    write``."""
+def unfinished(root: Path | None = None) -> list[str]:
+    """Every :data:`STUB` line left in the patch units and the patches' tests of the clone at ``root`` (default: this
+    one), as ``path:line: what to write``."""
+    root = root or REPO
     files = sorted((root / "kvpatch" / "patches").rglob("*.py")) + sorted(
         (root / "tests" / "upstream").glob("test_*.py")
     )

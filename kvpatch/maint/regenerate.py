@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             stale.append("kvpatch/data/fingerprints.json")
     if not _file(COMPAT, compat.render(), args.check):
         stale.append(str(COMPAT))
-    if not (args.check or args.no_example or args.only):
+    if not (args.check or args.no_example or args.only) and STATUS_DOC.is_file():
         output = status_example(offline=args.offline)
         if output is not None:
             _file(STATUS_DOC, with_example(STATUS_DOC.read_text(encoding="utf-8"), output), check=False)

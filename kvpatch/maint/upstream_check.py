@@ -69,6 +69,7 @@ __all__ = [
     "Expect",
     "Measured",
     "Release",
+    "absent_advice",
     "expectation",
     "index_releases",
     "judge",
@@ -273,6 +274,45 @@ def judge(
     if expect is Expect.NEEDED:
         advice.insert(0, f"{where}: the record says {dist} {release} is affected, but the bug is absent there")
     return Agreement(False, expect.value, tuple(advice))
+
+
+def absent_advice(patch: Patch, release: str, *, commit: str | None = None) -> list[str]:
+    """What to change when the bug is absent without the patch on ``release`` (installed from git ``commit``, if
+    given) although the record calls it affected, chosen by where the release sits in the record: the fields of
+    CONTRIBUTING.md, "The record". ``tests/upstream/test_regressions.py`` prints it."""
+    lines = _absent_advice(patch, release, commit)
+    return [*lines, f"after changing the record: `python -m kvpatch.maint.regenerate --only {patch.id}`"]
+
+
+def _absent_advice(patch: Patch, release: str, commit: str | None) -> list[str]:
+    where, dist = patch_file(patch), patch.distribution
+    measure = f"`python -m kvpatch upstream-check --{dist} {release}` measures it with kvpatch off"
+    if commit:
+        pin = commit[:8]
+        return [
+            f"{where}: {dist} is installed from git commit {pin}, which the commit index places inside the range:",
+            f"  if {pin} predates the bug, set introduced_commit to the commit that brought it in;",
+            f"  if {pin} has upstream's fix, set fixed_commit (and fixed_in) to the fixing commit (and its release)",
+        ]
+    version = Version(release)
+    lows = [Version(s.version) for s in patch.range if s.operator in (">=", ">")]
+    highs = [Version(s.version) for s in patch.range if s.operator in ("<=", "<")]
+    if version in lows:
+        return [
+            f"{where}: {dist} {release} is the lower bound of affected={patch.affected!r} but has no bug: if the bug "
+            f"came later, raise the lower bound to the first release that has it; if it is there, fix the "
+            f"reproduction ({measure})"
+        ]
+    if version in highs or (patch.checked_through and version == Version(patch.checked_through)):
+        return [
+            f"{where}: {dist} {release} ends affected={patch.affected!r} but has no bug. If upstream fixed it there:",
+            *(f"  {line}" for line in judge(patch, release, Measured.FIXED).advice[1:]),
+            f"  otherwise fix the reproduction ({measure})",
+        ]
+    return [
+        f"{where}: {dist} {release} lies inside affected={patch.affected!r} but has no bug: the reproduction misses "
+        f"it here ({measure}), or the range has a gap (narrow affected, or add '!={release}' to it)"
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -1075,7 +1115,7 @@ def format_text(outcome: Outcome) -> str:
     lines.append("")
     if must:
         lines.append(
-            "records that disagree with what was measured (change them, then `python -m kvpatch compat --write`):"
+            "records that disagree with what was measured (change them, then `python -m kvpatch.maint.regenerate`):"
         )
         lines.extend(f"  - {a}" for _, a in must)
     if unmeasured:

@@ -19,6 +19,8 @@ import kvpatch
 from kvpatch import registry
 from kvpatch.engine import State
 from kvpatch.gate import Action
+from kvpatch.maint.expiry import patch_file
+from kvpatch.maint.upstream_check import absent_advice
 from kvpatch.testing import import_targets, natural_decision, reproduce, skip_on_gap
 
 PATCHES = registry.load().patches
@@ -41,7 +43,11 @@ def test_regression(patch):
         # (disabled too when run with KVPATCH_DISABLE: what matters is that nothing is installed)
         assert st.state in (State.NOT_NEEDED, State.DISABLED) and not st.installed, st.reason
         finding = reproduce(patch)
-        assert finding.bug == "absent", f"record says fixed upstream, but {_said(finding)}"
+        assert finding.bug == "absent", (
+            f"{patch_file(patch)}: the record says this release has upstream's fix (fixed_in={patch.fixed_in!r}, "
+            f"fixed_commit={patch.fixed_commit!r}), but {_said(finding)}: set them (and affected's upper bound) to the "
+            "release and commit that really fix it"
+        )
         return
     if decision.action is Action.VERIFY and st.state is State.UNVERIFIED:
         # the reproduction decides and this environment has no verdict: nothing was applied at import
@@ -62,7 +68,16 @@ def test_regression(patch):
     assert finding.bug == "absent", f"in this process ({st.state.value}: {st.reason}) {_said(finding)}"
     if decision.action is Action.APPLY:
         assert st.state is State.APPLIED, st.reason
-    assert unpatched.bug == "present", f"without the patch {_said(unpatched)}"
+    assert unpatched.bug == "present", f"without the patch {_said(unpatched)}" + (
+        "\n" + "\n".join(_absent_advice(patch, engine.upstream[patch.distribution]))
+        if unpatched.bug == "absent"
+        else ""
+    )
+
+
+def _absent_advice(patch, upstream):
+    commit = upstream.source.commit if upstream.source.kind == "vcs" else None
+    return absent_advice(patch, upstream.version, commit=commit)
 
 
 def _said(finding):
