@@ -5,11 +5,12 @@
 
 writes the unit where the layout rule puts it (:func:`kvpatch.registry.module_for`): a Broken / Upstream / Fix
 docstring, the ``PATCH = Patch(...)`` record from the options, one builder per target (a plain function with the
-target's own signature, read from the release's source, that calls the original) and a reproduction stub; and its test,
-``tests/upstream/test_<id>.py``, with the ``requires_patch`` marker. Then it runs ``python -m kvpatch.maint.regenerate
---only ID``, so the files derived from the units (the unit index, the fingerprints, COMPAT.md, the status example)
-already count the new patch. What is left to write is marked :data:`STUB`; :func:`unfinished` lists each such line,
-and tests/engine/test_new_units.py fails on them in the unit tier, so the quick tier names what is still missing.
+target's own signature, read from the release's source, that calls the original) and a reproduction stub; its test,
+``tests/upstream/test_<id>.py``, with the ``requires_patch`` marker; and its CHANGELOG.md line. Then it runs
+``python -m kvpatch.maint.regenerate --only ID``, so the files derived from the units (the unit index, the
+fingerprints, COMPAT.md) already count the new patch. What is left to write is marked :data:`STUB`; :func:`unfinished`
+lists each such line, and tests/engine/test_new_units.py fails on them in the unit tier, so the quick tier names what
+is still missing.
 
 Record facts are options, not stubs: they feed the derived files, so changing one later means regenerating again.
 """
@@ -36,7 +37,16 @@ from . import envs
 from .matrix import BUCKETS, TESTED
 from .sources import definition, module_file
 
-__all__ = ["STUB", "main", "record_problems", "render_test", "render_unit", "test_path", "unfinished"]
+__all__ = [
+    "STUB",
+    "main",
+    "record_problems",
+    "render_test",
+    "render_unit",
+    "test_path",
+    "unfinished",
+    "with_changelog_entry",
+]
 
 #: Marks what the contributor still has to write, in the unit and its test.
 STUB = "TODO(scaffold)"
@@ -315,6 +325,24 @@ def render_test(patch: Patch) -> str:
     return "\n".join(lines) + "\n"
 
 
+def with_changelog_entry(changelog: str, patch: Patch) -> str:
+    """``changelog`` (CHANGELOG.md's text) with the new patch's line first under ``## [Unreleased]`` / ``### Added``
+    (a new patch is a change users see: CONTRIBUTING.md, "Adding a patch")."""
+    entry = f"- Patch `{patch.id}` (catalogue {patch.catalogue}): {patch.summary}."
+    head = "## [Unreleased]\n"
+    start = changelog.find(head)
+    if start < 0:
+        raise ValueError("CHANGELOG.md has no '## [Unreleased]' section")
+    end = changelog.find("\n## [", start + len(head))
+    end = len(changelog) if end < 0 else end + 1
+    section = changelog[start:end]
+    if "\n### Added\n\n" in section:
+        section = section.replace("\n### Added\n\n", f"\n### Added\n\n{entry}\n", 1)
+    else:
+        section = section.rstrip("\n") + f"\n\n### Added\n\n{entry}\n\n"
+    return changelog[:start] + section + changelog[end:]
+
+
 # -- reading the targets from a release ----------------------------------------------------------------------------
 
 
@@ -472,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     test.write_text(render_test(patch), encoding="utf-8")
     _ruff([unit, test])
     print(f"wrote {unit.relative_to(REPO)} and {test.relative_to(REPO)}")
+    changelog = REPO / "CHANGELOG.md"
+    if changelog.is_file():
+        changelog.write_text(with_changelog_entry(changelog.read_text(encoding="utf-8"), patch), encoding="utf-8")
+        print("added its line to CHANGELOG.md (## [Unreleased], ### Added)")
     rc = 0
     if not args.no_regenerate:
         from . import regenerate

@@ -66,6 +66,7 @@ def clone(tmp_path, monkeypatch):
         (root / folder).mkdir(parents=True)
     (root / "scripts" / "record_fingerprints.py").write_text("")
     shutil.copy(REPO / "pyproject.toml", root)  # ruff's settings, as the tree's lint test has them
+    (root / "CHANGELOG.md").write_text("# Changelog\n\n## [Unreleased]\n\n### Fixed\n\n- x\n\n## [0.1.0]\n\n- y\n")
     layer = tmp_path / "layer"
     (layer / "mlx_lm" / "models").mkdir(parents=True)
     (layer / "mlx_lm" / "models" / "cache.py").write_text(CACHE_PY)
@@ -112,6 +113,23 @@ def test_the_scaffold_writes_a_unit_and_a_test_that_load_and_name_what_is_left(c
     assert any("write the reproduction" in line for line in left) and any("write the fix" in line for line in left)
     out = capsys.readouterr().out
     assert f"({len(left)} left)" in out and all(line in out for line in left)
+    changelog = (clone / "CHANGELOG.md").read_text()
+    assert (
+        "### Fixed\n\n- x\n\n### Added\n\n- Patch `kvcache-trim-demo` (catalogue issue 37 demo): KVCache" in changelog
+    )
+    assert changelog.endswith("\n## [0.1.0]\n\n- y\n")
+
+
+def test_the_changelog_line_goes_first_under_unreleased_added():
+    patch = Patch(
+        id="x-demo", summary="s", catalogue="c", distribution="mlx-lm", affected="<=0.1", checked_through="0.1",
+        reference="r", expiry=Expiry("never"),
+    )  # fmt: skip
+    text = (REPO / "CHANGELOG.md").read_text()
+    changed = new.with_changelog_entry(text, patch)
+    unreleased = changed[: changed.index("\n## [", changed.index("## [Unreleased]") + 1)]
+    assert "### Added\n\n- Patch `x-demo` (catalogue c): s.\n- " in unreleased
+    assert changed.replace("- Patch `x-demo` (catalogue c): s.\n", "", 1) == text
 
 
 @pytest.mark.skipif(RUFF is None, reason="ruff is not installed")
