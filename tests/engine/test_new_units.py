@@ -71,6 +71,7 @@ def clone(tmp_path, monkeypatch):
     (layer / "mlx_lm" / "models").mkdir(parents=True)
     (layer / "mlx_lm" / "models" / "cache.py").write_text(CACHE_PY)
     monkeypatch.setattr(new, "REPO", root)
+    monkeypatch.setattr(registry, "load", lambda: registry.Registry([], {}))  # the ids this clone's units take
     monkeypatch.setattr(new, "_roots", lambda *a, **k: [("mlx-lm 0.32.2", layer)])
     return root
 
