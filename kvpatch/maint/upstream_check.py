@@ -236,7 +236,10 @@ def judge(
             return Agreement(
                 False,
                 expect.value,
-                (f"{where}: bug still there on {dist} {release}, but the patch does not fix it{state}: rework it",),
+                (
+                    f"{where}: bug still there on {dist} {release}, but the patch does not fix it{state}: rework its "
+                    "builders (the fix), or the reproduction if it measures something the fix does not touch",
+                ),
             )
         if expect is Expect.NEWER and not local:
             return Agreement(
