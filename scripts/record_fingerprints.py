@@ -442,9 +442,11 @@ def main(argv: list[str]) -> int:
         if rels:
             git_counts[p.id] = git_fingerprints(p, rels[0], table.setdefault(p.id, {}))
     for entry in table.values():
-        for fps in entry.values():
+        for path, fps in entry.items():
             for labels in fps.values():
                 labels.sort(key=_label_order)
+            # the order a measurement over ascending releases finds them in, whichever were measured now
+            entry[path] = dict(sorted(fps.items(), key=lambda item: _label_order(item[1][0])))
     table = {pid: {t: fps for t, fps in e.items() if fps} for pid, e in table.items()}
     data = {"schema": SCHEMA, "patches": {pid: table[pid] for pid in sorted(table) if table[pid]}}
     text = render(data)
