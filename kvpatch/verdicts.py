@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import store as _store
-from ._warn import emit, failure
+from ._warn import emit, failure, quoted
 from .locate import module_file, stamp
 from .record import Bug
 
@@ -110,7 +110,7 @@ def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> st
     """Apply ``change`` to the writable file's tables, read afresh under its lock; never raises. Returns why it was
     not written (``None``: written): ``change`` then went to memory, with one warning, unless the lock was taken."""
     global _loaded
-    why = "no usable directory (" + ", ".join(str(p.path) for p in _store.verdict_places()) + ")"
+    why = "no usable directory (" + ", ".join(quoted(p.path) for p in _store.verdict_places()) + ")"
     try:
         place = write_place()
         if place is not None:
