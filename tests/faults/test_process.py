@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
-import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -220,7 +217,9 @@ def test_kvpatch_uninstalled_while_the_process_runs(tmp_path, kvpatch_copy):
 
 # -- a stale bootstrap ---------------------------------------------------------------------------------------------
 
-BOOT_SITE = Path(importlib.util.find_spec("_kvpatch_boot").origin).parent if importlib.util.find_spec("_kvpatch_boot") else None
+BOOT_SITE = (
+    Path(importlib.util.find_spec("_kvpatch_boot").origin).parent if importlib.util.find_spec("_kvpatch_boot") else None
+)
 
 #: kvpatch.pth's line as site runs it (twice: some virtualenvs list their site-packages twice), then an mlx import.
 STALE_PTH = textwrap.dedent(
