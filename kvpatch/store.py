@@ -138,10 +138,76 @@ def _why(exc: OSError, shown: str) -> OSError:
     return OSError(exc.errno, f"The directory {quoted(shown)} cannot be entered ({exc.strerror or exc})")
 
 
+class Directory(NamedTuple):
+    """A state directory opened and checked (:func:`opened`): whatever is read or written in it goes through its
+    descriptor (a read and the write after it are of the same directory, whatever happens to its path meanwhile)."""
+
+    fd: int | None  # None: it does not exist (opened without ``create``)
+    place: Place
+    what: str
+
+    def _shown(self, name: str) -> str:
+        return str(self.place.path / name)
+
+    def read_json(self, name: str) -> Any:
+        """The JSON document ``name`` (``None``: absent, refused, unreadable or corrupt). Never raises."""
+        with contextlib.suppress(Exception):
+            data = None if self.fd is None else _read(name, self.fd, self._shown(name), owned=True)
+            return None if data is None else json.loads(data)
+        return None
+
+    def write_json(self, name: str, data: Any) -> None:
+        """Atomically replace ``name`` with ``data`` as JSON. Raises :class:`OSError` if not written."""
+        fd = self._needed()
+        payload = json.dumps(data, separators=(",", ":"), sort_keys=True, default=str).encode("utf-8")
+        tmp = f".{name}.{os.urandom(6).hex()}.tmp"
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_OPEN, 0o600, dir_fd=fd)
+        try:
+            with os.fdopen(out, "wb") as file:
+                os.fchmod(out, 0o644)  # readable by the environment's other users (a verdict stored at build time)
+                file.write(payload)
+                file.flush()
+                os.fsync(out)
+            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=fd)
+            raise
+
+    @contextlib.contextmanager
+    def locked(self, name: str, *, wait: bool) -> Iterator[int | None]:
+        """Lock ``name`` for the block, yielding its descriptor (``None``: ``wait`` off and the lock taken)."""
+        fd = self.open(name, os.O_RDWR)
+        try:
+            try:
+                if fcntl is not None:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield None
+            else:
+                yield fd
+        finally:
+            os.close(fd)  # closing the last descriptor releases the lock
+
+    def open(self, name: str, flags: int) -> int:
+        """``name`` opened with ``flags`` (created 0600), this user's or root's only: a refusal is warned about once.
+        Raises :class:`OSError`."""
+        try:
+            return _open(name, flags | os.O_CREAT, self._needed(), shown=self._shown(name), owned=True)
+        except Untrusted as exc:
+            _warn_untrusted(exc, self._shown(name), self.what)
+            raise
+
+    def _needed(self) -> int:
+        if self.fd is None:
+            raise FileNotFoundError(errno.ENOENT, "no such directory", str(self.place.path))
+        return self.fd
+
+
 @contextlib.contextmanager
-def _directory(place: Place, what: str, *, create: bool) -> Iterator[int | None]:
-    """``place``'s checked directory descriptor for the block (``None``: it does not exist and ``create`` is off). A
-    refusal on trust is warned about once; it and any other failure raise :class:`OSError`."""
+def opened(place: Place, what: str = "state", *, create: bool) -> Iterator[Directory]:
+    """``place`` opened and checked for the block (``create``: made where missing). A refusal on trust is warned
+    about once; it and any other failure raise :class:`OSError`."""
     if os.open not in os.supports_dir_fd:  # pragma: no cover - not POSIX: no way to check what is opened
         raise OSError(errno.ENOTSUP, "kvpatch keeps no state on this platform")
     try:
@@ -150,7 +216,7 @@ def _directory(place: Place, what: str, *, create: bool) -> Iterator[int | None]
         _warn_untrusted(exc, place.path, what)
         raise
     try:
-        yield fd if found else None
+        yield Directory(fd if found else None, place, what)
     finally:
         os.close(fd)
 
@@ -178,9 +244,8 @@ def usable(place: Place, what: str = "state") -> bool:
             return os.access(".", os.W_OK | os.X_OK, dir_fd=fd)
         finally:
             os.close(fd)
-    with contextlib.suppress(Exception):
-        with _directory(place, what, create=False):  # to warn (once) about a refusal on trust
-            pass
+    with contextlib.suppress(Exception), opened(place, what, create=False):  # to warn (once) about a refusal
+        pass
     return False
 
 
@@ -226,58 +291,25 @@ def read_bytes(path: Path) -> bytes | None:
 
 def read_json(place: Place, name: str, what: str = "state") -> Any:
     """The JSON document ``name`` in ``place`` (``None``: absent, refused, unreadable or corrupt). Never raises."""
-    with contextlib.suppress(Exception), _directory(place, what, create=False) as fd:
-        data = None if fd is None else _read(name, fd, str(place.path / name), owned=True)
-        return None if data is None else json.loads(data)
+    with contextlib.suppress(Exception), opened(place, what, create=False) as directory:
+        return directory.read_json(name)
     return None
 
 
 def write_json(place: Place, name: str, data: Any, what: str = "state") -> None:
     """Atomically replace ``name`` in ``place`` with ``data`` as JSON. Raises :class:`OSError` if not written."""
-    payload = json.dumps(data, separators=(",", ":"), sort_keys=True, default=str).encode("utf-8")
-    with _directory(place, what, create=True) as fd:
-        tmp = f".{name}.{os.urandom(6).hex()}.tmp"
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_OPEN, 0o600, dir_fd=fd)
-        try:
-            with os.fdopen(out, "wb") as file:
-                os.fchmod(out, 0o644)  # readable by the environment's other users (a verdict stored at build time)
-                file.write(payload)
-                file.flush()
-                os.fsync(out)
-            os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=fd)
-            raise
-
-
-def _open_owned(place: Place, name: str, flags: int, what: str) -> int:
-    """``name`` in ``place`` (created 0600), this user's or root's only: a refusal is warned about once."""
-    with _directory(place, what, create=True) as fd:
-        shown = str(place.path / name)
-        try:
-            return _open(name, flags | os.O_CREAT, fd, shown=shown, owned=True)
-        except Untrusted as exc:
-            _warn_untrusted(exc, shown, what)
-            raise
+    with opened(place, what, create=True) as directory:
+        directory.write_json(name, data)
 
 
 @contextlib.contextmanager
 def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[int | None]:
     """Lock ``name`` in ``place`` for the block, yielding its descriptor (``None``: ``wait`` off and the lock taken)."""
-    fd = _open_owned(place, name, os.O_RDWR, what)
-    try:
-        try:
-            if fcntl is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield None
-        else:
-            yield fd
-    finally:
-        os.close(fd)  # closing the last descriptor releases the lock
+    with opened(place, what, create=True) as directory, directory.locked(name, wait=wait) as fd:
+        yield fd
 
 
 def open_log(place: Place, name: str, what: str = "state") -> int:
     """``name`` in ``place`` opened for appending (created 0600, no symlink followed). Raises :class:`OSError`."""
-    return _open_owned(place, name, os.O_WRONLY | os.O_APPEND, what)
+    with opened(place, what, create=True) as directory:
+        return directory.open(name, os.O_WRONLY | os.O_APPEND)

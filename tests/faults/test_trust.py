@@ -260,7 +260,7 @@ def test_a_parent_others_can_write_is_refused_unless_sticky(tmp_path, mode):
 
 
 #: Reads and writes verdicts in a loop while another process swaps the directory for a symbolic link and back;
-#: prints what each read found.
+#: prints what the reads found, and what one more read finds once the swapping is over.
 RACE = textwrap.dedent(
     """
     import collections, json, sys, time, warnings
@@ -272,31 +272,50 @@ RACE = textwrap.dedent(
               reference="none", expiry=Expiry("never"))
     up = {"mlx-lm": Upstream("mlx-lm", "0.3.0", Source())}
     seen = collections.Counter()
-    end = time.monotonic() + float(sys.argv[1])
+    swapping, done = float(sys.argv[1]), sys.argv[2]
+    end = time.monotonic() + swapping
     while time.monotonic() < end:
         verdicts._loaded = None
         found = verdicts.lookup("k")
         seen[found.outcome.value if found else "none"] += 1
         if sum(seen.values()) % 10 == 0:
             verdicts.store("w", p, verdicts.Verdict(verdicts.Outcome.FIXED, "", time.time(), "race"), up)
-    print("@@" + json.dumps(seen))
+    while not __import__("os").path.exists(done):
+        time.sleep(0.05)
+    verdicts._loaded = None
+    found = verdicts.lookup("k")
+    print("@@" + json.dumps({"during": seen, "after": found.outcome.value if found else None}))
     """
 )
 
 SWAP = textwrap.dedent(
     """
     import os, shutil, sys, time
-    chosen, forged, end = sys.argv[1], sys.argv[2], time.monotonic() + float(sys.argv[3])
+    chosen, forged, end, done = sys.argv[1], sys.argv[2], time.monotonic() + float(sys.argv[3]), sys.argv[4]
+
+    def clear():  # what a writer made at the chosen path while it was away
+        if os.path.islink(chosen):
+            os.unlink(chosen)
+        else:
+            shutil.rmtree(chosen, ignore_errors=True)
+
     while time.monotonic() < end:
         os.rename(chosen, chosen + ".real")
-        os.symlink(forged, chosen)
+        while True:
+            try:
+                os.symlink(forged, chosen)
+                break
+            except FileExistsError:
+                clear()
         os.unlink(chosen)
-        while True:  # a writer may have made the directory again while it was missing: that one goes
+        while True:
             try:
                 os.rename(chosen + ".real", chosen)
                 break
             except OSError:
-                shutil.rmtree(chosen, ignore_errors=True)
+                clear()
+        time.sleep(0.0002)
+    open(done, "w").close()
     """
 )
 
@@ -304,7 +323,7 @@ SWAP = textwrap.dedent(
 def test_what_was_checked_is_what_is_read(tmp_path):
     """The directory is swapped for a symbolic link to a forged one (which the check refuses: others can write it)
     and back, as fast as a process can, while verdicts are read and written: every read is of the checked directory
-    or nothing, and nothing is written into the forged one."""
+    or nothing, nothing is written into the forged one, and nothing stored is lost."""
     chosen = tmp_path / "base" / "verdicts"
     _plant_verdict(chosen, "k")
     forged = tmp_path / "forged"
@@ -314,17 +333,17 @@ def test_what_was_checked_is_what_is_read(tmp_path):
     genuine = json.loads((chosen / "verdicts.json").read_text())
     genuine["verdicts"]["k"]["outcome"] = "bug present, fixed by patch"
     (chosen / "verdicts.json").write_text(json.dumps(genuine))
-    env = {"KVPATCH_VERDICTS": str(chosen)}
-    swapper = subprocess.Popen([sys.executable, *SAFE, "-c", SWAP, str(chosen), str(forged), "8"])
+    done = tmp_path / "swapped"
+    swapper = subprocess.Popen([sys.executable, *SAFE, "-c", SWAP, str(chosen), str(forged), "6", str(done)])
     try:
-        proc = run_child([*SAFE, "-c", RACE, "6"], env, tmp_path, timeout=120)
+        proc = run_child([*SAFE, "-c", RACE, "6", str(done)], {"KVPATCH_VERDICTS": str(chosen)}, tmp_path, timeout=120)
     finally:
         swapper.wait(timeout=60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = last_json(proc.stdout)
-    assert "bug absent upstream" not in seen, f"a forged verdict was read: {seen}"
-    assert seen.get("bug present, fixed by patch"), seen  # the checked directory was read meanwhile
+    assert proc.returncode == 0 and swapper.returncode == 0, proc.stderr[-3000:]
+    out = last_json(proc.stdout)
+    assert "bug absent upstream" not in out["during"], f"a forged verdict was read: {out}"
     assert {p.name: p.read_bytes() for p in forged.iterdir()} == planted, "a write went into the forged directory"
+    assert out["after"] == "bug present, fixed by patch", f"the stored verdict was lost: {out}"
 
 
 @pytest.mark.parametrize("variable", ["KVPATCH_VERDICTS", "KVPATCH_CACHE", "XDG_CACHE_HOME"])
