@@ -26,6 +26,7 @@ __all__ = [
     "SAFE",
     "child_env",
     "last_json",
+    "newer_release_overlay",
     "run_child",
     "site_packages",
     "unprivileged",
@@ -75,3 +76,19 @@ def site_packages() -> str:
     import sysconfig
 
     return sysconfig.get_paths()["purelib"]
+
+
+def newer_release_overlay(tmp_path: Path, distribution: str = "mlx-lm") -> str:
+    """A folder for ``PYTHONPATH`` holding a copy of ``distribution``'s .dist-info that says one micro release newer:
+    every patch of it goes to its reproduction (a verdict decides)."""
+    from importlib import metadata
+
+    root = tmp_path / "overlay"
+    info = Path(str(metadata.distribution(distribution)._path))  # type: ignore[attr-defined]
+    dest = root / info.name
+    shutil.copytree(info, dest)
+    version = metadata.version(distribution)
+    major, minor, micro = (int(x) for x in version.split(".")[:3])
+    meta = dest / "METADATA"
+    meta.write_text(meta.read_text().replace(f"\nVersion: {version}\n", f"\nVersion: {major}.{minor}.{micro + 1}\n"))
+    return str(root)
