@@ -8,11 +8,14 @@ capabilities that let root past file modes (``setpriv``); elsewhere the test use
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ SAFE = ["-P"] if sys.version_info >= (3, 11) else []
 
 __all__ = [
     "REPO",
+    "REQUEST",
     "SAFE",
     "child_env",
     "last_json",
@@ -30,7 +34,24 @@ __all__ = [
     "run_child",
     "site_packages",
     "unprivileged",
+    "wait_for_lock",
 ]
+
+#: A child that asks for a background verification of the key "k": prints what it was told, and whether the
+#: verifier is left as a child of its own.
+REQUEST = textwrap.dedent(
+    """
+    import json, os
+    from kvpatch import measurer
+    said = measurer.request_verification(["k"])
+    try:
+        os.waitpid(-1, os.WNOHANG)
+        child = True
+    except ChildProcessError:
+        child = False
+    print("@@" + json.dumps({"said": said, "child": child}))
+    """
+)
 
 
 def unprivileged() -> list[str]:
@@ -92,3 +113,22 @@ def newer_release_overlay(tmp_path: Path, distribution: str = "mlx-lm") -> str:
     meta = dest / "METADATA"
     meta.write_text(meta.read_text().replace(f"\nVersion: {version}\n", f"\nVersion: {major}.{minor}.{micro + 1}\n"))
     return str(root)
+
+
+def wait_for_lock(path: Path, limit: float = 600) -> None:
+    """Until no process holds ``path`` locked (the background verifier releases ``verify.lock`` when it exits)."""
+    if not path.exists():
+        return
+    deadline = time.monotonic() + limit
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.fail("the background verifier did not finish")
+                time.sleep(0.2)
+    finally:
+        os.close(fd)

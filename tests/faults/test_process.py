@@ -4,50 +4,14 @@ in tests/upstream/test_faults_process.py)."""
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import os
 import shutil
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from faults_support import SAFE, last_json, run_child, site_packages
-
-REQUEST = textwrap.dedent(
-    """
-    import json, os
-    from kvpatch import measurer
-    said = measurer.request_verification(["k"])
-    try:
-        os.waitpid(-1, os.WNOHANG)
-        child = True
-    except ChildProcessError:
-        child = False
-    print("@@" + json.dumps({"said": said, "child": child}))
-    """
-)
-
-
-def _wait_for_lock(path: Path, limit: float = 300) -> None:
-    """Until no process holds ``path`` locked (the background verifier releases it when it exits)."""
-    if not path.exists():
-        return
-    deadline = time.monotonic() + limit
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail("the background verifier did not finish")
-                time.sleep(0.2)
-    finally:
-        os.close(fd)
-
+from faults_support import REQUEST, SAFE, last_json, run_child, site_packages, wait_for_lock
 
 # -- a verification pending under -W error and -X dev ----------------------------------------------------------
 
@@ -59,7 +23,7 @@ def test_starting_a_background_verification_says_nothing_under_strict_warnings(t
     directory = tmp_path / "verdicts"
     env = {"KVPATCH_VERDICTS": str(directory), "KVPATCH_VERIFY": "auto"}
     proc = run_child([*flags, *SAFE, "-c", REQUEST], env, tmp_path, timeout=120)
-    _wait_for_lock(directory / "verify.lock")
+    wait_for_lock(directory / "verify.lock")
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     out = last_json(proc.stdout)
     assert "verifying in the background" in out["said"], out
@@ -76,7 +40,7 @@ def test_a_pytest_session_under_W_error_with_a_verification_pending_passes(tmp_p
     directory = tmp_path / "verdicts"
     env = {"KVPATCH_VERDICTS": str(directory), "KVPATCH_VERIFY": "auto"}
     proc = run_child([*SAFE, "-m", "pytest", "-W", "error", "-q", "-p", "no:cacheprovider"], env, tmp_path)
-    _wait_for_lock(directory / "verify.lock")
+    wait_for_lock(directory / "verify.lock")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "Unraisable" not in proc.stdout + proc.stderr, proc.stdout[-3000:]
 
@@ -104,7 +68,7 @@ def test_a_full_disk_does_not_start_a_verification_in_every_process(tmp_path):
         proc = run_child([*SAFE, "-c", REQUEST], env, tmp_path, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
         said.append(last_json(proc.stdout)["said"])
-        _wait_for_lock(directory / "verify.lock")
+        wait_for_lock(directory / "verify.lock")
     started = [s for s in said if "verifying in the background" in s]
     assert len(started) <= 1, said
     assert all("none could be stored" in s or "has not settled it" in s for s in said if s not in started), said

@@ -6,18 +6,16 @@ test prepares (``KVPATCH_VERDICTS``), then checks what kvpatch read, wrote or ra
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import stat
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from faults_support import SAFE, last_json, run_child
+from faults_support import REQUEST, SAFE, last_json, run_child, wait_for_lock
 
 #: A child that reads one verdict (``sys.argv[1]``: its key) and reports it with its peak memory.
 LOOKUP = textwrap.dedent(
@@ -137,31 +135,6 @@ def test_a_symlinked_lock_file_is_not_followed(tmp_path):
     assert out == {"stored": False, "memory": True}, out  # kept in memory, and the caller is told
 
 
-def _wait_for_lock(path: Path, limit: float = 300) -> None:
-    """Until no process holds ``path`` locked (the background verifier releases it when it exits)."""
-    deadline = time.monotonic() + limit
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail("the background verifier did not finish")
-                time.sleep(0.2)
-    finally:
-        os.close(fd)
-
-
-REQUEST = textwrap.dedent(
-    """
-    import json
-    from kvpatch import measurer
-    print("@@" + json.dumps({"said": measurer.request_verification(["k"])}))
-    """
-)
-
 PLANT = "import os, sys\nopen(os.path.join({where!r}, 'PLANTED-RAN'), 'w').write(repr(sys.argv))\n"
 
 
@@ -177,7 +150,7 @@ def test_the_background_verifier_runs_no_code_from_the_verdict_directory_or_the_
     assert proc.returncode == 0, proc.stderr
     said = last_json(proc.stdout)["said"]
     assert "verifying in the background" in said, said
-    _wait_for_lock(directory / "verify.lock")
+    wait_for_lock(directory / "verify.lock")
     planted = [str(p) for p in (directory / "PLANTED-RAN", cwd / "PLANTED-RAN") if p.exists()]
     assert not planted, f"the background verifier ran a planted kvpatch package: {planted}"
     log = (directory / "verify.log").read_text()
@@ -194,7 +167,7 @@ def test_a_symlinked_log_is_not_followed(tmp_path):
     proc = run_child([*SAFE, "-c", REQUEST], env, tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr
     if (directory / "verify.lock").exists():
-        _wait_for_lock(directory / "verify.lock")
+        wait_for_lock(directory / "verify.lock")
     assert not victim.exists(), "the verifier's log was written through a planted symlink"
 
 

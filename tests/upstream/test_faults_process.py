@@ -4,33 +4,11 @@ another thread is inside kvpatch that import upstream (hooks install patches in 
 
 from __future__ import annotations
 
-import fcntl
 import os
 import textwrap
-import time
-from pathlib import Path
 
 import pytest
-from faults_support import SAFE, last_json, newer_release_overlay, run_child
-
-
-def _wait_for_lock(path: Path, limit: float = 600) -> None:
-    """Until no process holds ``path`` locked (the background verifier releases it when it exits)."""
-    if not path.exists():
-        return
-    deadline = time.monotonic() + limit
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail("the background verifier did not finish")
-                time.sleep(0.5)
-    finally:
-        os.close(fd)
+from faults_support import SAFE, last_json, newer_release_overlay, run_child, wait_for_lock
 
 
 def test_an_import_that_starts_a_verification_says_nothing_under_strict_warnings(tmp_path):
@@ -51,7 +29,7 @@ def test_an_import_that_starts_a_verification_says_nothing_under_strict_warnings
         assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", (flags, proc.stderr[-3000:])
     for directory in started:
         assert (directory / "verify.log").exists(), "no background verification was started"
-        _wait_for_lock(directory / "verify.lock")
+        wait_for_lock(directory / "verify.lock")
 
 
 #: A thread lists kvpatch's records all the time; the main thread forks children that import upstream (whose
