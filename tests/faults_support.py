@@ -29,6 +29,7 @@ __all__ = [
     "REQUEST",
     "SAFE",
     "child_env",
+    "fork_while_busy",
     "last_json",
     "newer_release_overlay",
     "run_child",
@@ -132,3 +133,53 @@ def wait_for_lock(path: Path, limit: float = 600) -> None:
                 time.sleep(0.2)
     finally:
         os.close(fd)
+
+
+_FORK_WHILE_BUSY = """
+import json, os, sys, threading, time, warnings
+warnings.simplefilter("ignore")  # 3.12+: fork in a process with threads warns
+import kvpatch
+{setup}
+stop = False
+
+def busy():
+    while not stop:
+{busy}
+
+thread = threading.Thread(target=busy, daemon=True)
+thread.start()
+time.sleep(0.5)
+pids = []
+for _ in range(int(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+{child}
+    pids.append(pid)
+    time.sleep(0.05)
+stop = True
+hung, failed, deadline = 0, 0, time.monotonic() + 240
+for pid in pids:
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            failed += os.waitstatus_to_exitcode(status) != 0
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            hung += 1
+            break
+        time.sleep(0.1)
+print("@@" + json.dumps({{"hung": hung, "failed": failed, "forked": len(pids)}}))
+"""
+
+
+def fork_while_busy(busy: str, child: str, setup: str = "") -> str:
+    """A child's code: a thread runs ``busy`` in a loop (inside kvpatch all the time) while the main thread forks
+    ``sys.argv[1]`` children that run ``child`` (which ends with ``os._exit``); prints how many hung (killed after
+    four minutes) and how many exited non-zero."""
+    return _FORK_WHILE_BUSY.format(
+        setup=textwrap.dedent(setup),
+        busy=textwrap.indent(textwrap.dedent(busy), " " * 8),
+        child=textwrap.indent(textwrap.dedent(child), " " * 8),
+    )

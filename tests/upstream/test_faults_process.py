@@ -5,10 +5,9 @@ another thread is inside kvpatch that import upstream (hooks install patches in 
 from __future__ import annotations
 
 import os
-import textwrap
 
 import pytest
-from faults_support import SAFE, last_json, newer_release_overlay, run_child, wait_for_lock
+from faults_support import SAFE, fork_while_busy, last_json, newer_release_overlay, run_child, wait_for_lock
 
 
 def test_an_import_that_starts_a_verification_says_nothing_under_strict_warnings(tmp_path):
@@ -34,44 +33,12 @@ def test_an_import_that_starts_a_verification_says_nothing_under_strict_warnings
 
 #: A thread lists kvpatch's records all the time; the main thread forks children that import upstream (whose
 #: post-import hooks install patches, under the engine's lock); each child must finish.
-FORK = textwrap.dedent(
-    """
-    import json, os, sys, threading, time, warnings
-    warnings.simplefilter("ignore")  # 3.12+: fork in a process with threads warns
-    import kvpatch
-    stop = False
-
-    def busy():
-        while not stop:
-            kvpatch.records()
-
-    thread = threading.Thread(target=busy, daemon=True)
-    thread.start()
-    time.sleep(0.5)
-    pids = []
-    for _ in range(int(sys.argv[1])):
-        pid = os.fork()
-        if pid == 0:
-            import mlx_lm, mlx_lm.models.cache, mlx_lm.generate
-            os._exit(0 if any(s.state.value == "applied" for s in kvpatch.records()) else 3)
-        pids.append(pid)
-        time.sleep(0.05)
-    stop = True
-    hung, failed, deadline = 0, 0, time.monotonic() + 240
-    for pid in pids:
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                failed += os.waitstatus_to_exitcode(status) != 0
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                hung += 1
-                break
-            time.sleep(0.1)
-    print("@@" + json.dumps({"hung": hung, "failed": failed, "forked": len(pids)}))
-    """
+FORK = fork_while_busy(
+    busy="kvpatch.records()",
+    child="""
+        import mlx_lm, mlx_lm.models.cache, mlx_lm.generate
+        os._exit(0 if any(s.state.value == "applied" for s in kvpatch.records()) else 3)
+    """,
 )
 
 
