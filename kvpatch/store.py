@@ -152,7 +152,7 @@ class Directory(NamedTuple):
     def read_json(self, name: str) -> Any:
         """The JSON document ``name`` (``None``: absent, refused, unreadable or corrupt). Never raises."""
         with contextlib.suppress(Exception):
-            data = None if self.fd is None else _read(name, self.fd, self._shown(name), owned=True)
+            data = None if self.fd is None else _read(name, self.fd, self._shown(name), owned=self.what)
             return None if data is None else json.loads(data)
         return None
 
@@ -265,10 +265,11 @@ def _open(name: str, flags: int, dir_fd: int | None = None, *, shown: str, owned
     return fd
 
 
-def _read(name: str, dir_fd: int | None, shown: str, *, owned: bool) -> bytes | None:
-    """The bytes of a regular file of at most :data:`MAX_BYTES` (``None``: absent, refused or unreadable)."""
+def _read(name: str, dir_fd: int | None, shown: str, *, owned: str | None) -> bytes | None:
+    """The bytes of a regular file of at most :data:`MAX_BYTES` (``None``: absent, refused or unreadable; ``owned``:
+    state, what it holds, refused unless this user's or root's)."""
     try:
-        with os.fdopen(_open(name, os.O_RDONLY, dir_fd, shown=shown, owned=owned), "rb") as file:
+        with os.fdopen(_open(name, os.O_RDONLY, dir_fd, shown=shown, owned=owned is not None), "rb") as file:
             data = file.read(MAX_BYTES + 1)
         if len(data) <= MAX_BYTES:
             return data
@@ -276,7 +277,7 @@ def _read(name: str, dir_fd: int | None, shown: str, *, owned: bool) -> bytes | 
     except FileNotFoundError:
         return None
     except Untrusted as exc:
-        _warn_untrusted(exc, shown, "state")
+        _warn_untrusted(exc, shown, owned or "state")
         return None
     except OSError as exc:  # a symlink (ELOOP), a FIFO or device, no permission
         why = "a symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
@@ -286,7 +287,7 @@ def _read(name: str, dir_fd: int | None, shown: str, *, owned: bool) -> bytes | 
 
 def read_bytes(path: Path) -> bytes | None:
     """The bytes of a regular file of at most :data:`MAX_BYTES` that is not state (a source file kvpatch scans)."""
-    return _read(str(path), None, str(path), owned=False)
+    return _read(str(path), None, str(path), owned=None)
 
 
 def read_json(place: Place, name: str, what: str = "state") -> Any:
