@@ -4,7 +4,6 @@ a server names, :func:`require_applied` for every applicable patch."""
 from __future__ import annotations
 
 import contextlib
-import difflib
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -118,6 +117,8 @@ class UnknownPatch(LookupError):
     """A patch id that kvpatch does not know (a typo, or a patch this kvpatch release does not have)."""
 
     def __init__(self, patch_id: str, known: Iterable[str]) -> None:
+        import difflib  # here: kvpatch loads this module with itself, and a typo is rare
+
         self.patch_id = patch_id
         self.suggestions = difflib.get_close_matches(patch_id, sorted(known), n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(map(repr, self.suggestions))}?" if self.suggestions else ""
@@ -135,7 +136,7 @@ def _patch_status(engine: Engine, patch_id: str) -> PatchStatus | Guarantee:
 
 
 def _guarantee(engine: Engine, st: PatchStatus) -> Guarantee:
-    patch, state, reason = engine.record_of(st), st.state, st.error or st.reason
+    patch, state, reason = st.patch, st.state, st.error or st.reason
     if st.suspended:
         return Guarantee(patch.id, False, "suspended", "taken out in this process (suspend / kvpatch.testing.without)")
     if state in _FIXED_STATES:
@@ -148,12 +149,22 @@ def _guarantee(engine: Engine, st: PatchStatus) -> Guarantee:
         if state is State.DISABLED:
             reason = f"{reason}; without it the bug is not ruled out: {upstream.reason}"
     if state is State.PENDING:
-        reason = f"its target modules ({', '.join(patch.modules)}) could not be imported, so it is not installed"
+        modules = engine.record_of(st).modules
+        if not engine.active:
+            reason = "kvpatch is not active in this process (kvpatch.deactivate()): not installed"
+        elif missing := [m for m in modules if m not in sys.modules]:
+            reason = f"its target modules ({', '.join(missing)}) could not be imported, so it is not installed"
+        else:
+            reason = f"its target modules are imported but it is not installed: {reason}"
     return Guarantee(patch.id, False, state.value, reason)
 
 
 def guarantees(engine: Engine, patch_ids: Iterable[str]) -> list[Guarantee]:
-    """One :class:`Guarantee` per id, in order; an unknown id raises :class:`UnknownPatch` before any import."""
+    """One :class:`Guarantee` per id, in order; an unknown id raises :class:`UnknownPatch` before any import (an id
+    that is not a str: :class:`TypeError`)."""
+    patch_ids = list(patch_ids)
+    if bad := [pid for pid in patch_ids if not isinstance(pid, str)]:
+        raise TypeError(f"a patch id is a str, not {type(bad[0]).__name__} ({bad[0]!r})")
     statuses = [_patch_status(engine, pid) for pid in patch_ids]
     _import_pending(engine, [st for st in statuses if isinstance(st, PatchStatus)])
     engine.refresh()  # "applied" means reached now
@@ -176,7 +187,9 @@ def require(*patch_ids: str) -> list[Guarantee]:
 
 def is_fixed(patch_id: str) -> bool:
     """Whether one fix is in effect (:func:`require`'s test); never raises but :class:`UnknownPatch` (a typo must
-    not read as "not fixed")."""
+    not read as "not fixed") and :class:`TypeError` (an id that is not a str)."""
+    if not isinstance(patch_id, str):
+        raise TypeError(f"is_fixed() takes a patch id (str), not {type(patch_id).__name__}")
     try:
         return guarantees(get_engine(), (patch_id,))[0].fixed
     except UnknownPatch:

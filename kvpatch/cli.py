@@ -7,6 +7,7 @@ import argparse
 import builtins
 import contextlib
 import difflib
+import importlib.util
 import json
 import os
 import runpy
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import __version__, activate, get_engine
+from ._site import BrokenInstall
 from .registry import load
 from .status import build_report, cut, format_text
 from .vendored import format_copies, scan
@@ -205,6 +207,16 @@ def cmd_run(argv: Sequence[str]) -> int:
         exec(compile(value, "<string>", "exec"), main_module.__dict__)
     elif kind == "-m":
         sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(value) is not None
+        except ModuleNotFoundError as exc:  # a parent package that does not exist (else: the program's own error)
+            if not f"{value}.".startswith(f"{exc.name}."):
+                raise
+            found = False
+        except ValueError:  # a relative or empty name
+            found = False
+        if not found:
+            usage_error(f"no module named {value!r}")
         runpy.run_module(value, run_name="__main__", alter_sys=True)
     else:
         sys.path.insert(0, str(Path(value).resolve().parent))
@@ -289,6 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenInstall as exc:  # not a bug to report: a file of the install is missing
+        with contextlib.suppress(Exception):
+            print(f"kvpatch: {exc} (exit {EXIT_INTERNAL})", file=sys.stderr)
+        return EXIT_INTERNAL
     except Exception as exc:
         if isinstance(exc, OSError) and sys.stdout is not None:  # a command's own print: is stdout what failed?
             try:

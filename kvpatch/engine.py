@@ -10,17 +10,19 @@ from __future__ import annotations
 import enum
 import importlib
 import inspect
+import os
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from . import fingerprints, measurer, surgery, verdicts
-from ._site import hooks
+from ._site import BrokenInstall, hooks
 from ._warn import KvpatchWarning, emit, failure
 from .config import Config, read_config
 from .detect import Upstream, detect
@@ -115,12 +117,13 @@ class Engine:
         self.status: dict[str, PatchStatus] = {}
         self._changes: list[Change] = []  # in install order
         self._orphans: list[Change] = []  # changes on objects a reloaded module no longer holds
-        #: (id(owner), name) -> the change whose restore spliced the original in under a foreign wrapt proxy
-        self._spliced: dict[tuple[int, str], Change] = {}
+        #: (id(owner), name) -> the foreign wrapt proxy a restore spliced the original in under (fixes go back there)
+        self._spliced: dict[tuple[int, str], Any] = {}
         self._hooked: set[str] = set()
         self._ready: set[str] = set()  # top-level upstream packages fully imported
         self._local = threading.local()  # per thread: modules whose post-import hook runs now
         self._lock = threading.RLock()
+        _ENGINES.add(self)
         self.active = False  # hooks registered by an inactive engine do nothing
         for problem in self.config.problems:
             emit(problem, key=f"config:{problem}")
@@ -161,19 +164,37 @@ class Engine:
     def _resolve(self, stubs: list[Stub]) -> list[Patch]:
         """Import the units of ``stubs`` outside the lock (a unit's code runs); one that fails goes to ``broken``."""
         results: dict[str, Patch | str] = {}
+        gone: list[Stub] = []
         for stub in stubs:
             try:
                 results[stub.id] = stub.resolve()
             except Exception as exc:
                 results[stub.id] = failure(exc)
+                missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+                if missing and f"{stub.module}.".startswith(f"{missing}."):
+                    gone.append(stub)  # its file is gone: kvpatch was uninstalled or replaced since this process began
+        kept = 0
         with self._lock:
             for stub, result in ((s, results[s.id]) for s in stubs if s in self.patches):
+                st = self.status[stub.id]
                 if isinstance(result, Patch):
-                    self.patches[self.patches.index(stub)] = self.status[stub.id].patch = result
+                    self.patches[self.patches.index(stub)] = st.patch = result
+                elif stub in gone and st.state is not State.PENDING:
+                    # the gate settled it without its unit, and that still holds: kept, its record not shown
+                    note = f"its patch module {stub.module} can no longer be loaded ({result}): state as decided then"
+                    if note not in st.notes:
+                        st.notes.append(note)
+                    kept += 1
                 else:
                     self.patches.remove(stub)
                     self.status.pop(stub.id, None)
                     self.broken[stub.module] = result
+        if kept:
+            emit(
+                f"kvpatch's patch modules can no longer be loaded (kvpatch was uninstalled or replaced while this "
+                f"process runs): {kept} patch(es) keep the state decided when it started here",
+                key="units-gone",
+            )
         return [r for r in results.values() if isinstance(r, Patch)]
 
     @staticmethod
@@ -446,20 +467,24 @@ class Engine:
                 if st.state is State.PENDING:
                     set_state(st, State.APPLIED, f"{st.decision.reason}; its replacement is in place already")
             return
-        old = self._spliced.get((id(owner), target.attribute))
-        if old is not None and old.patch_id == patch.id and present is not _MISSING:
-            # its restore spliced the original in under a foreign proxy: splice the fix back there (or, the proxy
-            # changed or went, install afresh next time the module is seen)
-            built = surgery.build(patch, owner, old.original, patch.builders[old.target])
-            function = (
-                old.original if built is old.original else surgery.mark(patch, old.target, owner, old.original, built)
-            )
+        proxy = self._spliced.get((id(owner), target.attribute))
+        if proxy is not None and present is proxy:
+            # a restore spliced the original in under a foreign proxy: the fix goes back under it too, on top of what
+            # it wraps now (the original, or a patch below this one on the same attribute)
+            inner = surgery.wrapped_by(proxy)
+            function = self._build(st, target, owner, inner)
+            if function is inner:
+                return
+            function = surgery.mark(patch, target, owner, inner, function)
+            with self._lock:
+                st.built.pop(target, None)
+                if surgery.splice_under(proxy, inner, function):
+                    self._changes.append(Change(patch.id, target, owner, target.attribute, inner, inner, function))
+                    st.installed.append(target)
+            return
+        if proxy is not None:  # the proxy changed or went: install afresh
             with self._lock:
                 self._spliced.pop((id(owner), target.attribute), None)
-                if present is old.spliced_into and surgery.splice_under(present, old.original, function):
-                    self._changes.append(replace(old, function=function, spliced_into=None))
-                    st.installed.append(old.target)
-            return
 
         def record(change: Change) -> None:
             st.built.pop(target, None)  # a build is installed once: another install builds afresh
@@ -500,7 +525,7 @@ class Engine:
             note = surgery.restore(change)
             if change.spliced_into is not None:
                 with self._lock:
-                    self._spliced[(id(change.owner), change.name)] = change
+                    self._spliced[(id(change.owner), change.name)] = change.spliced_into
             if note:
                 self.status[change.patch_id].notes.append(note)
                 emit(f"kvpatch: {note}", key=f"restore:{change.target.path}:{note}")
@@ -579,11 +604,27 @@ class Engine:
             return [(c.patch_id, c.target.path) for c in self._changes]
 
 
+#: Every engine of this process, for :func:`_after_fork`.
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """In a child of ``os.fork`` only the forking thread lives on: a lock another thread held, and that thread's
+    bookkeeping, would stay forever. Each engine gets a fresh lock and per-thread state (as ``logging`` does)."""
+    for engine in list(_ENGINES):
+        engine._lock = threading.RLock()
+        engine._local = threading.local()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 def hook_registry() -> Any:
     """``register_post_import_hook(hook, name)`` of kvpatch's bootstrap: it never imports inside the import lock."""
     registry = hooks()
     if registry is None:
-        raise ImportError("kvpatch's post-import hooks (_kvpatch_hooks) cannot be loaded: reinstall kvpatch")
+        raise BrokenInstall("kvpatch's post-import hooks (_kvpatch_hooks) cannot be loaded: reinstall kvpatch")
     return registry.register_post_import_hook
 
 

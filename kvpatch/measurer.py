@@ -63,16 +63,28 @@ def request_verification(keys: list[str]) -> str:
     return _requested
 
 
+#: The detaching step (``python -I -S -c``, in ``/``): start the verifier (its standard output and error to the log,
+#: ``verify.lock`` inherited), print its pid and exit, so that the verifier is nobody's child in the user's process.
+_DETACH = (
+    "import os, sys\n"
+    "log = int(sys.argv[1])\n"
+    "act = [(os.POSIX_SPAWN_DUP2, log, 1), (os.POSIX_SPAWN_DUP2, log, 2), (os.POSIX_SPAWN_CLOSE, log)]\n"
+    "print(os.posix_spawn(sys.argv[2], sys.argv[2:], os.environ, file_actions=act))\n"
+)
+
+
 def _start(keys: list[str]) -> str:
-    """Start the verifier detached (no shell, new session) holding ``verify.lock``, unless it must not run. Its
-    ``sys.path`` has no directory kvpatch did not choose: ``-P``, our ``-I -E -s -S``, cwd ``/`` (only root's)."""
+    """Start the verifier detached (no shell, new session, reaped at once: no child left to this process) holding
+    ``verify.lock``, unless it must not run or its verdicts could not be stored (the attempt is stored first: a key
+    tried is not tried again for an hour). Its ``sys.path`` has no directory kvpatch did not choose: ``-P``, our
+    ``-I -E -s -S``, cwd ``/`` (only root's)."""
     import subprocess
 
     reasons = {
         "this is a verification process": config.verifying() or measuring() is not None,
         f"{config.VERIFY}=never": not config.background_verification(),
         "KVPATCH=off": config.is_off(),
-        "no background verification on this platform": os.name != "posix",
+        "no background verification on this platform": os.name != "posix" or not hasattr(os, "posix_spawn"),
     }
     if (why_not := next((why for why, applies in reasons.items() if applies), None)) is not None:
         return f"no verdict for this environment yet ({why_not}):"
@@ -88,21 +100,35 @@ def _start(keys: list[str]) -> str:
     with _store.locked(place, "verify.lock", wait=False, what="verdicts") as fd:
         if fd is None:
             return "no verdict yet: a verification is running for this environment;"
+        now = time.time()
+        not_stored = verdicts.update(lambda data: data["attempts"].update({k: {"at": now} for k in keys}), wait=False)
+        if not_stored is not None:  # a verifier could not store its verdicts either (a full disk): none is started
+            return f"no verdict yet, and none could be stored now ({not_stored});"
         flags = ["-P"] if sys.version_info >= (3, 11) and not sys.flags.isolated else []
         kept = {"-I": sys.flags.isolated, "-E": sys.flags.ignore_environment, "-s": sys.flags.no_user_site}
         flags += [f for f, on in {**kept, "-S": sys.flags.no_site}.items() if on]
         command = [sys.executable, *flags, "-m", "kvpatch", "verify", "--background", ",".join(keys)]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"} | {config.VERIFYING: "1"}
-        with os.fdopen(_store.open_log(place, "verify.log", "verdicts"), "ab") as out:
-            proc = subprocess.Popen(
-                command,
+        log = place.path / "verify.log"
+        with os.fdopen(_store.open_log(place, log.name, "verdicts"), "ab") as out:
+            detach = [sys.executable, "-I", "-S", "-c", _DETACH, str(out.fileno()), *command]
+            with subprocess.Popen(
+                detach,
                 stdin=subprocess.DEVNULL,
-                stdout=out,
+                stdout=subprocess.PIPE,
                 stderr=out,
-                pass_fds=(fd,),
+                pass_fds=(fd, out.fileno()),
                 cwd="/",
                 env=env,
                 start_new_session=True,
-            )
-    where = f"pid {proc.pid}, log {place.path / 'verify.log'}"
+            ) as proc:
+                try:
+                    said = proc.communicate(timeout=60)[0].strip()
+                except BaseException:
+                    proc.kill()
+                    raise
+            if proc.returncode or not said.isdigit():
+                raise OSError(f"the verifier did not start (exit {proc.returncode}; {log} says why)")
+            pid = int(said)
+    where = f"pid {pid}, log {log}"
     return f"no verdict for this environment yet: verifying in the background ({where});"

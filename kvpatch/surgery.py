@@ -271,12 +271,19 @@ def restore(change: Change) -> str | None:
     return note
 
 
+def wrapped_by(proxy: Any) -> Any:
+    """The plain function a wrapt ``proxy`` wraps now."""
+    return _plain(proxy.__wrapped__)
+
+
 def splice_under(proxy: Any, old: Any, new: Any) -> bool:
-    """Replace ``old`` by ``new`` as what the wrapt ``proxy`` wraps; True if it now wraps ``new``."""
+    """Replace ``old`` by ``new`` as what the wrapt ``proxy`` wraps (as a classmethod or staticmethod where ``old``
+    was one); True if it now wraps ``new``."""
     try:
-        if _plain(proxy.__wrapped__) is not old:
+        current = proxy.__wrapped__
+        if _plain(current) is not old:
             return False
-        proxy.__wrapped__ = new
+        proxy.__wrapped__ = type(current)(new) if type(current) in (classmethod, staticmethod) else new
         return _plain(proxy.__wrapped__) is new
     except Exception:  # a proxy whose __wrapped__ raises or cannot be set
         return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import itertools
+import os
 import re
 import sys
 import threading
@@ -67,6 +68,16 @@ class _Kept(Exception):
 
 _lock = threading.RLock()
 _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registration
+
+
+def _after_fork() -> None:
+    """In a child of ``os.fork``: a lock another thread of the parent held would be held forever."""
+    global _lock
+    _lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
@@ -186,7 +197,7 @@ def scan(engine: Engine, *, modules: Iterable[str] | None = None, installed: boo
 
 def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> None:
     """Register the copies :func:`scan` finds (with ``KVPATCH_VENDORED`` on or ``force``). Never raises."""
-    if not (force or setting() is not None):
+    if not (force or config.vendored_modules() is not None):
         return
     try:
         engine = engine or get_engine()
@@ -213,17 +224,9 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
         emit(f"kvpatch: patching vendored copies failed: {failure(exc)}")
 
 
-def setting() -> list[str] | None:
-    """The modules ``KVPATCH_VENDORED`` names besides :data:`KNOWN` (``None``: off)."""
-    raw = config.vendored()
-    if not raw or raw.lower() in config.OFF_VALUES:
-        return None
-    return [n.strip() for n in raw.split(",") if n.strip().lower() not in {*config.ON_VALUES, "all"}]
-
-
 def hook(engine: Engine) -> None:
     """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported."""
-    names = setting()
+    names = config.vendored_modules()
     try:
         for name in dict.fromkeys([*KNOWN, *names]) if names is not None else ():
             if executing(sys.modules.get(name)):  # activated inside its own import: no hook will come

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import store as _store
-from ._warn import emit, failure
+from ._warn import emit, failure, quoted
 from .locate import module_file, stamp
 from .record import Bug
 
@@ -110,19 +110,23 @@ def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> st
     """Apply ``change`` to the writable file's tables, read afresh under its lock; never raises. Returns why it was
     not written (``None``: written): ``change`` then went to memory, with one warning, unless the lock was taken."""
     global _loaded
-    why = "no usable directory (" + ", ".join(str(p.path) for p in _store.verdict_places()) + ")"
+    why = "no usable directory (" + ", ".join(quoted(p.path) for p in _store.verdict_places()) + ")"
     try:
         place = write_place()
         if place is not None:
-            with _store.locked(place, "verdicts.lock", wait=wait, what="verdicts") as held:
+            # read and written through one opened directory: what is read is what the write replaces
+            with (
+                _store.opened(place, "verdicts", create=True) as directory,
+                directory.locked("verdicts.lock", wait=wait) as held,
+            ):
                 if held is None:
                     return "another process held the lock"  # this change waits for a later process
-                data = _parse(_store.read_json(place, FILE, "verdicts"))
+                data = _parse(directory.read_json(FILE))
                 change(data)
                 for t in _TABLES:  # the newest MAX_ENTRIES of each table
                     by_age = sorted(data[t].items(), key=lambda e: e[1].get("at", 0) if isinstance(e[1], dict) else 0)
                     data[t] = dict(by_age[-MAX_ENTRIES:])
-                _store.write_json(place, FILE, data, "verdicts")
+                directory.write_json(FILE, data)
             _loaded = None
             return None
     except Exception as exc:  # a cache must never break anything

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 
 from . import config, deactivate, fingerprints, get_engine, measurer, verdicts
 from ._warn import failure
@@ -28,11 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.background:  # holding verify.lock through the descriptor measurer._start passed on
+    from .cli import emit  # the commands' one way to standard output: closed or full, the command exits 74
+
+    if args.background:  # holding verify.lock through the descriptor measurer._start passed on (the attempt stored)
         with contextlib.suppress(OSError, AttributeError):
             os.nice(10)
-        tried = {k: {"at": time.time(), "pid": os.getpid()} for k in args.background.split(",")}
-        verdicts.update(lambda data: data["attempts"].update(tried))  # not retried for an hour
     os.environ[config.VERIFYING] = "1"  # nothing started from here starts a verification of its own
     deactivate()
     engine = get_engine()
@@ -63,17 +62,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         cache = str(where.path / verdicts.FILE) if where else None
         data = {"schema": "kvpatch.verify/1", "cache": cache, "patches": rows, "broken": dict(engine.broken)}
-        print(json.dumps({**data, "not_stored": lost, "exit": code}, indent=2))
+        emit(json.dumps({**data, "not_stored": lost, "exit": code}, indent=2))
     else:
         for r in rows:
             if r["verdict"] or r["state"] not in _SETTLED:
-                print(f"{r['id']:<26} {r['state']:<20} {r['verdict'] or r['error'] or r['reason']}")
+                emit(f"{r['id']:<26} {r['state']:<20} {r['verdict'] or r['error'] or r['reason']}")
         for module, error in engine.broken.items():
-            print(f"BROKEN {module}: {error}")
+            emit(f"BROKEN {module}: {error}")
         verified = sum(1 for r in rows if r["verdict"])
         decided = sum(1 for r in rows if r["action"] in ("apply", "not needed"))
         stored = f"stored in {where.path / verdicts.FILE}" if where else "not stored: no writable cache"
-        print(
+        emit(
             f"kvpatch verify: verified {verified} patch(es) whose outcome depends on a reproduction here ({stored}); "
             f"{decided} decided by the installed release need none (`kvpatch status --verify` measures those too); "
             f"{len(unsettled)} need attention (exit {code})"

@@ -190,6 +190,8 @@ def test_run_module_and_script_from_the_working_directory(tmp_path):
         (["-c"], "-c needs the code to run"),
         (["-m"], "-m needs a module name"),
         (["--bogus"], "unknown option '--bogus'"),
+        (["-m", "kvpatch_no_such_mod"], "no module named 'kvpatch_no_such_mod'"),
+        (["-m", "kvpatch_no_such_pkg.sub"], "no module named 'kvpatch_no_such_pkg.sub'"),
     ],
 )
 def test_run_without_a_program_is_a_usage_error(tmp_path, args, message):
@@ -304,7 +306,7 @@ def test_full_disk_is_an_io_error(tmp_path, args):
     )
 
 
-@pytest.mark.parametrize("args", OUTPUT_COMMANDS[:4], ids=" ".join)
+@pytest.mark.parametrize("args", [*OUTPUT_COMMANDS[:4], ["verify"]], ids=" ".join)
 def test_closed_stdout_is_an_io_error(tmp_path, args):
     """``kvpatch status >&-``: Python starts with ``sys.stdout`` None; exit 74, one line."""
     proc = subprocess.run(

@@ -9,10 +9,9 @@ import json
 import os
 import shutil
 import textwrap
-from importlib import metadata
 from pathlib import Path
 
-from faults_support import SAFE, last_json, run_child, site_packages, unprivileged
+from faults_support import SAFE, last_json, newer_release_overlay, run_child, site_packages, unprivileged
 
 IMPORT = textwrap.dedent(
     """
@@ -67,22 +66,9 @@ def test_a_cache_that_cannot_be_entered_disables_no_fix(tmp_path):
     assert "failed" not in status.stdout.lower(), status.stdout
 
 
-def _newer_overlay(tmp_path: Path) -> str:
-    """Copies of mlx-lm's .dist-info saying one micro release newer: every patch goes to its reproduction."""
-    root = tmp_path / "overlay"
-    info = Path(str(metadata.distribution("mlx-lm")._path))  # type: ignore[attr-defined]
-    dest = root / info.name
-    shutil.copytree(info, dest)
-    version = metadata.version("mlx-lm")
-    major, minor, micro = (int(x) for x in version.split(".")[:3])
-    meta = dest / "METADATA"
-    meta.write_text(meta.read_text().replace(f"\nVersion: {version}\n", f"\nVersion: {major}.{minor}.{micro + 1}\n"))
-    return str(root)
-
-
 def test_verify_fails_when_a_verdict_was_not_stored_and_status_names_where_each_came_from(tmp_path):
     verdicts = tmp_path / "verdicts"
-    path = os.pathsep.join([_newer_overlay(tmp_path), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([newer_release_overlay(tmp_path), os.environ.get("PYTHONPATH", "")])
     env = {"PYTHONPATH": path, "KVPATCH_VERDICTS": str(verdicts), "KVPATCH_CACHE": str(tmp_path / "cache")}
     full = run_child([*SAFE, "-c", DISK_FULL, "verify"], env, tmp_path)
     assert full.returncode == 74, f"exit {full.returncode}\n{full.stdout[-2000:]}\n{full.stderr[-2000:]}"

@@ -239,6 +239,52 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
     assert out["takeover_kept"], out
 
 
+def test_deactivate_then_activate_keeps_a_foreign_proxy_on_top_of_a_stack(run_py):
+    """Several patches on one attribute, a wrapt proxy installed on top of them: ``deactivate()`` splices the
+    original under the proxy, ``activate()`` puts every patch back under it (the proxy stays the attribute, so the
+    other library's unwrap finds it), and ``require()`` meanwhile says why the fix is not in: kvpatch is off."""
+    out = _run(
+        run_py,
+        """
+        import wrapt
+        counts = {}
+        for c in eng._changes:
+            counts.setdefault((id(c.owner), c.name), []).append(c)
+        stack = max(counts.values(), key=len)
+        if len(stack) < 2:
+            print(json.dumps({"skip": "no attribute carries two patches here"})); raise SystemExit
+        owner, name, ids = stack[0].owner, stack[0].name, [c.patch_id for c in stack]
+        upstream = stack[0].original
+        wrapt.wrap_function_wrapper(owner, name, lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs))
+        proxy = inspect.getattr_static(owner, name)
+
+        def below(obj):  # the marks under the attribute, outermost first ("proxy", "upstream")
+            return ["proxy" if n is proxy else "upstream" if n is upstream else surgery.mark_of(n) or type(n).__name__
+                    for n in surgery.reachable(obj, closures=False)]
+
+        result = {"before": below(proxy), "ids": ids}
+        kvpatch.deactivate()
+        result["off"] = below(inspect.getattr_static(owner, name))
+        try:
+            kvpatch.require(ids[0])
+        except kvpatch.NotFixed as exc:
+            result["require"] = str(exc)
+        kvpatch.activate()
+        result["on"] = below(inspect.getattr_static(owner, name))
+        result["states"] = [eng.status[pid].state.value for pid in ids]
+        print(json.dumps(result))
+        """,
+    )
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    assert out["before"][0] == "proxy" and out["before"][-1] == "upstream", out
+    assert out["off"] == ["proxy", "upstream"], out
+    assert out["on"][0] == "proxy" and out["on"][-1] == "upstream", out  # the proxy on top, nothing of kvpatch above
+    assert sorted(out["on"][1:-1]) == sorted(out["ids"]), out  # every patch back, under it
+    assert out["states"] == ["applied"] * len(out["ids"]), out
+    assert "not active" in out["require"] and "could not be imported" not in out["require"], out["require"]
+
+
 def test_aliases_outside_upstream_follow_late_activation_and_restore(run_py):
     out = _run(
         run_py,
