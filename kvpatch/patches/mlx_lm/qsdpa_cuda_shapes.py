@@ -49,6 +49,7 @@ PATCH = Patch(
     reference="not reported upstream (mlx CUDA backend, mlx 0.32.4)",
     hot_path=True,
     enabler=True,
+    on_device=True,  # a bug of the CUDA backend's kernels: measured where the user computes
     order=90,
     expiry=Expiry(
         "retire when mlx's CUDA quantized_matmul computes attention's scores product (transpose=True) right for "
