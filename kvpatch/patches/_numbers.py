@@ -140,8 +140,11 @@ def judge(found: Difference | None, present: str, absent: str, *, problems: Sequ
     """The finding of a reproduction whose symptom is a computed difference (``found``, the worst; None: none was
     measured): the bug when ``problems`` (structural ones: a wrong offset, a raised error) name it or the difference is
     clear, its absence when there are none and the difference is within the rounding, inconclusive in between.
-    ``present`` / ``absent``: what was compared, for the detail; the sizes are appended and kept on the finding."""
-    sizes: dict[str, Any] = {} if found is None else {"error": found.error, "rounding": found.rounding}
+    ``present`` / ``absent``: what was compared, for the detail; the sizes are appended, and kept on the finding where
+    the difference decides (not where a structural problem alone makes the bug present)."""
+    # the sizes of the difference that decides (a structural problem decides alone: then none are kept)
+    decides = found is not None and (found.clear or not problems)
+    sizes: dict[str, Any] = {"error": found.error, "rounding": found.rounding} if decides and found else {}
     if problems or (found is not None and found.clear):
         shown = [*problems, f"{present}: {found}"] if found is not None and found.clear else list(problems)
         return Finding(True, "; ".join(shown), **sizes)
