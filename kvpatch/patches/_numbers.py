@@ -31,22 +31,26 @@ from kvpatch.record import Finding
 ROUNDOFF = {"float32": 2.0**-24, "tf32": 2.0**-11, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 #: How many unit roundoffs, relative to the magnitude compared, two computations of one result may differ by on the
-#: test models (hidden 64, sums of 64 to 128 terms, two layers). Measured with ``scripts/margins.py`` on every float
-#: reproduction, patched (docs/platforms.md has the table): CPU float32 differed by at most 2.9 u (most by 0: the
-#: same operations in the same order); an H100's TF32 by up to 3 u between two ways of computing the same logits.
+#: test models (hidden 64, sums of 64 to 128 terms, two layers). ``scripts/margins.py`` on the CPU (float32; every
+#: bucket with a float reproduction, docs/platforms.md): every patched reproduction differed by exactly 0 (both sides
+#: run the same operations in the same order). An H100's TF32 differed by up to 3 u between two ways of computing
+#: the same logits; 8 leaves room for longer sums without reaching any bug (:data:`CLEAR`).
 SPREAD = 8
 
 #: A difference counts as the bug only this many times above the rounding; between the rounding and this the
-#: measurement tells neither (an "inconclusive" verdict, never a "NOT fixed" one). Every bug measured is at least
-#: 4,000 times the CPU's rounding (``scripts/margins.py``).
+#: measurement tells neither (an "inconclusive" verdict, never a "NOT fixed" one). On the CPU every bug measured is
+#: 2.1e5 to 2.8e6 times the rounding (``scripts/margins.py``); TF32's rounding is 2^13 times coarser, where the
+#: smallest (qwen35-batch-positions, 0.1) is still about 25 times above it.
 CLEAR = 10
 
 
 def arithmetic(dtype: object = None) -> str:
     """The arithmetic mlx's matmuls use for ``dtype`` (default float32) on the default device.
 
-    float32 on a GPU (CUDA, Metal) goes through TF32 (10 stored mantissa bits) unless ``MLX_ENABLE_TF32=0`` (mlx's
-    default is on); on the CPU it is float32. bfloat16 and float16 are what they are.
+    float32 on a GPU goes through TF32 (10 stored mantissa bits) unless ``MLX_ENABLE_TF32=0`` (mlx's default is on):
+    CUDA's cuBLAS and CUTLASS matmuls always; Metal only on GPUs with neural accelerators (mlx's "NAX" kernels),
+    older Apple GPUs compute float32 in float32, for which the TF32 rounding assumed here is the coarser, safe side.
+    On the CPU it is float32. bfloat16 and float16 are what they are.
     """
     import mlx.core as mx
 

@@ -121,7 +121,7 @@ def prompt_batch_class() -> Any:
 
 def run_rows(model: Any, rows: list[list[int]], *, mixed: bool) -> tuple[list[list[int]], list[Any]]:
     """Prefill ``rows`` as one TurboQuant 3.5-bit batch (``mixed``: right-padded, the APC mixed-prefill layout)
-    and decode 4 greedy tokens per row; return the tokens and the prompt cache."""
+    and decode 3 greedy tokens per row; return the tokens and the caches the decode went on with, one per layer."""
     import mlx.core as mx
 
     cls = prompt_batch_class()
@@ -148,13 +148,14 @@ def run_rows(model: Any, rows: list[list[int]], *, mixed: bool) -> tuple[list[li
     # a padded row's first-token logits from the last chunk only (fixed in 0.7.2), for every cache class.
     generation = batch.generate(lambda logprobs: mx.argmax(logprobs, axis=-1), lambda token: False)
     tokens: dict[int, list[int]] = {uid: [] for uid in range(len(rows))}
-    for _ in range(8):
+    # 3 of the 4 tokens: no row finishes, so the decode's caches still hold every row (a finished batch empties them)
+    while min(map(len, tokens.values())) < 3:
         responses = generation.next()
         if not responses:
             break
         for r in responses:
             tokens[r.uid].append(int(r.token))
-    return [tokens[uid] for uid in range(len(rows))], batch.prompt_cache
+    return [tokens[uid] for uid in range(len(rows))], list(getattr(generation, "prompt_cache", None) or [])
 
 
 def row_state(cache: Any, row: int) -> tuple[int, Any, Any]:
