@@ -36,9 +36,9 @@ status)
 print(', '.join(f'{d} {m.version(d)}' for d in ('mlx-lm', 'mlx-vlm', 'kvpatch')))"
   } 2>&1 | tee "$OUT/device.txt"
   # a neutral directory: the installed kvpatch, not this checkout's
-  (cd /tmp && timeout -s INT 240 "$PY" -P -m kvpatch status --verify --check -v > "$OUT/status.txt" 2>&1
+  (cd /tmp && timeout -s INT 200 "$PY" -P -m kvpatch status --verify --check -v > "$OUT/status.txt" 2>&1
    echo "status --verify --check: exit $?" >> "$OUT/status.txt")
-  (cd /tmp && timeout -s INT 200 "$PY" -P -m kvpatch status --verify --json > "$OUT/status.json" 2> "$OUT/status.err")
+  (cd /tmp && timeout -s INT 150 "$PY" -P -m kvpatch status --verify --json > "$OUT/status.json" 2> "$OUT/status.err")
   timeout -s INT 150 "$PY" -P "$repo/scripts/margins.py" --device default --json "$OUT/margins.json" \
     > "$OUT/margins.txt" 2>&1
   grep -E "^(check|verified|  - )" "$OUT/status.txt"
