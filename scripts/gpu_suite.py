@@ -69,7 +69,7 @@ def _part(spec: str) -> tuple[int, int]:
 
 def _file_of(case: ET.Element) -> str:
     """The test file of a junit ``testcase`` (``classname`` is the dotted module path, then any class)."""
-    dotted = case.get("classname", "").split(".")
+    dotted = (case.get("classname") or case.get("name", "")).split(".")  # a module skipped whole: in ``name``
     for end in range(len(dotted), 0, -1):
         candidate = "/".join(dotted[:end]) + ".py"
         if (REPO / candidate).is_file():
@@ -77,8 +77,13 @@ def _file_of(case: ET.Element) -> str:
     return case.get("file") or ".".join(dotted)
 
 
-def _reason(text: str) -> str:
-    """A skip reason without pytest's location prefix, so that equal reasons group."""
+def _reason(skipped: ET.Element) -> str:
+    """A skip reason without pytest's location prefix, so that equal reasons group (a module skipped at collection
+    says why in its text: ``('path', line, 'Skipped: why')``)."""
+    text = skipped.get("message") or ""
+    if text == "collection skipped":
+        found = re.search(r"Skipped: (.*?)['\"]\)\s*$", skipped.text or "", re.S)
+        text = f"module skipped: {found.group(1)}" if found else text
     return re.sub(r"^.*?:\d+: ", "", text.strip()).strip()
 
 
@@ -108,7 +113,7 @@ def summary(dirs: list[Path], durations: bool) -> int:
                 elif child.tag == "skipped":
                     outcome = "xfailed" if child.get("type") == "pytest.xfail" else "skipped"
                     if outcome == "skipped":
-                        skips[_reason(child.get("message") or "")] += 1
+                        skips[_reason(child)] += 1
             counts[outcome] += 1
     total = sum(counts.values())
     print(f"{len(results)} part(s): {total} tests: " + ", ".join(f"{counts[k]} {k}" for k in sorted(counts)))
