@@ -377,22 +377,23 @@ class Engine:
         elif state is State.DRIFTED:
             emit(f"kvpatch: {patch.id}: {st.reason}", key=f"drift:{patch.id}")
 
-    def measure(self, patch: Patch, *, install: bool = True) -> Measurement:
+    def measure(self, patch: Patch, *, install: bool = True, device: str | None = None) -> Measurement:
         """kvpatch's one "with and without" of ``patch``'s reproduction. *Without*: every installed patch on one of its
         targets taken out (it can hide the symptom) except enablers (needed to run at all). *With*: as this process
-        has it; not installed, installed for that run when ``install`` is on and the bug was present without it."""
+        has it; not installed, installed for that run when ``install`` is on and the bug was present without it.
+        ``device``: where both run (:func:`run_reproduction`; ``None``: where a verdict is measured)."""
         import_target_modules(patch)
         st = self.status[patch.id]
         with self.without(*self._sharing(patch)):
             foreign = tuple(surgery.foreign_targets(patch))
-            before = run_reproduction(patch)
+            before = run_reproduction(patch, device)
         after = None
         if st.installed:
-            after = run_reproduction(patch)
+            after = run_reproduction(patch, device)
         elif install and before.bug is Bug.PRESENT:
             self._install_available(st)
             try:
-                after = run_reproduction(patch)
+                after = run_reproduction(patch, device)
             finally:
                 self._uninstall(st)
         return Measurement(before, after, foreign)
@@ -645,11 +646,12 @@ def import_target_modules(patch: Patch, failed: Callable[[str, Exception], None]
 REPRODUCTIONS_RUN: list[str] = []
 
 
-def run_reproduction(patch: Patch) -> Finding:
+def run_reproduction(patch: Patch, device: str | None = None) -> Finding:
     """Run ``patch``'s reproduction keeping mlx's default device and stream, and its random state where mlx allows it
     (up to 0.31; newer mlx's cannot be set back, one reason reproductions never run in a user's process). It runs on
-    the CPU unless its bug lives in a device's kernels (``Patch.on_device``): a logic bug's verdict is then the same
-    on every machine, whatever the GPU's arithmetic (TF32)."""
+    the CPU unless its bug lives in a device's kernels (``Patch.on_device``, ``Patch.metal_only``): a logic bug's
+    verdict is then the same on every machine, whatever the GPU's arithmetic (TF32). ``device``: ``"cpu"`` or
+    ``"default"`` (mlx's default device) instead of that rule, for measurements (``scripts/margins.py``)."""
     if patch.reproduction is None:
         raise LookupError(f"{patch.id} has no reproduction")
     REPRODUCTIONS_RUN.append(patch.id)
@@ -659,7 +661,7 @@ def run_reproduction(patch: Patch) -> Finding:
     device = mx.default_device()
     stream = mx.default_stream(device)
     try:
-        if patch.on_device or patch.metal_only:
+        if device == "default" or (device is None and (patch.on_device or patch.metal_only)):
             finding = patch.reproduction()
         else:
             with mx.stream(mx.cpu):

@@ -24,6 +24,9 @@ __all__ = ["Report", "build_report", "format_text"]
 class Report(NamedTuple):
     data: dict[str, Any]
     outcomes: dict[str, Outcome]  # patch id -> the ``--verify`` outcome (``data`` says it in words)
+    #: patch id -> how far its verdict's sizes are from the rounding (:func:`kvpatch.verdicts.margin`), from this
+    #: run's measurement or the stored verdict; only reproductions that compare computed numbers have one
+    margins: dict[str, str] | None = None
 
 
 #: States that are facts about this environment needing attention: ``--check`` exits 2 on these, 1 on the others.
@@ -35,9 +38,12 @@ def _finding(f: Finding | None) -> dict[str, Any] | None:
     return None if f is None else {"present": f.present, "verdict": f.bug.value} | {k: getattr(f, k) for k in keys}
 
 
-def _verify(engine: Engine, st: PatchStatus, check: dict[int, list[str]]) -> tuple[Outcome, dict[str, Any]]:
+def _verify(
+    engine: Engine, st: PatchStatus, check: dict[int, list[str]], margins: dict[str, str]
+) -> tuple[Outcome, dict[str, Any]]:
     """The patch's measurement (the engine's own when it settled a verdict here: each side runs once), how the report
-    says it, and its check reasons (only a conclusive finding on upstream's own code says the record is wrong)."""
+    says it, its margin and its check reasons (only a conclusive finding on upstream's own code says the record is
+    wrong)."""
     try:
         m = st.measurement or engine.measure(engine.record_of(st), install=False)
     except Exception as exc:
@@ -56,6 +62,8 @@ def _verify(engine: Engine, st: PatchStatus, check: dict[int, list[str]]) -> tup
             text += f" with the patch: {tried.inconclusive or tried.skipped}" if tried else f" {detail}"
         found = {"without_patch": _finding(m.before), "with_patch": _finding(m.after if applied else None)}
         found["foreign"] = list(m.foreign)
+        if said := verdicts.margin(verdicts.sizes_of(m.before, m.after if applied else None)):
+            margins[st.patch.id] = said
     pid = st.patch.id
     if outcome is Outcome.NOT_FIXED:
         check[2].append(f"{pid}: {text}")
@@ -112,6 +120,7 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
         patches: list[dict[str, Any]] = []
         check: dict[int, list[str]] = {2: [], 1: []}  # the check's reasons: 2 a patch failed, 1 attention
         outcomes: dict[str, Outcome] = {}
+        margins: dict[str, str] = {}
         for p in records:
             st = engine.status[p.id]
             entry = _entry(p, st)
@@ -119,10 +128,12 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
                 stored = verdicts.lookup(verdicts.key(p, engine.upstream))
                 if stored is not None:
                     entry["verdict"], entry["verdict_file"] = stored.describe(), stored.source or None
+                    if said := verdicts.margin(stored.sizes):
+                        margins[p.id] = said
             if settled is not None and settled.how == "cache" and p.id in settled.outcomes:
                 entry |= {k: settled.outcomes[p.id].get(k, entry[k]) for k in ("state", "reason", "error", "notes")}
             if verify and p.id in relevant:
-                outcomes[p.id], entry["verify"] = _verify(engine, st, check)
+                outcomes[p.id], entry["verify"] = _verify(engine, st, check, margins)
                 entry["state"], entry["reason"] = st.state.value, st.reason
             state = entry["state"]
             unsettled = state == State.PENDING.value and st.decision.action is Action.VERIFY and not entry["verdict"]
@@ -174,7 +185,7 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
         "summary": dict(Counter(e["state"] for e in patches)),
         "check": {"exit": 2 if check[2] else 1 if check[1] else 0, "reasons": check[2] + check[1]},
     }
-    return Report(data, outcomes)
+    return Report(data, outcomes, margins)
 
 
 #: States shown in the compact view only as a count in the summary line.
@@ -224,7 +235,7 @@ def _state_text(entry: dict[str, Any]) -> str:
 def format_text(report: Report, *, verbose: bool = False, width: int | None = None, check: bool = False) -> str:
     """The text of ``kvpatch status``: compact, or every patch with ``verbose``. ``width`` cuts summaries to a terminal
     (``None``: never); ``verbose`` wraps every line to it (default 80). ``check``: the check line names the exit."""
-    d, outcomes = report
+    d, outcomes = report.data, report.outcomes
     absent = Counter(e["distribution"] for e in d["patches"] if e["state"] == State.NOT_INSTALLED.value)
     off = "" if d["enabled"] else ": OFF (KVPATCH=off), nothing is patched"
     lines = [f"kvpatch {d['kvpatch']} on Python {d['python']} ({d['platform']}){off}"]
@@ -262,7 +273,7 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
     if verbose or width is not None:  # each line wrapped under its own indentation
         lines = [w for ln in lines for w in wrapped(ln.lstrip(), ln[: len(ln) - len(ln.lstrip())], width or 80)]
     lines.append("")
-    lines.extend(_full_table(d, width or 80, absent) if verbose else _compact(d, outcomes, width))
+    lines.extend(_full_table(d, width or 80, absent, report.margins or {}) if verbose else _compact(d, outcomes, width))
     reasons, code = d["check"]["reasons"], d["check"]["exit"]  # broken modules and config problems among them
     if not reasons:
         lines.append(f"check: clean (exit {code})" if check else "check: clean, nothing needs attention")
@@ -317,7 +328,7 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
     return lines
 
 
-def _full_table(d: dict[str, Any], width: int, absent: Counter[str]) -> list[str]:
+def _full_table(d: dict[str, Any], width: int, absent: Counter[str], margins: dict[str, str]) -> list[str]:
     """Every present patch with its details; a distribution that is not installed is one line, not one per patch."""
     present = [e for e in d["patches"] if e["state"] != State.NOT_INSTALLED.value]
     lines: list[str] = []
@@ -330,7 +341,8 @@ def _full_table(d: dict[str, Any], width: int, absent: Counter[str]) -> list[str
         details = [("affected", e["affected"]), ("fixed in", fixed), ("target", ", ".join(e["targets"]))]
         details += [("why", e["reason"]), ("verdict", e["verdict_file"])]
         details += [("error", e["error"] if e["error"] and e["error"] not in e["reason"] else None)]
-        details += [("verify", e["verify"] and str(e["verify"]["outcome"])), ("reference", e["reference"])]
+        details += [("verify", e["verify"] and str(e["verify"]["outcome"])), ("margin", margins.get(e["id"]))]
+        details += [("reference", e["reference"])]
         for label, text in details:
             if text is not None:
                 lines.extend(wrapped(text, f"    {label + ':':<11}", width, hang=""))

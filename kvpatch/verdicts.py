@@ -44,14 +44,21 @@ class Outcome(str, enum.Enum):
 STORED = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.NOT_FIXED, Outcome.INCONCLUSIVE, Outcome.SKIPPED})
 
 
+#: The sizes a verdict was judged on (:func:`sizes_of`): per side (``"without"``, ``"with"`` the patch) the computed
+#: difference's ``error`` and the ``rounding`` it was held to; a side whose symptom is structural has none.
+Sizes = dict[str, dict[str, float]]
+
+
 class Verdict(NamedTuple):
-    """An outcome, when and by what it was measured, and the file it was read from (``""``: none, it is in memory)."""
+    """An outcome, when and by what it was measured, the file it was read from (``""``: none, it is in memory) and the
+    sizes it was judged on (``None``: a reproduction that compares no computed numbers)."""
 
     outcome: Outcome
     detail: str = ""
     at: float = 0.0
     by: str = ""
     source: str = ""
+    sizes: Sizes | None = None
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.at)) if self.at else "?"
@@ -80,12 +87,37 @@ def judge(before: Finding, after: Finding | None, foreign: Sequence[str] = ()) -
     return Outcome.FIXED, before.detail
 
 
+def sizes_of(before: Finding | None, after: Finding | None) -> Sizes | None:
+    """The sizes of runs without and with a patch (:func:`kvpatch.patches._numbers.judge` keeps them on a finding)."""
+    sides = {
+        side: {"error": f.error, "rounding": f.rounding}
+        for side, f in (("without", before), ("with", after))
+        if f is not None and f.error is not None and f.rounding
+    }
+    return sides or None
+
+
+def margin(sizes: Sizes | None) -> str | None:
+    """How far the measured sizes are from the rounding, in words (``None``: no computed difference was measured)."""
+    if not sizes:
+        return None
+
+    def said(side: dict[str, float]) -> str:
+        error, rounding = side["error"], side["rounding"]
+        return f"{error:.2g} = {error / rounding:.3g}x the rounding ({rounding:.2g})"
+
+    parts = [f"without the patch {said(sizes['without'])}" if "without" in sizes else "without the patch: no size"]
+    if "with" in sizes:
+        parts.append(f"with it {said(sizes['with'])}")
+    return "; ".join(parts)
+
+
 def verdict_of(before: Finding, after: Finding | None, *, by: str = "") -> Verdict:
     """The verdict to store: it is about upstream's code (no foreign credit); an untried patch is inconclusive."""
     outcome, detail = judge(before, after)
     if outcome is Outcome.UNPATCHED:
         outcome, detail = Outcome.INCONCLUSIVE, "bug present; the patch could not be tried"
-    return Verdict(outcome, detail, time.time(), by)
+    return Verdict(outcome, detail, time.time(), by, sizes=sizes_of(before, after))
 
 
 def write_place() -> _store.Place | None:
@@ -180,8 +212,24 @@ def lookup(verdict_key: str) -> Verdict | None:
         entry = tables()["verdicts"][verdict_key]
         if entry["outcome"] in STORED and entry["kvpatch"] == _kvpatch_version():
             detail, by, source = (str(entry.get(k, "")) for k in ("detail", "by", "source"))
-            return Verdict(Outcome(entry["outcome"]), detail, float(entry.get("at", 0)), by, source)
+            sizes = _sizes(entry.get("sizes"))
+            return Verdict(Outcome(entry["outcome"]), detail, float(entry.get("at", 0)), by, source, sizes)
     return None
+
+
+def _sizes(data: Any) -> Sizes | None:
+    """Sizes as a verdict file holds them, or None where they are absent or malformed (a file is never trusted)."""
+    if not isinstance(data, dict):
+        return None
+    sides = {
+        side: {"error": float(v["error"]), "rounding": float(v["rounding"])}
+        for side, v in data.items()
+        if side in ("without", "with")
+        and isinstance(v, dict)
+        and all(isinstance(v.get(k), (int, float)) and not isinstance(v.get(k), bool) for k in ("error", "rounding"))
+        and v["rounding"] > 0
+    }
+    return sides or None
 
 
 def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[str, Upstream]) -> bool:
@@ -195,6 +243,7 @@ def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[st
         "by": verdict.by,
         "upstream": f"{patch.distribution} {up.version if up else None} ({up.source.kind if up else '?'})",
         "kvpatch": _kvpatch_version(),
+        **({"sizes": verdict.sizes} if verdict.sizes else {}),
     }
 
     def change(data: dict[str, Any]) -> None:

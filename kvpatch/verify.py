@@ -51,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
             "drift": list(st.drift),
             "reason": st.reason,
             "error": errors.get(st.patch.id) or st.error,
+            # what the verdict was judged on, where this process measured one (kvpatch.verdicts.sizes_of)
+            "sizes": verdicts.sizes_of(st.measurement.before, st.measurement.after) if st.measurement else None,
         }
         for st in (engine.status[patch.id] for patch in engine.materialise())
     ]

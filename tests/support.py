@@ -48,12 +48,13 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def arrays_state_error(
-    model, arrays_cache: type, batch: list[list[int]], left_padding, lengths, row: int, alone
-) -> float:
-    """Largest difference between row ``row``'s recurrent state after a padded batch prefill and ``alone``'s
-    state prefilled by itself (every ``arrays_cache`` of ``model``'s cache, every array it holds)."""
+def arrays_state_difference(model, arrays_cache: type, batch: list[list[int]], left_padding, lengths, row: int, alone):
+    """The largest difference (:func:`kvpatch.testing.difference`, the worst) between row ``row``'s recurrent state
+    after a padded batch prefill and ``alone``'s state prefilled by itself (every ``arrays_cache`` of ``model``'s
+    cache, every array it holds)."""
     import mlx.core as mx
+
+    from kvpatch.testing import difference, worst
 
     def prefill(tokens, left_padding, lengths):
         cache = model.make_cache()
@@ -68,10 +69,10 @@ def arrays_state_error(
 
     batched = prefill(batch, left_padding, lengths)
     single = prefill([alone], None, None)
-    return max(
-        mx.abs(b[row] - a[0]).max().item()
+    return worst(
+        difference(b[row], a[0], where=f"state {i}")
         for cb, ca in zip(batched, single, strict=True)
-        for b, a in zip(cb.cache, ca.cache, strict=True)
+        for i, (b, a) in enumerate(zip(cb.cache, ca.cache, strict=True))
     )
 
 
@@ -137,11 +138,13 @@ def skip_if_no_index(error: str, what: str) -> None:
 
 def fake_mlx_core(site) -> None:
     """Write, under ``site``, the little of ``mlx.core`` that ``run_reproduction`` touches (it keeps the default
-    device, stream and random state), for engine tests that run a reproduction without mlx."""
+    device, stream and random state, and runs a logic bug's reproduction on the CPU stream), for engine tests that
+    run a reproduction without mlx."""
     (site / "mlx").mkdir()
     (site / "mlx" / "__init__.py").write_text("")
     (site / "mlx" / "core.py").write_text(
-        "import types\nrandom = types.SimpleNamespace(state=[0])\n"
+        "import contextlib, types\nrandom = types.SimpleNamespace(state=[0])\ncpu = 'cpu'\n"
         "def default_device(): return 'cpu'\ndef default_stream(device): return 's'\n"
         "def set_default_device(device): pass\ndef set_default_stream(stream): pass\n"
+        "def stream(s): return contextlib.nullcontext()\n"
     )

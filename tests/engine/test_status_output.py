@@ -66,6 +66,16 @@ def test_verbose_lists_every_patch_with_target_and_reason():
         assert text.count(f"\n    {label}") == len(PATCHES), label
 
 
+def test_verbose_shows_the_margin_of_a_measured_verdict():
+    report = _report(NEWEST)
+    pid = report.data["patches"][0]["id"]
+    margin = "without the patch 0.1 = 2.1e+05x the rounding (4.8e-07); with it 0 = 0x the rounding (4.8e-07)"
+    text = format_text(report._replace(margins={pid: margin}), verbose=True, width=200)
+    assert f"    margin:    {margin}" in text.splitlines()
+    assert "margin:" not in format_text(report, verbose=True, width=200)
+    assert "margin" not in json.dumps(report.data)  # the text's, not the JSON's (kvpatch.status/1 unchanged)
+
+
 @pytest.mark.parametrize("width", [60, 80, 132])
 def test_verbose_wraps_to_the_width(width):
     """``status -v`` ran to 238 characters a line; every line now fits, but a single word longer than the

@@ -93,6 +93,27 @@ def test_corrupt_or_foreign_file_reads_as_empty(fresh, content):
     assert verdicts.lookup("k").outcome == verdicts.Outcome.ABSENT
 
 
+def test_sizes_are_kept_with_the_verdict_and_a_malformed_entry_has_none(fresh):
+    p = _patch()
+    before = Finding(True, "rows differ", error=0.1, rounding=4.8e-7)
+    after = Finding(False, "rows equal", error=0.0, rounding=4.8e-7)
+    verdict = verdicts.verdict_of(before, after)
+    sides = {"without": before, "with": after}
+    assert verdict.sizes == {side: {"error": f.error, "rounding": f.rounding} for side, f in sides.items()}
+    assert verdicts.store("k", p, verdict, UPSTREAM)
+    verdicts._loaded = None  # read the file afresh
+    assert verdicts.lookup("k").sizes == verdict.sizes
+    assert verdicts.margin(verdict.sizes).startswith("without the patch 0.1 = 2.08e+05x the rounding (4.8e-07)")
+    assert verdicts.sizes_of(Finding(True, "raises ValueError"), after) == {"with": verdict.sizes["with"]}
+    assert verdicts.sizes_of(Finding(True, "raises"), None) is None and verdicts.margin(None) is None
+    data = json.loads((fresh / verdicts.FILE).read_text())
+    data["verdicts"]["k"]["sizes"] = {"without": {"error": "big", "rounding": 0}, "other": 1}
+    (fresh / verdicts.FILE).write_text(json.dumps(data))
+    verdicts._loaded = None
+    found = verdicts.lookup("k")
+    assert found is not None and found.outcome is verdicts.Outcome.FIXED and found.sizes is None
+
+
 def test_entries_are_pruned_oldest_first(fresh, monkeypatch):
     monkeypatch.setattr(verdicts, "MAX_ENTRIES", 3)
     p = _patch()

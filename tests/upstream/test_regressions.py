@@ -80,6 +80,27 @@ def _absent_advice(patch, upstream):
     return absent_advice(patch, upstream.version, commit=commit)
 
 
+@pytest.mark.parametrize("flag", [None, "on_device", "metal_only"])
+def test_a_reproduction_runs_where_its_bug_lives(flag):
+    """A logic bug's reproduction runs on the CPU stream, whatever the default device (its verdict is then the same
+    on every machine); a device kernel's bug on the default device. Meaningful on a GPU host: on a CPU-only one both
+    are the CPU."""
+    import mlx.core as mx
+    from support import synthetic_patch
+
+    from kvpatch.engine import run_reproduction
+    from kvpatch.record import Finding
+
+    record = synthetic_patch("where-it-runs", **({flag: True} if flag else {}))
+    seen = []
+    record.reproduction = lambda: seen.append(mx.default_device()) or Finding(False, "measured")
+    default = mx.default_device()
+    assert run_reproduction(record).bug == "absent"
+    assert seen == [default if flag else mx.Device(mx.cpu)]
+    assert mx.default_device() == default  # given back
+    assert run_reproduction(record, "default").bug == "absent" and seen[-1] == default
+
+
 def _said(finding):
     what = finding.inconclusive or finding.skipped or finding.detail
     return f"the reproduction says {finding.bug.value}: {what}"

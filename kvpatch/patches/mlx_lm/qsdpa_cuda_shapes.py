@@ -50,6 +50,7 @@ PATCH = Patch(
     catalogue="CUDA (docs/cuda.md)",
     hot_path=True,
     enabler=True,
+    on_device=True,  # a bug of the CUDA backend's kernels: measured where the user computes
     order=90,
     expiry=Expiry(
         "retire when mlx's CUDA quantized_matmul computes attention's scores product (transpose=True) right for "
