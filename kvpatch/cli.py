@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 from . import __version__, activate, get_engine
 from ._site import BrokenInstall
+from .engine import compute_on_cpu
 from .registry import load
 from .status import build_report, cut, format_text
 from .vendored import format_copies, scan
@@ -137,6 +138,8 @@ def emit(text: str, *, end: str = "\n") -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.verify:
+        compute_on_cpu()
     engine = get_engine()
     report = build_report(engine, verify=args.verify, settle=not args.no_settle, fresh=args.fresh)
     copies = scan(engine, installed=True) if args.scan else None

@@ -649,33 +649,47 @@ REPRODUCTIONS_RUN: list[str] = []
 def run_reproduction(patch: Patch, device: str | None = None) -> Finding:
     """Run ``patch``'s reproduction keeping mlx's default device and stream, and its random state where mlx allows it
     (up to 0.31; newer mlx's cannot be set back, one reason reproductions never run in a user's process). It runs on
-    the CPU unless its bug lives in a device's kernels (``Patch.on_device``, ``Patch.metal_only``): a logic bug's
-    verdict is then the same on every machine, whatever the GPU's arithmetic (TF32). ``device``: ``"cpu"`` or
-    ``"default"`` (mlx's default device) instead of that rule, for measurements (``scripts/margins.py``)."""
+    the CPU unless its bug lives in a device's kernels (``Patch.on_device``, ``Patch.metal_only``; then on the GPU
+    where there is one): a logic bug's verdict is then the same on every machine, whatever the GPU's arithmetic
+    (TF32). ``device``: ``"cpu"`` or ``"default"`` (mlx's default device) instead of that rule, for measurements
+    (``scripts/margins.py``)."""
     if patch.reproduction is None:
         raise LookupError(f"{patch.id} has no reproduction")
     REPRODUCTIONS_RUN.append(patch.id)
     mx: Any = sys.modules.get("mlx.core") or importlib.import_module("mlx.core")
     state: Any = getattr(mx.random, "state", None)
     saved = list(state) if isinstance(state, list) else None
-    device = mx.default_device()
-    stream = mx.default_stream(device)
+    default = mx.default_device()
+    stream = mx.default_stream(default)
+    if device == "default":
+        where = default
+    elif device is None and (patch.on_device or patch.metal_only):
+        where = mx.gpu if mx.is_available(mx.gpu) else default
+    else:
+        where = mx.cpu
     try:
-        if device == "default" or (device is None and (patch.on_device or patch.metal_only)):
+        with mx.stream(where):
             finding = patch.reproduction()
-        else:
-            with mx.stream(mx.cpu):
-                finding = patch.reproduction()
     except Exception as exc:
         return Finding.from_error(exc)
     finally:
         if saved is not None:
             state[:] = saved
-        mx.set_default_device(device)
+        mx.set_default_device(default)
         mx.set_default_stream(stream)
     if not isinstance(finding, Finding):
         raise TypeError(f"{patch.id}: reproduction returned {finding!r}, not a Finding")
     return finding
+
+
+def compute_on_cpu() -> None:
+    """Make this verification process (``kvpatch verify``, ``status --verify``) compute on the CPU before it imports
+    upstream: upstream binds its generation stream to the default device at import (``mlx_lm.generate``), where a
+    reproduction's CPU stream does not reach, so a logic bug's reproduction would still meet the GPU's arithmetic and
+    its missing kernels there. It is kvpatch's own process; a reproduction of a device's bug still runs on the GPU."""
+    with suppress(ImportError):
+        mx: Any = importlib.import_module("mlx.core")
+        mx.set_default_device(mx.cpu)
 
 
 def set_state(st: PatchStatus, state: State, reason: str | None = None, *, error: Any = _MISSING) -> None:

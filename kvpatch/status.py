@@ -280,7 +280,9 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
     else:  # the exit status is named only to a command that asked for one
         what = "attention needed" if code == 1 else "a patch failed or did not fix its bug"
         exits = f"exit {code}" if check else f"`kvpatch status --check` exits {code}"
-        lines += [f"check: {what} ({exits}):", *(f"  - {r}" for r in reasons)]
+        lines.append(f"check: {what} ({exits}):")
+        fit = verbose or width is not None  # wrapped as the lines above are
+        lines += [w for r in reasons for w in (wrapped(r, "  - ", width or 80, hang="") if fit else [f"  - {r}"])]
     if not verbose:
         lines.append("`kvpatch status -v` lists every patch with its targets and reason.")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ import sys
 
 from . import config, deactivate, fingerprints, get_engine, measurer, verdicts
 from ._warn import failure
-from .engine import State
+from .engine import State, compute_on_cpu
 from .settle import import_pending
 
 _SETTLED = ("applied", "not needed", "out of range", "not installed", "opt-in", "disabled")
@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.suppress(OSError, AttributeError):
             os.nice(10)
     os.environ[config.VERIFYING] = "1"  # nothing started from here starts a verification of its own
+    compute_on_cpu()
     deactivate()
     engine = get_engine()
     engine.reconsider(config.Config(enable_all=True))

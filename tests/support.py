@@ -143,8 +143,8 @@ def fake_mlx_core(site) -> None:
     (site / "mlx").mkdir()
     (site / "mlx" / "__init__.py").write_text("")
     (site / "mlx" / "core.py").write_text(
-        "import contextlib, types\nrandom = types.SimpleNamespace(state=[0])\ncpu = 'cpu'\n"
+        "import contextlib, types\nrandom = types.SimpleNamespace(state=[0])\ncpu, gpu = 'cpu', 'gpu'\n"
         "def default_device(): return 'cpu'\ndef default_stream(device): return 's'\n"
         "def set_default_device(device): pass\ndef set_default_stream(stream): pass\n"
-        "def stream(s): return contextlib.nullcontext()\n"
+        "def stream(s): return contextlib.nullcontext()\ndef is_available(device): return device == cpu\n"
     )

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from faults_support import REQUEST, SAFE, last_json, run_child, wait_for_lock
 
+from kvpatch.store import MAX_BYTES
+
 #: A child that reads one verdict (``sys.argv[1]``: its key) and reports it with its peak memory.
 LOOKUP = textwrap.dedent(
     """
@@ -96,16 +98,25 @@ def test_a_fifo_as_the_verdict_file_never_blocks(tmp_path):
     assert out["found"] is None
 
 
+#: A child's address space bounded, so that an unbounded read fails instead of filling the machine's memory.
+BOUNDED = "import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+
+
 def test_a_symlink_to_dev_zero_is_not_read(tmp_path):
     directory = tmp_path / "verdicts"
     directory.mkdir()
     (directory / "verdicts.json").symlink_to("/dev/zero")
-    code = "import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n" + LOOKUP
-    proc = run_child([*SAFE, "-c", code, "k"], {"KVPATCH_VERDICTS": str(directory)}, tmp_path, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = last_json(proc.stdout)
-    assert out["found"] is None
-    assert out["rss_mb"] < 400, f"the child read from /dev/zero: peak {out['rss_mb']} MiB"
+    (tmp_path / "control").mkdir()
+    peaks = {}
+    for name in ("control", "verdicts"):  # the control: the same lookup in a directory without the file
+        env = {"KVPATCH_VERDICTS": str(tmp_path / name)}
+        proc = run_child([*SAFE, "-c", BOUNDED + LOOKUP, "k"], env, tmp_path, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out = last_json(proc.stdout)
+        assert out["found"] is None
+        peaks[name] = out["rss_mb"]
+    # a read of /dev/zero bounded as every state file is (read_bytes) adds its bound; an unbounded one, gigabytes
+    assert peaks["verdicts"] - peaks["control"] < (MAX_BYTES >> 20) + 64, f"the child read from /dev/zero: {peaks}"
 
 
 STORE = textwrap.dedent(
