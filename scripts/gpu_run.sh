@@ -8,7 +8,8 @@
 #                                        balanced by the last run's times): junit XML and pytest's output
 #   bash scripts/gpu_run.sh summary DIR...   the parts merged: counts, failures, skip reasons grouped (no GPU needed)
 #
-# PY (default /opt/torch/.venv/bin/python) runs everything; WORKERS (14) pytest-xdist workers (0: none); LIMIT (540) seconds
+# PY (default /opt/torch/.venv/bin/python) runs everything; WORKERS (14) pytest-xdist workers (0: none) and DIST their
+# distribution (loadfile: a file's tests in one worker; load: test by test, when one file would outlast the rest); LIMIT (540) seconds
 # after which a part is interrupted (SIGINT: pytest still writes its summary and XML). A wheel of nvidia-cuda-crt in
 # .gpu/w/extra is installed first: mlx compiles Hopper kernels at run time and needs its headers (pip download
 # --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 nvidia-cuda-crt==<the host's
@@ -17,6 +18,7 @@ set -u
 PY=${PY:-/opt/torch/.venv/bin/python}
 OUT=${OUT:-$PWD/gpu-out}
 WORKERS=${WORKERS:-14}
+DIST=${DIST:-loadfile}
 LIMIT=${LIMIT:-540}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export USE_TORCH=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -55,7 +57,7 @@ suite)
   mapfile -t files < <("$PY" "$repo/scripts/gpu_suite.py" files "$part")
   echo "part $part: ${#files[@]} test files, $WORKERS workers, ${LIMIT} s limit"
   start=$SECONDS
-  xdist=(-n "$WORKERS" --dist loadfile)
+  xdist=(-n "$WORKERS" --dist "$DIST")
   [ "$WORKERS" = 0 ] && xdist=()  # no pytest-xdist: one process
   (cd "$repo" && timeout -s INT "$LIMIT" "$PY" -P -m pytest "${files[@]}" "${xdist[@]}" -q \
     --tb=short -rfE -p no:cacheprovider --junitxml="$OUT/$name.xml" > "$OUT/$name.txt" 2>&1)
