@@ -4,6 +4,7 @@ table says them (:mod:`kvpatch.states`). The JSON form follows ``kvpatch/data/st
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import sys
 import textwrap
@@ -18,7 +19,7 @@ from .gate import Action, misplaced
 from .record import Bug, Finding, Patch
 from .settle import settle as settle_outcomes
 from .states import AWAITING, EXPLAINED, MEANINGS, Check, Meaning, Outcome, Reason, found, verify_check
-from .verifier import Verifier
+from .verifier import Verifier, import_target_modules
 
 __all__ = ["Report", "build_report", "format_text"]
 
@@ -103,7 +104,10 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
         engine.refresh()
     skip = (State.OUT_OF_RANGE, State.NOT_INSTALLED)
     relevant = [p for p in records if engine.status[p.id].state not in skip]
-    if verify:
+    if verify:  # every relevant target imported (the hooks install what is decided), then verified
+        for p in relevant:
+            with contextlib.suppress(Exception):  # reported per patch by _verify
+                import_target_modules(p)
         Verifier(engine, "status --verify").run(relevant)
     patches: list[dict[str, Any]] = []
     check: dict[Check, list[Reason]] = {Check.FAILURE: [], Check.ATTENTION: []}

@@ -94,15 +94,8 @@ def measure(engine: Engine, patch: Patch, *, install: bool = True, device: str |
     all). *With*: as ``engine`` has it; not installed, installed for that run when ``install`` is on and the bug was
     present without it. ``device``: where both run (:func:`run_reproduction`; ``None``: where a verdict is)."""
     import_target_modules(patch)
-    st, mine = engine.status[patch.id], {(t.module, t.qualname) for t in patch.targets}
-    sharing = [
-        other.record.id
-        for other in (engine.status[p.id] for p in engine.patches)
-        if other.installed
-        and (other is st or not other.record.enabler)
-        and mine & {(t.module, t.qualname) for t in other.record.targets}
-    ]
-    with engine.without(*sharing):
+    st = engine.status[patch.id]
+    with engine.without(*sharing(engine, patch)):
         foreign = tuple(surgery.foreign_targets(patch))
         before = run_reproduction(patch, device)
     if st.installed or not (install and before.bug is Bug.PRESENT):
@@ -112,6 +105,19 @@ def measure(engine: Engine, patch: Patch, *, install: bool = True, device: str |
         return Measurement(before, run_reproduction(patch, device), foreign)
     finally:
         engine.installer.uninstall(st)
+
+
+def sharing(engine: Engine, patch: Patch) -> list[str]:
+    """The installed patches on one of ``patch``'s targets, itself too but not the enablers: what its run without it
+    takes out."""
+    mine = {(t.module, t.qualname) for t in patch.targets}
+    return [
+        st.record.id
+        for st in (engine.status[p.id] for p in engine.patches)
+        if st.installed
+        and (st.record is patch or not st.record.enabler)
+        and mine & {(t.module, t.qualname) for t in st.record.targets}
+    ]
 
 
 def import_target_modules(patch: Patch, failed: Callable[[str, Exception], None] | None = None) -> None:

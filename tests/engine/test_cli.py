@@ -109,7 +109,7 @@ def test_help_groups_maintainer_commands_apart(tmp_path):
     sections = _help_sections(_run(["--help"], cwd=tmp_path).stdout)
     assert sections["commands"] == ["status", "verify", "run", "list", "version", "help"]
     assert sections["maintainer commands"] == ["compat", "fingerprints", "upstream-check"]
-    assert sections["options"] == ["-h", "--version"]
+    assert sections["options"] == ["-h", "-V"]  # -V, --version
 
 
 def test_every_command_has_a_description_and_every_option_a_help():

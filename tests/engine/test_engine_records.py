@@ -97,7 +97,8 @@ def test_status_verify_runs_each_side_once(tmp_path):
         import json
         from kvpatch import status
         from kvpatch.config import Config
-        from kvpatch.engine import REPRODUCTIONS_RUN, Engine
+        from kvpatch.engine import Engine
+        from kvpatch.verifier import REPRODUCTIONS_RUN
         """
         + DEMO
         + """
@@ -151,16 +152,16 @@ def test_a_builder_is_asked_once_per_install(tmp_path):
     out = _run(
         """
         import json
-        from kvpatch import measurer, verdicts
+        from kvpatch import verdicts
         from kvpatch.config import Config
         from kvpatch.engine import Engine
+        from kvpatch.verifier import Verifier
         """
         + DEMO
         + """
-        with measurer.measuring_as("verify"):  # measures and stores the verdict
-            first = Engine([p], config=Config())
-            first.activate()
-            import mlx_lm.models.cache
+        first = Engine([p], config=Config())
+        first.activate()
+        Verifier(first, "verify").run()  # measures and stores the verdict
         first.deactivate()
         BUILDS.clear()
         engine = Engine([p], config=Config())  # reads the stored verdict
