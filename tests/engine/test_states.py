@@ -35,7 +35,9 @@ def test_every_action_and_verdict_maps_to_a_state_and_a_wording():
 def test_every_reason_the_runtime_gives_has_its_wording():
     """Each ``Reason("code", ...)`` in the runtime names a wording of the table, with the facts that wording needs."""
     runtime = [p for p in (REPO / "kvpatch").rglob("*.py") if "maint" not in p.parts and "patches" not in p.parts]
-    used = {m for path in runtime for m in re.findall(r'Reason\(\s*"([a-z-]+)"\s*[,)]', path.read_text(encoding="utf-8"))}
+    used = {
+        m for path in runtime for m in re.findall(r'Reason\(\s*"([a-z-]+)"\s*[,)]', path.read_text(encoding="utf-8"))
+    }
     used |= {m.line for m in MEANINGS.values() if m.line} | {f"verify-{o.name}" for o in VERIFY_CHECKS}
     assert used and not used - set(WORDING), used - set(WORDING)
     assert str(Reason("check-failing", id="x", reason="why", state="failed", error=None)) == "x: why"
