@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from . import config
 from ._warn import emit as _emit
 from ._warn import failure as _failure
-from .engine import Engine, KvpatchWarning
+from .engine import Engine, KvpatchWarning, PatchStatus
 from .fingerprints import fingerprint
 from .record import Expiry, Finding, Kind, Patch, Target
-from .states import PatchStatus, State
+from .states import State
 
 #: The server API loaded on first use (``__getattr__``): name -> module.
 _LAZY = {"bounded_prompt_cache": "bounding"}

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from . import _copy_records, get_engine
 from .config import Config
 from .detect import Upstream
-from .engine import Engine
+from .engine import Engine, PatchStatus
 from .gate import Action, Decision, decide
 from .record import DISTRIBUTIONS, Patch
 from .registry import Stub, module_for
-from .states import MEANINGS, Check, PatchStatus, Reason, State
+from .states import MEANINGS, Check, Reason, State
 
 
 def _gate(engine: Engine, patch: Patch | Stub, config: Config | None = None) -> Decision:

@@ -21,8 +21,8 @@ from .locate import stamp
 from .record import Kind
 
 if TYPE_CHECKING:
+    from .engine import PatchStatus
     from .record import Patch, Target
-    from .states import PatchStatus
 
 SHIPPED = Path(__file__).resolve().parent / "data" / "fingerprints.json"
 #: Computed in this process, not yet in the cache: file key -> {line:qualname -> fingerprint}.

@@ -6,19 +6,12 @@ check needs attention, is a :class:`Reason`: a code and its facts, worded here o
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from .gate import Action
-from .record import Patch
 
-if TYPE_CHECKING:
-    from .gate import Decision
-    from .record import Target
-    from .registry import Stub
-    from .verifier import Measurement
-
-__all__ = ["Check", "Meaning", "Outcome", "PatchStatus", "Reason", "State"]
+__all__ = ["Check", "Meaning", "Outcome", "Reason", "State"]
 
 
 class State(enum.Enum):
@@ -129,7 +122,6 @@ OF_VERDICT = {Outcome.FIXED: (State.PENDING, "verdict"), Outcome.ABSENT: (State.
 #: Every reason's wording, by code: the one place a state's reason or a check line becomes text.
 WORDING = {
     # why a patch is in its state
-    "decided": "{decision}",
     "gate-raised": "the gate raised",
     "failed": "{state}: {error}",
     "no-activation": "{error}",
@@ -204,11 +196,6 @@ class Reason:
     __hash__ = None  # type: ignore[assignment]
 
 
-def decided(decision: Decision) -> Reason:
-    """The reason of a patch its gate's decision alone settles."""
-    return Reason("decided", decision=decision.reason)
-
-
 def found(outcome: Outcome, detail: str = "", *, state: State | None = None, tried: str | None = None) -> Reason:
     """What ``--verify`` found, as its report says it: ``state`` the patch's (an unpatched bug names it), ``tried``
     what the run with the patch hit (an inconclusive finding says it)."""
@@ -235,44 +222,3 @@ def verify_check(pid: str, outcome: Outcome, said: Reason, state: State, field_:
     if outcome is Outcome.ABSENT and state is State.APPLIED:
         return Check.ATTENTION, Reason("verify-absent", id=pid, field=field_)
     return Check.CLEAN, None
-
-
-@dataclass
-class PatchStatus:
-    """What happened to one patch in this process."""
-
-    patch: Patch | Stub
-    decision: Decision
-    state: State
-    why: Reason  # why it is in its state (``reason`` says it in words)
-    error: str | None = None
-    drift: list[str] = field(default_factory=list)  # how the target code differs from what the patch was validated on
-    verified: str | None = None  # the verdict this process read or measured
-    installed: list[Target] = field(default_factory=list)
-    suspended: bool = False
-    fingerprinted: set[Target] = field(default_factory=set)  # targets whose fingerprint was checked already
-    notes: list[str] = field(default_factory=list)  # what restore had to leave in place, newest last
-    wrapped: list[str] = field(default_factory=list)  # targets reached only through someone else's wrapper
-    foreign: list[str] = field(default_factory=list)  # targets holding another library's replacement
-    copy: str | None = None  # the vendored copy's module (:func:`kvpatch.register_copy`); None: upstream's
-    measurement: Measurement | None = None  # the runs without and with the patch, when this process measured
-    #: The key of the verdict that decides the patch here, once its reproduction was found to decide it.
-    verdict_key: str | None = None
-    #: Per target, (original given, builder's result) until installed: deciding it declines does not build twice.
-    built: dict[Target, tuple[Any, Any]] = field(default_factory=dict, repr=False)
-
-    @property
-    def reason(self) -> str:
-        return str(self.why)
-
-    def note(self, text: str) -> None:
-        """Note ``text`` (what restore had to leave in place, or why the state stays as it is) once."""
-        if text not in self.notes:
-            self.notes.append(text)
-
-    @property
-    def record(self) -> Patch:
-        """``patch`` as its record (the engine resolves a stub before it installs, verifies or restores it)."""
-        if not isinstance(self.patch, Patch):
-            raise TypeError(f"{self.patch!r} is not resolved")
-        return self.patch

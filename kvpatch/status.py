@@ -14,12 +14,12 @@ from typing import Any, NamedTuple
 
 from . import __version__, _copy_records, verdicts
 from ._warn import failure
-from .engine import Engine, PatchStatus, State
+from .engine import Engine, PatchStatus, State, import_target_modules
 from .gate import Action, misplaced
 from .record import Bug, Finding, Patch
 from .settle import settle as settle_outcomes
 from .states import AWAITING, EXPLAINED, MEANINGS, Check, Meaning, Outcome, Reason, found, verify_check
-from .verifier import Verifier, import_target_modules
+from .verifier import Verifier
 
 __all__ = ["Report", "build_report", "format_text"]
 

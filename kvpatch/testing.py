@@ -14,6 +14,7 @@ from typing import TypeVar
 from . import get_engine
 from .config import Config
 from .detect import Upstream
+from .engine import import_target_modules, run_reproduction
 from .gate import Decision, decide
 
 # How numbers are compared and the test models: the reproductions' own (they run at run time), re-exported for the
@@ -22,7 +23,6 @@ from .patches._numbers import Difference, arithmetic, difference, exact, roundin
 from .patches._reproduce import tiny_llama, tiny_pixtral_language_model
 from .record import Finding, Patch
 from .registry import Stub
-from .verifier import import_target_modules, run_reproduction
 
 __all__ = [
     "Difference",

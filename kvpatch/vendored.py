@@ -19,15 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from . import config, get_engine, store, surgery
 from ._warn import emit, failure
-from .activation import hook_registry
 from .detect import Upstream
+from .engine import PatchStatus, executing, hook_registry, reached
 from .fingerprints import fingerprint, fingerprint_source, validated
 from .gate import Action, Decision, decide
-from .installer import executing, reached
 from .locate import module_file
 from .record import DISTRIBUTIONS, Expiry, Kind, Patch, Target
-from .states import OF_ACTION, PatchStatus, Reason, State, decided
-from .surgery import TargetMissing
+from .states import OF_ACTION, Reason, State
+from .surgery import MISSING, TargetMissing
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -299,7 +298,7 @@ def _patch(reg: _Registered) -> None:
             state = State.DRIFTED if kept else State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED
             why = str(exc) if kept else failure(exc)
             reg.engine.set_state(
-                st, state, Reason("copy-not-applied", copy=st.why, why=why), error=None if kept else why
+                st, state, Reason("copy-not-applied", copy=st.reason, why=why), error=None if kept else why
             )
             if state is State.FAILED:
                 emit(f"kvpatch: vendored copy {reg.module}: {st.reason}", key=f"vendored:{pid}:{reg.module}")
@@ -308,8 +307,8 @@ def _patch(reg: _Registered) -> None:
             reg.changes[pid] = done
         with reg.engine.lock:
             st.installed = [c.target for c in done]
-            declined = Reason("copy-declined", copy=st.why)
-            reg.engine.set_state(st, State.APPLIED if done else State.NOT_NEEDED, None if done else declined)
+            declined = Reason("copy-declined", copy=st.reason)
+            reg.engine.set_state(st, State.APPLIED if done else State.NOT_NEEDED, MISSING if done else declined)
 
 
 def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | None) -> surgery.Change | None:
@@ -337,7 +336,7 @@ def _restore(reg: _Registered) -> None:
         with reg.engine.lock:
             st.installed = []
             if st.state in (State.APPLIED, State.OVERRIDDEN):
-                reg.engine.set_state(st, State.PENDING, decided(st.decision))
+                reg.engine.set_state(st, State.PENDING, None)
 
 
 def restore() -> None:

@@ -10,32 +10,17 @@ import importlib
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import suppress
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import config, fingerprints, surgery, verdicts
+from . import config, fingerprints, verdicts
 from . import store as _store
 from ._warn import failure
-from .record import Bug, Finding, Patch
-from .states import Outcome, PatchStatus
+from .record import Patch
 
 if TYPE_CHECKING:
-    from .engine import Engine
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """The runs of :meth:`kvpatch.engine.Engine.measure`."""
-
-    before: Finding
-    after: Finding | None = None  # None: not tried (the bug was absent without it, or it is not installed)
-    foreign: tuple[str, ...] = ()  # targets holding another library's code during the run without the patch
-
-    def outcome(self, applied: bool = True) -> tuple[Outcome, str]:
-        """:func:`kvpatch.verdicts.judge` of the runs (``applied`` false: without the run with the patch)."""
-        return verdicts.judge(self.before, self.after if applied else None, self.foreign)
+    from .engine import Engine, PatchStatus
 
 
 class Verifier:
@@ -86,91 +71,6 @@ class Verifier:
         if st.verdict_key is not None:
             verdicts.store(st.verdict_key, st.record, verdict, self.engine.upstream)
         self.engine.activation.settle(st, verdict)
-
-
-def measure(engine: Engine, patch: Patch, *, install: bool = True, device: str | None = None) -> Measurement:
-    """kvpatch's one "with and without" of ``patch``'s reproduction (:meth:`kvpatch.engine.Engine.measure`). *Without*:
-    every installed patch on one of its targets taken out (it can hide the symptom) except enablers (needed to run at
-    all). *With*: as ``engine`` has it; not installed, installed for that run when ``install`` is on and the bug was
-    present without it. ``device``: where both run (:func:`run_reproduction`; ``None``: where a verdict is)."""
-    import_target_modules(patch)
-    st = engine.status[patch.id]
-    with engine.without(*sharing(engine, patch)):
-        foreign = tuple(surgery.foreign_targets(patch))
-        before = run_reproduction(patch, device)
-    if st.installed or not (install and before.bug is Bug.PRESENT):
-        return Measurement(before, run_reproduction(patch, device) if st.installed else None, foreign)
-    engine.installer.install(st)
-    try:
-        return Measurement(before, run_reproduction(patch, device), foreign)
-    finally:
-        engine.installer.uninstall(st)
-
-
-def sharing(engine: Engine, patch: Patch) -> list[str]:
-    """The installed patches on one of ``patch``'s targets, itself too but not the enablers: what its run without it
-    takes out."""
-    mine = {(t.module, t.qualname) for t in patch.targets}
-    return [
-        st.record.id
-        for st in (engine.status[p.id] for p in engine.patches)
-        if st.installed
-        and (st.record is patch or not st.record.enabler)
-        and mine & {(t.module, t.qualname) for t in st.record.targets}
-    ]
-
-
-def import_target_modules(patch: Patch, failed: Callable[[str, Exception], None] | None = None) -> None:
-    """Import the patch's target modules; one holding only optional targets may fail (some raise without Metal)."""
-    for module in patch.modules:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            if all(t.optional for t in patch.targets if t.module == module):
-                continue
-            if failed is None:
-                raise
-            failed(module, exc)
-
-
-#: Ids of the reproductions run in this process, in order: tests read it to prove a user's import ran none.
-REPRODUCTIONS_RUN: list[str] = []
-
-
-def run_reproduction(patch: Patch, device: str | None = None) -> Finding:
-    """Run ``patch``'s reproduction keeping mlx's default device and stream, and its random state where mlx allows it
-    (up to 0.31; newer mlx's cannot be set back, one reason reproductions never run in a user's process). It runs on
-    the CPU unless its bug lives in a device's kernels (``Patch.on_device``, ``Patch.metal_only``; then on the GPU
-    where there is one): a logic bug's verdict is then the same on every machine, whatever the GPU's arithmetic
-    (TF32). ``device``: ``"cpu"`` or ``"default"`` (mlx's default device) instead of that rule, for measurements
-    (``scripts/margins.py``)."""
-    if patch.reproduction is None:
-        raise LookupError(f"{patch.id} has no reproduction")
-    REPRODUCTIONS_RUN.append(patch.id)
-    mx: Any = sys.modules.get("mlx.core") or importlib.import_module("mlx.core")
-    state: Any = getattr(mx.random, "state", None)
-    saved = list(state) if isinstance(state, list) else None
-    default = mx.default_device()
-    stream = mx.default_stream(default)
-    if device == "default":
-        where = default
-    elif device is None and (patch.on_device or patch.metal_only):
-        where = mx.gpu if mx.is_available(mx.gpu) else default
-    else:
-        where = mx.cpu
-    try:
-        with mx.stream(where):
-            finding = patch.reproduction()
-    except Exception as exc:
-        return Finding.from_error(exc)
-    finally:
-        if saved is not None:
-            state[:] = saved
-        mx.set_default_device(default)
-        mx.set_default_stream(stream)
-    if not isinstance(finding, Finding):
-        raise TypeError(f"{patch.id}: reproduction returned {finding!r}, not a Finding")
-    return finding
 
 
 _requested: str | None = None

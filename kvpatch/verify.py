@@ -11,7 +11,8 @@ import sys
 from typing import Any
 
 from . import config, deactivate, get_engine, verdicts
-from .states import MEANINGS, Check, PatchStatus, State
+from .engine import PatchStatus
+from .states import MEANINGS, Check, State
 from .verifier import Verifier
 
 EXIT_NOT_STORED = 74

@@ -32,8 +32,7 @@ t0 = time.perf_counter()
 import kvpatch
 from kvpatch import registry
 from kvpatch.config import Config
-from kvpatch.engine import Engine
-from kvpatch.verifier import REPRODUCTIONS_RUN
+from kvpatch.engine import REPRODUCTIONS_RUN, Engine
 spent = [0.0]
 hook = Engine._hook
 def timed(self, module):

@@ -97,8 +97,7 @@ def test_status_verify_runs_each_side_once(tmp_path):
         import json
         from kvpatch import status
         from kvpatch.config import Config
-        from kvpatch.engine import Engine
-        from kvpatch.verifier import REPRODUCTIONS_RUN
+        from kvpatch.engine import REPRODUCTIONS_RUN, Engine
         """
         + DEMO
         + """

@@ -197,7 +197,7 @@ def test_target_outside_upstream_is_rejected():
 def test_no_hook_registry_means_failed_not_pending(monkeypatch):
     """The bootstrap's hook registry does not load: no hook will ever fire, so a patch that would apply is
     reported failed with the reason, never left pending (an outcome, not a prediction)."""
-    import kvpatch.activation as activation_module
+    import kvpatch.engine as engine_module
     from kvpatch.config import Config
     from kvpatch.detect import Upstream
     from kvpatch.engine import Engine, State
@@ -205,7 +205,7 @@ def test_no_hook_registry_means_failed_not_pending(monkeypatch):
     def hook_registry():
         raise ImportError("kvpatch's post-import hooks (_kvpatch_hooks) cannot be loaded: reinstall kvpatch")
 
-    monkeypatch.setattr(activation_module, "hook_registry", hook_registry)
+    monkeypatch.setattr(engine_module, "hook_registry", hook_registry)
     p = Patch(
         id="t-hook",
         summary="s",

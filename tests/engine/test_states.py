@@ -71,7 +71,7 @@ def _check(meaning: states.Meaning) -> str:
 def test_docs_status_md_says_what_the_table_says():
     documented = _table("## States")
     assert documented == {state.value: (m.meaning, _check(m)) for state, m in MEANINGS.items()}
-    findings = _table("### What `--verify` finds")
+    findings = _table("### Findings of `--verify`")
     assert findings == {outcome.value: (f"exit {check.value}",) for outcome, check in VERIFY_CHECKS.items()}
 
 

@@ -16,10 +16,9 @@ from support import child_env, synthetic_patch
 from kvpatch import registry
 from kvpatch.config import Config, read_config
 from kvpatch.detect import NOT_INSTALLED, Source, Upstream
-from kvpatch.engine import Engine
+from kvpatch.engine import Engine, sharing
 from kvpatch.status import build_report, format_text
 from kvpatch.verdicts import Outcome
-from kvpatch.verifier import sharing
 
 PATCHES = registry.load().patches
 NEWEST = {

@@ -229,9 +229,9 @@ CHILD = textwrap.dedent(
     import json, sys
     from kvpatch import fingerprints, verdicts
     from kvpatch.config import Config
-    from kvpatch.engine import Engine
+    from kvpatch.engine import REPRODUCTIONS_RUN, Engine
     from kvpatch.record import Expiry, Finding, Patch
-    from kvpatch.verifier import REPRODUCTIONS_RUN, Verifier
+    from kvpatch.verifier import Verifier
     mode = sys.argv[1]
     p = Patch(id="demo-bug", summary="demo", distribution="mlx-lm", affected=">=0.1.0,<=0.2.0",
               checked_through="0.2.0", reference="none", expiry=Expiry("never"))

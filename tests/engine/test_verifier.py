@@ -79,7 +79,7 @@ def test_every_state_change_is_under_the_engines_lock_and_no_hook_measures(tmp_p
     out = _run(
         """
         import threading
-        from kvpatch import states, vendored
+        from kvpatch import engine as engine_module, vendored
         from kvpatch.verifier import Verifier
 
         class CheckingLock:
@@ -104,7 +104,7 @@ def test_every_state_change_is_under_the_engines_lock_and_no_hook_measures(tmp_p
                 if not ENGINE.lock.held():
                     unlocked.append((self.patch.id, name, str(value)))
             object.__setattr__(self, name, value)
-        states.PatchStatus.__setattr__ = checking
+        engine_module.PatchStatus.__setattr__ = checking
 
         ENGINE = Engine([patch("demo", ">=0.1.0,<=0.1.0", checked_through="0.1.0")], config=Config())
         ENGINE.lock = CheckingLock()

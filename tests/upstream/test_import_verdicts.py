@@ -4,7 +4,7 @@ For every install source (index, archive, editable, git with a commit the index 
 a release newer than every record's ``checked_through`` (simulated by editing the version in a copy of
 the real release's METADATA), ``mx.random.seed(42); import mlx_lm, mlx_lm.generate;
 mx.random.normal((3,))`` gives the same numbers with kvpatch active as with ``KVPATCH=off``, and
-``kvpatch.verifier.REPRODUCTIONS_RUN`` (appended to by every reproduction run) stays empty in that
+``kvpatch.engine.REPRODUCTIONS_RUN`` (appended to by every reproduction run) stays empty in that
 process. A patch the reproduction decides is then ``pending verification`` (no verdict yet), or applied
 from the verdict that ``python -m kvpatch verify`` (or the background verification) stored.
 
@@ -60,9 +60,9 @@ numbers = mx.random.normal((3,)).tolist()
 out = {{"numbers": numbers, "kvpatch": "kvpatch" in sys.modules}}
 if "kvpatch" in sys.modules:
     import kvpatch
-    from kvpatch import verifier
+    from kvpatch import engine
     e = kvpatch.get_engine()
-    out["reproductions"] = list(verifier.REPRODUCTIONS_RUN)
+    out["reproductions"] = list(engine.REPRODUCTIONS_RUN)
     out["states"] = {{p.id: [e.status[p.id].state.value, e.status[p.id].decision.action.value, e.status[p.id].reason]
                      for p in e.patches}}
 print("@@" + json.dumps(out))

@@ -239,8 +239,8 @@ import copy, dataclasses
 from kvpatch import fingerprints, registry
 from kvpatch.config import Config
 from kvpatch.detect import Source, Upstream, detect
-from kvpatch.engine import Engine
-from kvpatch.verifier import REPRODUCTIONS_RUN, Verifier
+from kvpatch.engine import REPRODUCTIONS_RUN, Engine
+from kvpatch.verifier import Verifier
 from kvpatch.fingerprints import fingerprint
 from kvpatch.gate import Action, decide
 # As from a package index, whatever the install source: an archive or editable install leaves every in-range patch

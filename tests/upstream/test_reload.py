@@ -12,7 +12,7 @@ import pytest
 CHILD = r"""
 import importlib, json, sys
 import kvpatch
-from kvpatch.verifier import run_reproduction
+from kvpatch.engine import run_reproduction
 
 engine = kvpatch.get_engine()
 module = sys.argv[1]
