@@ -65,7 +65,7 @@ sys.setprofile(None)
 data = json.loads(out.getvalue())
 verified = sum(1 for row in data["patches"] if row["verdict"])
 print(json.dumps({"verified": verified, "exit": code, **{
-    kind: {"hops": c[1], "pairs": [[a, b, n] for (a, b), n in c[2].most_common(15)]} for kind, c in counts.items()
+    kind: {"hops": c[1], "pairs": [[a, b, n] for (a, b), n in c[2].most_common(40)]} for kind, c in counts.items()
 }}))
 """
 
