@@ -290,7 +290,7 @@ def absent_advice(patch: Patch, release: str, *, commit: str | None = None) -> l
 
 def _absent_advice(patch: Patch, release: str, commit: str | None) -> list[str]:
     where, dist = patch_file(patch), patch.distribution
-    measure = f"`python -m kvpatch upstream-check --{dist} {release}` measures it with kvpatch off"
+    measure = f"`python -m kvpatch upstream-check --{dist} {release}` measures it without the patch"
     field = misplaced(patch, release, commit, Action.APPLY)  # the runtime's rule: status --verify names it too
     if field == PINNED:
         pin = (commit or "")[:8]
@@ -1147,7 +1147,7 @@ def add_parser(sub: Any) -> None:
     """Register ``upstream-check`` on the CLI's subparsers."""
     p = sub.add_parser(
         "upstream-check",
-        help="run every reproduction (kvpatch off) on the newest upstream releases and compare with the records",
+        help="run every reproduction (without the patch) on the newest upstream releases; compare with the records",
     )
     p.add_argument(
         "--mlx-lm", metavar="VERSION|PATH|none", help="release, local wheel or source tree (default: newest)"
