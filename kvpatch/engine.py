@@ -176,7 +176,7 @@ class Engine:
         return [r for r in results.values() if isinstance(r, Patch)]
 
     def activate(self) -> None:
-        """Hook the target modules of every patch that may apply (:meth:`kvpatch.activation.Activation.on`)."""
+        """Hook the target modules of every patch that may apply (:meth:`Activation.on`)."""
         self.activation.on()
 
     def deactivate(self) -> None:
@@ -192,7 +192,7 @@ class Engine:
         self.installer.restore_orphans()
 
     def measure(self, patch: Patch, *, install: bool = True, device: str | None = None) -> Measurement:
-        """kvpatch's one "with and without" of ``patch``'s reproduction (:func:`kvpatch.verifier.measure`)."""
+        """kvpatch's one "with and without" of ``patch``'s reproduction (:func:`_measure` says how)."""
         return _measure(self, patch, install=install, device=device)
 
     def set_state(self, st: PatchStatus, state: State, why: Any = MISSING, *, error: Any = MISSING) -> None:
@@ -593,7 +593,7 @@ def executing(module: types.ModuleType | None) -> bool:
 
 
 def _measure(engine: Engine, patch: Patch, *, install: bool = True, device: str | None = None) -> Measurement:
-    """kvpatch's one "with and without" of ``patch``'s reproduction (:meth:`kvpatch.engine.Engine.measure`). *Without*:
+    """kvpatch's one "with and without" of ``patch``'s reproduction (:meth:`Engine.measure`). *Without*:
     every installed patch on one of its targets taken out (it can hide the symptom) except enablers (needed to run at
     all). *With*: as ``engine`` has it; not installed, installed for that run when ``install`` is on and the bug was
     present without it. ``device``: where both run (:func:`run_reproduction`; ``None``: where a verdict is)."""

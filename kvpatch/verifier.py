@@ -39,16 +39,15 @@ class Verifier:
         and it computes on the CPU from before it imports upstream, which binds its generation stream to the default
         device at import (``mlx_lm.generate``), where a reproduction's CPU stream does not reach: a logic bug's
         reproduction would still meet the GPU's arithmetic and its missing kernels. A reproduction of a device's bug
-        still runs on the GPU (:func:`run_reproduction`)."""
+        still runs on the GPU (:func:`kvpatch.engine.run_reproduction`)."""
         os.environ[config.VERIFYING] = "1"
         with suppress(ImportError):
             mx: Any = importlib.import_module("mlx.core")
             mx.set_default_device(mx.cpu)
 
     def run(self, patches: Iterable[Patch] | None = None) -> list[PatchStatus]:
-        """Settle ``patches`` (default: every one), in install order; their statuses."""
+        """Settle ``patches`` (default: every one) with the engine active, in install order; their statuses."""
         engine = self.engine
-        engine.activate()
         records = engine.materialise() if patches is None else list(patches)
         engine.activation.import_pending(records, self._import_failed)
         for st in [engine.status[p.id] for p in records]:
