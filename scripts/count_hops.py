@@ -21,12 +21,11 @@ most frequent module transitions.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 
-from snapshot_behaviour import archive_overlay  # scripts/ is this script's sys.path[0]
+from snapshot_behaviour import private_env  # scripts/ is this script's sys.path[0]
 
 CHILD = r"""
 import json, sys
@@ -83,15 +82,7 @@ def _run(args: list[str], env: dict[str, str], cwd: str) -> dict[str, object]:
 
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvpatch-hops-") as tmp:
-        env = dict(os.environ)
-        env.update(
-            KVPATCH_VERDICTS=os.path.join(tmp, "verdicts"),
-            KVPATCH_CACHE=os.path.join(tmp, "cache"),
-            KVPATCH_VERIFY="never",
-            PYTHONWARNINGS="ignore",
-        )
-        if "--archive" in sys.argv[1:]:
-            env["PYTHONPATH"] = os.pathsep.join([archive_overlay(tmp), env.get("PYTHONPATH", "")])
+        env = private_env(tmp, "--archive" in sys.argv[1:])
         first = _run(["verify", "--json"], env, tmp)
         second = _run(["verify", "--json", "--missing"], env, tmp)
     verified = int(first["verified"])  # type: ignore[call-overload]

@@ -93,17 +93,24 @@ def _run(args: list[str], env: dict[str, str], tmp: str) -> str:
     return _normalise(f"exit {proc.returncode}\n{json.dumps(data, indent=1, sort_keys=True)}", tmp)
 
 
+def private_env(tmp: str, archive: bool) -> dict[str, str]:
+    """This environment with empty verdict and state folders under ``tmp``, no background verification, no warnings
+    (and, with ``archive``, mlx-lm and mlx-vlm read as archive installs: :func:`archive_overlay`)."""
+    env = dict(os.environ)
+    env.update(
+        KVPATCH_VERDICTS=os.path.join(tmp, "verdicts"),
+        KVPATCH_CACHE=os.path.join(tmp, "cache"),
+        KVPATCH_VERIFY="never",
+        PYTHONWARNINGS="ignore",
+    )
+    if archive:
+        env["PYTHONPATH"] = os.pathsep.join([archive_overlay(tmp), env.get("PYTHONPATH", "")])
+    return env
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvpatch-snap-") as tmp:
-        env = dict(os.environ)
-        env.update(
-            KVPATCH_VERDICTS=os.path.join(tmp, "verdicts"),
-            KVPATCH_CACHE=os.path.join(tmp, "cache"),
-            KVPATCH_VERIFY="never",
-            PYTHONWARNINGS="ignore",
-        )
-        if "--archive" in sys.argv[1:]:
-            env["PYTHONPATH"] = os.pathsep.join([archive_overlay(tmp), env.get("PYTHONPATH", "")])
+        env = private_env(tmp, "--archive" in sys.argv[1:])
         verify = [("status --verify --json", ["-m", "kvpatch", "status", "--verify", "--json", "--fresh"])]
         parts = (
             verify

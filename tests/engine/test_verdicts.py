@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
-from support import child_env, fake_mlx_core
+from support import DEMO_PATCH, child_env, fake_mlx_core
 
 from kvpatch import config, fingerprints, locate, store, surgery, verdicts, verifier
 from kvpatch.detect import Source, Upstream
@@ -224,31 +224,15 @@ def fake_site(tmp_path):
     return site
 
 
-CHILD = textwrap.dedent(
+CHILD = DEMO_PATCH + textwrap.dedent(
     """
-    import json, sys
     from kvpatch import fingerprints, verdicts
-    from kvpatch.config import Config
-    from kvpatch.engine import REPRODUCTIONS_RUN, Engine
-    from kvpatch.record import Expiry, Finding, Patch
+    from kvpatch.engine import REPRODUCTIONS_RUN
     from kvpatch.verifier import Verifier
     mode = sys.argv[1]
-    p = Patch(id="demo-bug", summary="demo", distribution="mlx-lm", affected=">=0.1.0,<=0.2.0",
-              checked_through="0.2.0", reference="none", expiry=Expiry("never"))
-    p.module = "kvpatch"
+    p = patch("demo-bug", ">=0.1.0,<=0.2.0", checked_through="0.2.0")
     if len(sys.argv) > 2 and sys.argv[2]:  # the fingerprints the patch was validated on (shipped data)
         fingerprints.shipped()["demo-bug"] = {"mlx_lm.models.cache.C.f": frozenset(sys.argv[2].split(","))}
-
-    @p.replace("mlx_lm.models.cache", "C.f")
-    def build(original):
-        def f(self):
-            return "fixed"
-        return f
-
-    @p.reproduce
-    def reproduce():
-        import mlx_lm.models.cache as c
-        return Finding(c.C().f() == "buggy", "f() said " + c.C().f())
 
     if mode == "measure-raising":  # a reproduction that hits an error which is not the bug's symptom
         p.reproduction = lambda: (_ for _ in ()).throw(RuntimeError("no kernel for this shape"))

@@ -5,71 +5,17 @@ state change happens under the engine's lock, and what ``status --verify`` finds
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
-from support import child_env, fake_mlx_core
-
-#: Builds ``patch(id, affected, ...)``: a patch of ``C.f`` that makes it say "fixed", whose reproduction finds the bug
-#: where ``C().f()`` says ``SYMPTOM`` and records whether it ran inside an import statement.
-PRELUDE = """
-import inspect, json, sys
-from kvpatch.config import Config
-from kvpatch.engine import Engine
-from kvpatch.record import Expiry, Finding, Patch
-INSIDE_IMPORTS = []
-
-def patch(pid, affected, symptom="buggy", **kw):
-    p = Patch(id=pid, summary="demo", distribution="mlx-lm", affected=affected, reference="none",
-              expiry=Expiry("never"), **kw)
-    p.module = "kvpatch"
-
-    @p.replace("mlx_lm.models.cache", "C.f")
-    def build(original):
-        def f(self):
-            return "fixed"
-        return f
-
-    @p.reproduce
-    def reproduce():
-        INSIDE_IMPORTS.append(any("importlib._bootstrap" in f.filename for f in inspect.stack()))
-        import mlx_lm.models.cache as c
-        return Finding(c.C().f() == symptom, "f() said " + c.C().f())
-    return p
-"""
-
-
-def _site(tmp_path, version: str):
-    site = tmp_path / "site"
-    (site / "mlx_lm" / "models").mkdir(parents=True)
-    (site / "mlx_lm" / "__init__.py").write_text("")
-    (site / "mlx_lm" / "models" / "__init__.py").write_text("")
-    (site / "mlx_lm" / "models" / "cache.py").write_text("class C:\n    def f(self):\n        return 'buggy'\n")
-    (site / "copied_cache.py").write_text("class C:\n    def f(self):\n        return 'buggy'\n")  # a vendored copy
-    fake_mlx_core(site)
-    info = site / f"mlx_lm-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: mlx-lm\nVersion: {version}\n")
-    return os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+from support import DEMO_PATCH, fake_upstream, run_child
 
 
 def _run(code: str, tmp_path, version: str) -> dict:
-    env = child_env(
-        {"PYTHONPATH": _site(tmp_path, version), "KVPATCH": "off", "KVPATCH_VERDICTS": str(tmp_path / "verdicts")}
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("@@"))[2:])
+    """``code`` after :data:`support.DEMO_PATCH`, over a fake mlx-lm ``version``, with verdicts of its own."""
+    pythonpath = fake_upstream(tmp_path, version)
+    verdicts = str(tmp_path / "verdicts")
+    return run_child(DEMO_PATCH + textwrap.dedent(code), tmp_path, PYTHONPATH=pythonpath, KVPATCH="off",
+                     KVPATCH_VERDICTS=verdicts)  # fmt: skip
 
 
 def test_every_state_change_is_under_the_engines_lock_and_no_hook_measures(tmp_path):
