@@ -334,13 +334,15 @@ class Activation:
         why = "; ".join(st.drift) or st.decision.reason
         if st.foreign:
             engine.set_state(st, State.DRIFTED, Reason("foreign", why=why, distribution=st.patch.distribution))
-            return emit(f"kvpatch: {st.patch.id}: {st.reason}", key=f"drift:{st.patch.id}")
+            emit(f"kvpatch: {st.patch.id}: {st.reason}", key=f"drift:{st.patch.id}")
+            return
         st.verdict_key = verdicts.key(st.record, engine.upstream)
         found = verdicts.lookup(st.verdict_key)
-        if found is None:
+        if found is None:  # no measuring here: a verification process settles it
             request = request_verification([st.verdict_key])
-            return engine.set_state(st, State.UNVERIFIED, Reason("no-verdict", why=why, request=request))
-        self.settle(st, found)
+            engine.set_state(st, State.UNVERIFIED, Reason("no-verdict", why=why, request=request))
+        else:
+            self.settle(st, found)
 
     def settle(self, st: PatchStatus, verdict: verdicts.Verdict) -> None:
         """Settle ``st`` by ``verdict`` (read, or measured by a :class:`~kvpatch.verifier.Verifier`): installed where
@@ -371,7 +373,8 @@ class Activation:
             engine.installer.uninstall(st)
         except Exception:  # restoring failed too: the first error is the one to report
             pass
-        state, error = State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED, failure(exc)
+        state = State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED
+        error = failure(exc)
         engine.set_state(st, state, Reason("failed", state=state.value, error=error), error=error)
         emit(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {error}", key=f"fail:{st.patch.id}")
 
