@@ -203,7 +203,9 @@ def found(outcome: Outcome, detail: str = "", *, state: State | None = None, tri
         return Reason("found-skipped", detail=detail)
     if outcome is Outcome.COULD_NOT_RUN:
         return Reason("found-error", outcome=outcome.value, detail=detail)
-    if outcome in (Outcome.ELSEWHERE, Outcome.UNPATCHED):
+    if outcome is Outcome.ELSEWHERE:  # whose code was in place
+        return Reason("found-detail", outcome=outcome.value, detail=detail)
+    if outcome is Outcome.UNPATCHED:  # the patch's state says why it is not applied
         return Reason("found-detail", outcome=outcome.value, detail=state.value if state else detail)
     if outcome is Outcome.INCONCLUSIVE:
         code = "found-inconclusive-with" if tried else "found-inconclusive"

@@ -10,7 +10,7 @@ from support import REPO
 
 from kvpatch import states
 from kvpatch.gate import Action
-from kvpatch.states import MEANINGS, OF_ACTION, OF_VERDICT, VERIFY_CHECKS, WORDING, Check, Reason, State
+from kvpatch.states import MEANINGS, OF_ACTION, OF_VERDICT, VERIFY_CHECKS, WORDING, Check, Outcome, Reason, State, found
 from kvpatch.verdicts import STORED
 
 DOC = (REPO / "docs" / "status.md").read_text(encoding="utf-8")
@@ -79,3 +79,16 @@ def test_a_disabled_patch_is_the_user_s_choice():
     """``KVPATCH_DISABLE``: whatever ``--verify`` finds, ``--check`` stays clean (docs/status.md says so)."""
     disabled = MEANINGS[State.DISABLED]
     assert disabled.check is disabled.unpatched is Check.CLEAN and "your choice" in disabled.meaning
+
+
+def test_a_finding_is_worded_with_its_own_facts():
+    """What ``--verify`` found: whose code hid the bug, the state that left a present bug unpatched, what the run
+    with the patch hit, the error that stopped the run."""
+    elsewhere = found(Outcome.ELSEWHERE, "m.C.f: server.fix", state=State.APPLIED)
+    assert str(elsewhere) == f"{Outcome.ELSEWHERE.value} (m.C.f: server.fix)"
+    assert str(found(Outcome.UNPATCHED, "the bug", state=State.DISABLED)) == f"{Outcome.UNPATCHED.value} (disabled)"
+    assert str(found(Outcome.INCONCLUSIVE, "d", tried="E: x")) == "inconclusive with the patch: E: x"
+    assert str(found(Outcome.INCONCLUSIVE, "without the patch: E: y")) == "inconclusive without the patch: E: y"
+    assert str(found(Outcome.SKIPPED, "Metal only")) == "skipped: Metal only"
+    assert str(found(Outcome.COULD_NOT_RUN, "ImportError: z")) == "could not run: ImportError: z"
+    assert str(found(Outcome.FIXED, "d", state=State.APPLIED)) == Outcome.FIXED.value

@@ -217,8 +217,8 @@ def test_bootstrap_sees_the_top_level_package_finish(run_py):
             "boot = 'kvpatch' in sys.modules\n"
             "import kvpatch\n"
             "e = kvpatch.get_engine()\n"
-            f"hooked = {pkg!r} in e._hooked\n"
-            f"print(json.dumps({{'hooked': hooked, 'ready': {pkg!r} in e._ready, 'boot': boot}}))"
+            f"hooked = {pkg!r} in e.activation.hooked\n"
+            f"print(json.dumps({{'hooked': hooked, 'ready': {pkg!r} in e.activation.ready, 'boot': boot}}))"
         )
     )
     assert out["boot"]
