@@ -15,9 +15,10 @@ from collections.abc import Iterable
 from . import config
 from ._warn import emit as _emit
 from ._warn import failure as _failure
-from .engine import Engine, KvpatchWarning, PatchStatus, State
+from .engine import Engine, KvpatchWarning, PatchStatus
 from .fingerprints import fingerprint
 from .record import Expiry, Finding, Kind, Patch, Target
+from .states import State
 
 #: The server API loaded on first use (``__getattr__``): name -> module.
 _LAZY = {"bounded_prompt_cache": "bounding"}
@@ -137,7 +138,21 @@ def __getattr__(name: str) -> object:
     return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
 
 
+def _command_line() -> bool:
+    """Whether the command line is importing kvpatch (the ``kvpatch`` script, ``python -m kvpatch``): it activates
+    after it has parsed its arguments, for a command that needs it (``--version``, ``help`` and a usage error
+    activate nothing)."""
+    if getattr(sys.modules.get("_kvpatch_cli"), "starting", False):
+        return True
+    if sys.argv[:1] != ["-m"]:  # while runpy looks for the module to run, sys.argv[0] is "-m"
+        return False
+    words = list(getattr(sys, "orig_argv", ()))
+    at = next((i for i, word in enumerate(words) if i and word.startswith("-m")), None)
+    return at is not None and (words[at][2:] or "".join(words[at + 1 : at + 2])) == __name__
+
+
 # Loaded with kvpatch, not on first use: a process whose kvpatch is uninstalled meanwhile can still assert.
 from .assertions import NotApplied, NotFixed, UnknownPatch, is_fixed, require, require_applied  # noqa: E402
 
-activate()
+if not _command_line():
+    activate()

@@ -11,13 +11,11 @@ from dataclasses import dataclass
 from . import _copy_records, get_engine
 from .config import Config
 from .detect import Upstream
-from .engine import Engine, PatchStatus, State
+from .engine import Engine, PatchStatus
 from .gate import Action, Decision, decide
 from .record import DISTRIBUTIONS, Patch
 from .registry import Stub, module_for
-
-#: States in which the bug cannot bite this process: the fix is reached now, or upstream has no such bug.
-_FIXED_STATES = frozenset({State.APPLIED, State.NOT_NEEDED, State.OUT_OF_RANGE, State.NOT_INSTALLED})
+from .states import MEANINGS, Check, Reason, State
 
 
 def _gate(engine: Engine, patch: Patch | Stub, config: Config | None = None) -> Decision:
@@ -33,7 +31,7 @@ def _gate(engine: Engine, patch: Patch | Stub, config: Config | None = None) -> 
 
 def _import_pending(engine: Engine, statuses: Iterable[PatchStatus]) -> None:
     """Import the target modules of pending patches: their hooks get the chance to install them."""
-    pending = [m for st in statuses if st.state is State.PENDING for m in engine.record_of(st).modules]
+    pending = [m for st in statuses if st.state is State.PENDING for m in st.record.modules]
     for module in pending:
         with contextlib.suppress(ImportError):
             __import__(module)
@@ -49,22 +47,19 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
     found: list[Guarantee] = []
     for patch in engine.materialise():
         st = engine.status[patch.id]
-        action = _gate(engine, st.patch).action
-        touched = any(m in loaded for m in patch.modules)
+        action, meaning = _gate(engine, st.patch).action, MEANINGS[st.state]
+        waiting = meaning.waits and not any(m in loaded for m in patch.modules)  # settled at an import to come
         if action is Action.APPLY:
             applicable.append(st)
-            bad = st.state not in _FIXED_STATES and (st.state is not State.PENDING or touched)
-        else:
-            bad = action is Action.VERIFY and (
-                st.state in (State.FAILED, State.DRIFTED, State.TARGET_MISSING, State.OVERRIDDEN, State.INCONCLUSIVE)
-                or (st.state is State.UNVERIFIED and touched)
-            )
+            bad = not meaning.fixed and not waiting
+        else:  # one its reproduction decides: only what --check calls a problem
+            bad = action is Action.VERIFY and meaning.check is not Check.CLEAN and not waiting
         if bad:
             found.append(Guarantee(patch.id, False, st.state.value, st.error or st.reason))
     for st in _copy_records():
         if st.decision.action is Action.APPLY:
             applicable.append(st)
-            if st.state not in _FIXED_STATES and (st.state is not State.PENDING or st.copy in loaded):
+            if not MEANINGS[st.state].fixed and (st.state is not State.PENDING or st.copy in loaded):
                 found.append(Guarantee(f"{st.record.id} in {st.copy}", False, st.state.value, st.error or st.reason))
     found.extend(Guarantee(module, False, "broken", error) for module, error in engine.broken.items())
     return applicable, found
@@ -138,24 +133,26 @@ def _patch_status(engine: Engine, patch_id: str) -> PatchStatus | Guarantee:
 def _guarantee(engine: Engine, st: PatchStatus) -> Guarantee:
     patch, state, reason = st.patch, st.state, st.error or st.reason
     if st.suspended:
-        return Guarantee(patch.id, False, "suspended", "taken out in this process (suspend / kvpatch.testing.without)")
-    if state in _FIXED_STATES:
+        return Guarantee(patch.id, False, "suspended", str(Reason("suspended")))
+    if MEANINGS[state].fixed:
         return Guarantee(patch.id, True, state.value, reason)
     if state in (State.DISABLED, State.OPT_IN):
         # off: fixed only where the installed upstream has no such bug (the gate with the patch opted in)
         upstream = _gate(engine, patch, Config(enabled_ids=frozenset({patch.id})))
         if upstream.action in (Action.NOT_NEEDED, Action.OUT_OF_RANGE, Action.NOT_INSTALLED):
-            return Guarantee(patch.id, True, state.value, f"{reason}; not needed: {upstream.reason}")
+            return Guarantee(
+                patch.id, True, state.value, str(Reason("off-not-needed", reason=reason, gate=upstream.reason))
+            )
         if state is State.DISABLED:
-            reason = f"{reason}; without it the bug is not ruled out: {upstream.reason}"
+            reason = str(Reason("off-not-ruled-out", reason=reason, gate=upstream.reason))
     if state is State.PENDING:
-        modules = engine.record_of(st).modules
-        if not engine.active:
-            reason = "kvpatch is not active in this process (kvpatch.deactivate()): not installed"
-        elif missing := [m for m in modules if m not in sys.modules]:
-            reason = f"its target modules ({', '.join(missing)}) could not be imported, so it is not installed"
-        else:
-            reason = f"its target modules are imported but it is not installed: {reason}"
+        missing = [m for m in st.record.modules if m not in sys.modules]
+        why = (
+            Reason("not-installed", reason=reason)
+            if not missing
+            else Reason("not-imported", modules=", ".join(missing))
+        )
+        reason = str(why if engine.active else Reason("not-active"))
     return Guarantee(patch.id, False, state.value, reason)
 
 

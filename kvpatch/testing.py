@@ -35,7 +35,6 @@ __all__ = [
     "natural_decision",
     "quantization_gap",
     "reproduce",
-    "reproduce_without",
     "rounding",
     "same_greedy",
     "skip_on_gap",
@@ -76,11 +75,6 @@ def with_and_without(patch_id: str, run: Callable[[], _T]) -> tuple[_T, _T]:
 def reproduce(patch: Patch) -> Finding:
     """``run_reproduction`` for tests: a reproduction stopped by a kernel this backend lacks skips the test."""
     return skip_on_gap(run_reproduction(patch))
-
-
-def reproduce_without(patch: Patch) -> Finding:
-    with without(patch.id):
-        return skip_on_gap(run_reproduction(patch))
 
 
 # -- what the backend computes, and how exactly ----------------------------------------------------------------
@@ -206,8 +200,8 @@ def require_applies(patch: Patch) -> Decision:
     """
     import pytest
 
-    from .engine import State
     from .gate import Action
+    from .states import State
 
     decision = natural_decision(patch)
     if decision.action not in (Action.APPLY, Action.VERIFY):

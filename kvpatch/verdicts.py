@@ -1,11 +1,11 @@
 """Verdicts: what a patch's reproduction found in this environment, measured only in a verification process
-(:mod:`kvpatch.measurer`), read by every other from ``verdicts.json`` (with the verifier's attempts and the fingerprint
-cache) in each of :func:`kvpatch.store.verdict_places` (one stored at image build time serves every user)."""
+(:class:`kvpatch.verifier.Verifier`), read by every other from ``verdicts.json`` (with the verifier's attempts and
+the fingerprint cache) in each of :func:`kvpatch.store.verdict_places` (one stored at image build time serves every
+user)."""
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import hashlib
 import json
 import sys
@@ -17,6 +17,7 @@ from . import store as _store
 from ._warn import emit, failure, quoted
 from .locate import module_file, stamp
 from .record import Bug
+from .states import Outcome
 
 if TYPE_CHECKING:
     from .detect import Upstream
@@ -28,19 +29,7 @@ MAX_ENTRIES = 512
 _TABLES = ("verdicts", "attempts", "fingerprints")
 
 
-class Outcome(str, enum.Enum):
-    """What runs without and with a patch say (:func:`judge`; the :data:`STORED` ones are verdicts); never changed."""
-
-    FIXED = "bug present, fixed by patch"
-    ABSENT = "bug absent upstream"
-    NOT_FIXED = "bug present, NOT fixed by patch"
-    INCONCLUSIVE = "inconclusive"
-    SKIPPED = "skipped"
-    ELSEWHERE = "bug absent in this process, fixed by something else in this process"
-    UNPATCHED = "bug present, patch not applied"
-    COULD_NOT_RUN = "could not run"
-
-
+#: The outcomes (:class:`kvpatch.states.Outcome`) a verdict file keeps.
 STORED = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.NOT_FIXED, Outcome.INCONCLUSIVE, Outcome.SKIPPED})
 
 

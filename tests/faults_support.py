@@ -43,8 +43,8 @@ __all__ = [
 REQUEST = textwrap.dedent(
     """
     import json, os
-    from kvpatch import measurer
-    said = measurer.request_verification(["k"])
+    from kvpatch import verifier
+    said = verifier.request_verification(["k"])
     try:
         os.waitpid(-1, os.WNOHANG)
         child = True

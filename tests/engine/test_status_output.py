@@ -16,7 +16,7 @@ from support import child_env, synthetic_patch
 from kvpatch import registry
 from kvpatch.config import Config, read_config
 from kvpatch.detect import NOT_INSTALLED, Source, Upstream
-from kvpatch.engine import Engine
+from kvpatch.engine import Engine, sharing
 from kvpatch.status import build_report, format_text
 from kvpatch.verdicts import Outcome
 
@@ -251,5 +251,5 @@ def test_verify_without_run_keeps_enablers_of_the_same_target():
     engine = Engine([fix, route, other], upstream={"mlx-lm": Upstream("mlx-lm", "0.32.2")}, config=Config())
     for p in (fix, route, other):
         engine.status[p.id].installed = [target]
-    assert set(engine._sharing(fix)) == {"fix", "other"}
-    assert set(engine._sharing(route)) == {"fix", "route", "other"}
+    assert set(sharing(engine, fix)) == {"fix", "other"}
+    assert set(sharing(engine, route)) == {"fix", "route", "other"}

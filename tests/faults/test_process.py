@@ -34,8 +34,8 @@ def test_starting_a_background_verification_says_nothing_under_strict_warnings(t
 def test_a_pytest_session_under_W_error_with_a_verification_pending_passes(tmp_path):
     (tmp_path / "test_pending.py").write_text(
         "def test_pending():\n"
-        "    from kvpatch import measurer\n"
-        "    assert 'verifying in the background' in measurer.request_verification(['k'])\n"
+        "    from kvpatch import verifier\n"
+        "    assert 'verifying in the background' in verifier.request_verification(['k'])\n"
     )
     directory = tmp_path / "verdicts"
     env = {"KVPATCH_VERDICTS": str(directory), "KVPATCH_VERIFY": "auto"}

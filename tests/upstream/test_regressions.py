@@ -1,7 +1,10 @@
 """Every patch's reproduction is its regression test, run against the real installed upstream.
 
 On an affected release: the bug is absent in this (patched) process, and present with the patch taken
-out (:meth:`kvpatch.engine.Engine.measure`: its siblings on the same targets out too, enablers kept). Run with ``KVPATCH_DISABLE=<id>`` (or ``KVPATCH=off``) to see the test fail without the patch.
+out (:meth:`kvpatch.engine.Engine.measure`: its siblings on the same targets out too, enablers kept). A patch its
+reproduction decides here (an archive or editable install, a release newer than the record's) and that has no verdict
+yet is settled first as ``kvpatch verify`` settles it (:class:`kvpatch.verifier.Verifier`). Run with
+``KVPATCH_DISABLE=<id>`` (or ``KVPATCH=off``) to see the test fail without the patch.
 On a fixed release: the patch is not applied and the bug is absent.
 
 Findings are three-valued: the assertions name what they want of the bug (``present`` / ``absent``), so an
@@ -17,11 +20,12 @@ import pytest
 
 import kvpatch
 from kvpatch import registry
-from kvpatch.engine import State
 from kvpatch.gate import Action
 from kvpatch.maint.expiry import patch_file
 from kvpatch.maint.upstream_check import absent_advice
+from kvpatch.states import State
 from kvpatch.testing import import_targets, natural_decision, reproduce, skip_on_gap
+from kvpatch.verifier import Verifier
 
 PATCHES = registry.load().patches
 METAL = sys.platform == "darwin"
@@ -50,10 +54,10 @@ def test_regression(patch):
         )
         return
     if decision.action is Action.VERIFY and st.state is State.UNVERIFIED:
-        # the reproduction decides and this environment has no verdict: nothing was applied at import
+        # the reproduction decides and this environment has no verdict: nothing was applied at import; settled now
         assert not st.installed, st.reason
-        pytest.skip(f"pending verification: {st.reason}")
-    # APPLY (or VERIFY, settled from this environment's verdict)
+        Verifier(engine, "test").verify(st)
+    # APPLY (or VERIFY, settled by this environment's verdict)
     if not st.installed:
         finding = reproduce(patch)
         if finding.skipped:
@@ -62,7 +66,7 @@ def test_regression(patch):
         assert finding.bug == "absent", f"in this process ({st.state.value}: {st.reason}) {_said(finding)}"
         assert decision.action is not Action.APPLY or st.state is State.APPLIED, st.reason
         return
-    measured = engine.measure(patch, install=False)
+    measured = st.measurement or engine.measure(patch, install=False)
     unpatched, finding = skip_on_gap(measured.before), skip_on_gap(measured.after)
     assert not finding.skipped, f"{patch.id} is installed although its reproduction cannot run here"
     assert finding.bug == "absent", f"in this process ({st.state.value}: {st.reason}) {_said(finding)}"

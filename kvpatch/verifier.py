@@ -1,54 +1,78 @@
-"""Who measures verdicts: this process inside :func:`measuring_as`, or one detached background verifier that
-:func:`request_verification` starts once per process (at most one per environment: it holds ``verify.lock``; a key
-it tried is not tried again for an hour). Elsewhere (the user's process) the engine only reads verdicts."""
+"""Verification. A patch whose outcome its reproduction decides is settled by a verdict, measured only in a
+verification process (``kvpatch verify``, ``status --verify``, the regression tests, the upstream check's child) by
+one :class:`Verifier`, outside every import hook. Every other process reads verdicts and, lacking one, starts one
+detached background verifier (:func:`request_verification`): at most one per environment (it holds
+``verify.lock``); a key it tried is not tried again for an hour."""
 
 from __future__ import annotations
 
-import contextlib
+import importlib
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any
 
-from . import config, verdicts
+from . import config, fingerprints, verdicts
 from . import store as _store
 from ._warn import failure
+from .record import Patch
 
-_mode: tuple[str | None, bool] = (None, False)  # measuring as, remeasuring
+if TYPE_CHECKING:
+    from .engine import Engine, PatchStatus
+
+
+class Verifier:
+    """Settles, in this process, the patches whose outcome the reproduction decides: it imports their targets (the
+    hooks install what a version fact or a stored verdict decides), then measures each patch still to settle without
+    and with it (:meth:`kvpatch.engine.Engine.measure`), judges, stores the verdict and installs what it decides."""
+
+    def __init__(self, engine: Engine, by: str, *, remeasure: bool = True) -> None:
+        self.engine, self.by = engine, by
+        self.remeasure = remeasure  # also where a verdict is stored
+        self.errors: dict[str, str] = {}  # patch id -> why one of its target modules could not be imported
+
+    @staticmethod
+    def begin() -> None:
+        """Make this process a verification process: nothing started from here starts a verification of its own,
+        and it computes on the CPU from before it imports upstream, which binds its generation stream to the default
+        device at import (``mlx_lm.generate``), where a reproduction's CPU stream does not reach: a logic bug's
+        reproduction would still meet the GPU's arithmetic and its missing kernels. A reproduction of a device's bug
+        still runs on the GPU (:func:`kvpatch.engine.run_reproduction`)."""
+        os.environ[config.VERIFYING] = "1"
+        with suppress(ImportError):
+            mx: Any = importlib.import_module("mlx.core")
+            mx.set_default_device(mx.cpu)
+
+    def run(self, patches: Iterable[Patch] | None = None) -> list[PatchStatus]:
+        """Settle ``patches`` (default: every one) with the engine active, in install order; their statuses."""
+        engine = self.engine
+        records = engine.materialise() if patches is None else list(patches)
+        engine.activation.import_pending(records, self._import_failed)
+        for st in [engine.status[p.id] for p in records]:
+            if st.verdict_key is not None and (self.remeasure or st.verified is None):
+                self.verify(st)
+        fingerprints.save(wait=True)
+        return [engine.status[p.id] for p in records]
+
+    def _import_failed(self, patch_id: str, module: str, exc: Exception) -> None:
+        self.errors.setdefault(patch_id, failure(exc))
+
+    def verify(self, st: PatchStatus) -> None:
+        """Measure ``st``'s patch without and with it, store the verdict, and install the patch where it says so."""
+        try:
+            st.measurement = self.engine.measure(st.record)
+        except Exception as exc:
+            self.engine.activation.fail(st, exc)
+            return
+        verdict = verdicts.verdict_of(st.measurement.before, st.measurement.after, by=self.by)
+        if st.verdict_key is not None:
+            verdicts.store(st.verdict_key, st.record, verdict, self.engine.upstream)
+        self.engine.activation.settle(st, verdict)
+
+
 _requested: str | None = None
-_patches: set[str] = set()
-
-
-@contextlib.contextmanager
-def measuring_as(by: str, *, remeasure: bool = False) -> Iterator[None]:
-    """Within the block the engine measures and stores verdicts as ``by``; ``remeasure``: also where one is stored."""
-    global _mode
-    saved, _mode = _mode, (by, remeasure)
-    try:
-        yield
-    finally:
-        _mode = saved
-
-
-@contextlib.contextmanager
-def measuring_patch(patch_id: str) -> Iterator[bool]:
-    """Mark ``patch_id`` measured for the block; yields False if it already is (the measurement's own imports)."""
-    first = patch_id not in _patches
-    _patches.add(patch_id)
-    try:
-        yield first
-    finally:
-        if first:
-            _patches.discard(patch_id)
-
-
-def measuring() -> str | None:
-    """What this process measures as (``None``: it only reads verdicts)."""
-    return _mode[0]
-
-
-def remeasure() -> bool:
-    return _mode[1]
 
 
 def request_verification(keys: list[str]) -> str:
@@ -81,7 +105,7 @@ def _start(keys: list[str]) -> str:
     import subprocess
 
     reasons = {
-        "this is a verification process": config.verifying() or measuring() is not None,
+        "this is a verification process": config.verifying() is not None,
         f"{config.VERIFY}=never": not config.background_verification(),
         "KVPATCH=off": config.is_off(),
         "no background verification on this platform": os.name != "posix" or not hasattr(os, "posix_spawn"),
