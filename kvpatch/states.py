@@ -60,7 +60,9 @@ class Meaning:
     line: str = ""  # the check line's wording (:data:`WORDING`), where the state needs attention
     unpatched: Check = Check.CLEAN  # --check, where --verify finds the bug present and the patch not applied
     fixed: bool = False  # the bug cannot bite this process (require, is_fixed)
-    quiet: bool = False  # the compact view counts it in the summary line only, unless --verify found something new
+    #: needs no attention and grows with the catalogue: the compact view counts it in the summary line only, unless
+    #: the patch needs attention (an overdue review, a --verify finding)
+    quiet: bool = False
     waits: bool = False  # settled by an import still to come: no problem while none of its modules is imported
 
     @property
@@ -99,12 +101,13 @@ MEANINGS: dict[State, Meaning] = {
                           meaning="changes documented upstream behaviour: off unless `KVPATCH_ENABLE` names it"),
     State.DISABLED: Meaning(8, "disabled", meaning="left out by `KVPATCH=off` or `KVPATCH_DISABLE`: your choice, so "
                             "`--check` stays clean, also where `--verify` finds the bug"),
-    State.APPLIED: Meaning(9, "applied", fixed=True, meaning="the replacement is reachable now (also after a reload)"),
-    State.PENDING: Meaning(10, "will apply when its module is imported", waits=True,
+    State.APPLIED: Meaning(9, "applied", fixed=True, quiet=True,
+                           meaning="the replacement is reachable now (also after a reload)"),
+    State.PENDING: Meaning(10, "will apply when its module is imported", waits=True, quiet=True,
                            meaning="with `--no-settle`: will apply when the target module is imported"),
 }
 #: A pending patch its stored verdict settles, shown with the verdict's outcome until its module is imported.
-AWAITING = Meaning(EXPLAINED, "pending ({outcome})", waits=True,
+AWAITING = Meaning(EXPLAINED, "pending ({outcome})", waits=True, quiet=True,
                    meaning="with `--no-settle`: its stored verdict settles it when the target module is imported")
 #: What ``status --verify`` finds beyond what the patch's state says: --check for each outcome that needs attention.
 VERIFY_CHECKS = {Outcome.NOT_FIXED: _2, Outcome.COULD_NOT_RUN: _1, Outcome.INCONCLUSIVE: _1}

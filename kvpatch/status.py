@@ -9,6 +9,7 @@ import platform
 import sys
 import textwrap
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -31,10 +32,12 @@ class Report(NamedTuple):
     #: run's measurement or the stored verdict; only reproductions that compare computed numbers have one
     margins: dict[str, str] | None = None
     stored: dict[str, Outcome] | None = None  # patch id -> its stored verdict's outcome (``data`` says it in words)
+    attention: frozenset[str] = frozenset()  # the patches a check reason names: the compact view lists each
 
 
 #: Each state's meaning by the name ``status --json`` gives it.
 _MEANING = {state.value: meaning for state, meaning in MEANINGS.items()}
+_NOTHING_TO_PATCH = {State.NOT_NEEDED.value, State.OUT_OF_RANGE.value, State.NOT_INSTALLED.value}
 
 
 def _finding(f: Finding | None) -> dict[str, Any] | None:
@@ -148,6 +151,7 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
             Reason("check-overdue", id=e["id"], **e["expiry"]) for e in patches if e["expiry"]["overdue"]
         ]
     check[Check.ATTENTION] += [Reason("check-problem", problem=problem) for problem in engine.config.problems]
+    reasons = check[Check.FAILURE] + check[Check.ATTENTION]
     data: dict[str, Any] = {
         "schema": "kvpatch.status/1",
         "kvpatch": __version__,
@@ -168,10 +172,10 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
         "summary": dict(Counter(e["state"] for e in patches)),
         "check": {
             "exit": max((c for c, why in check.items() if why), default=Check.CLEAN).value,
-            "reasons": [str(why) for why in check[Check.FAILURE] + check[Check.ATTENTION]],
+            "reasons": [str(why) for why in reasons],
         },
     }
-    return Report(data, outcomes, margins, stored)
+    return Report(data, outcomes, margins, stored, frozenset(str(r.facts["id"]) for r in reasons if "id" in r.facts))
 
 
 def cut(text: str, width: int | None) -> str:
@@ -189,6 +193,12 @@ def wrapped(text: str, indent: str, width: int | None, hang: str = "  ") -> list
         break_long_words=False,
         break_on_hyphens=False,
     ) or [indent.rstrip()]
+
+
+def _some(ids: Iterable[str]) -> str:
+    """The first four of ``ids``: a line that names patches stays one line however many there are."""
+    ids = list(ids)
+    return ", ".join(ids[:4]) + (", ..." if len(ids) > 4 else "")
 
 
 def _shown(entry: dict[str, Any], stored: dict[str, Outcome]) -> tuple[str, Meaning]:
@@ -237,8 +247,7 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
         ids.setdefault(key, []).append(e["id"])
     verified = []
     for key, named in sorted(ids.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        listed = ", ".join(named[:4]) + (", ..." if len(named) > 4 else "")
-        why = f" ({listed}: `kvpatch status -v` says why)" if key == "skipped" else ""
+        why = f" ({_some(named)}: `kvpatch status -v` says why)" if key == "skipped" else ""
         verified.append(f"{len(named)} {key}{why}")
     if verified:
         lines.append("verified: " + "; ".join(verified))
@@ -261,45 +270,43 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
 
 
 def _compact(report: Report, width: int | None) -> list[str]:
+    """One line per patch that needs attention (a check reason names it), attention first; a state that needs none is
+    counted in the summary line only (``quiet``) or, the user's to choose, named in one line: the view does not
+    grow with the catalogue."""
     d, outcomes, stored = report.data, report.outcomes, report.stored or {}
-    notable = {  # the verify outcomes that say something new about a patch's state
-        e["id"]: e["verify"]["outcome"]
-        for e in d["patches"]
-        if e["verify"] and outcomes.get(e["id"]) not in (Outcome.FIXED, Outcome.ABSENT, Outcome.SKIPPED)
-    }
     groups: dict[str, list[dict[str, Any]]] = {}
     meanings: dict[str, Meaning] = {}
     for e in d["patches"]:
         state, meanings[state] = _shown(e, stored)
-        if not meanings[state].quiet or e["id"] in notable:
-            groups.setdefault(state, []).append(e)
-    if not groups:
+        groups.setdefault(state, []).append(e)
+    if all(e["state"] in _NOTHING_TO_PATCH for e in d["patches"]):
         if not any(d["upstream"][name]["installed"] for name in ("mlx-lm", "mlx-vlm") if name in d["upstream"]):
             return ["nothing to patch here: neither mlx-lm nor mlx-vlm is installed", ""]
         return ["nothing to patch here: every patch is fixed upstream or predates this release", ""]
-    pad = max(len(e["id"]) for es in groups.values() for e in es)
+    listed = {state: [e for e in entries if e["id"] in report.attention] for state, entries in groups.items()}
+    pad = max((len(e["id"]) for entries in listed.values() for e in entries), default=0)
     under = " " * (pad + 4)
     lines: list[str] = []
     for state in sorted(groups, key=lambda s: meanings[s].rank):
-        entries, meaning = groups[state], meanings[state]
-        lines.append(f"{meaning.title} ({len(entries)}):")
-        if state == State.DISABLED.value:
-            lines += [*wrapped(", ".join(e["id"] for e in entries), "  ", width), ""]
+        entries, meaning, named = groups[state], meanings[state], listed[state]
+        if not named:
+            if not meaning.quiet:
+                ids = _some(e["id"] for e in entries)
+                lines += [*wrapped(f"{meaning.title} ({len(entries)}): {ids}", "", width), ""]
             continue
+        lines.append(f"{meaning.title} ({len(named)}{f' of {len(entries)}' if len(named) < len(entries) else ''}):")
         explained = meaning.explained
-        shared = explained and len(entries) > 1 and len({e["reason"] for e in entries}) == 1
+        shared = explained and len(named) > 1 and len({e["reason"] for e in named}) == 1
         if shared:  # one reason for the whole group: say it once
-            lines.extend(wrapped(f"all {len(entries)}: {entries[0]['reason']}", "  ", width))
-        for e in entries:
+            lines.extend(wrapped(f"all {len(named)}: {named[0]['reason']}", "  ", width))
+        for e in named:
             lines.append(cut(f"  {e['id']:<{pad}}  {e['summary']}", width))
             if explained and not shared:
                 lines.extend(wrapped(f"{state}: {e['reason']}", under, width))
                 if e["error"] and e["error"] not in e["reason"]:
                     lines.extend(wrapped(f"error: {e['error']}", under, width))
-            elif state == State.OPT_IN.value:
-                lines.append(f"{under}turn it on: KVPATCH_ENABLE={e['id']}")
-            if e["id"] in notable:
-                lines.extend(wrapped(f"verify: {notable[e['id']]}", under, width))
+            if e["verify"] and outcomes.get(e["id"]) not in (Outcome.FIXED, Outcome.ABSENT, Outcome.SKIPPED):
+                lines.extend(wrapped(f"verify: {e['verify']['outcome']}", under, width))
         lines.append("")
     return lines
 

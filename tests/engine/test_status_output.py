@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from importlib import resources
 from pathlib import Path
 
@@ -27,7 +28,7 @@ NEWEST = {
     "mlx-vlm": Upstream("mlx-vlm", "0.7.10"),
 }
 NOTHING = {name: Upstream(name, None, NOT_INSTALLED) for name in ("mlx", "mlx-lm", "mlx-vlm")}
-ONE_SCREEN = 40
+AT_MOST = 25  # lines of the default view on a healthy environment, whatever the catalogue's size
 
 
 def _schema() -> dict:
@@ -46,17 +47,45 @@ def _ids_shown(text: str) -> set[str]:
 # -- the compact default view ---------------------------------------------------------------------------
 
 
-def test_newest_releases_fit_one_screen_and_show_only_what_is_active():
+def _grown(n: int) -> list:
+    """The catalogue and ``2 n`` synthetic patches more for the newest mlx-lm: ``n`` to apply, ``n`` fixed upstream."""
+    more = [synthetic_patch(f"extra-fixed-{i}", target=("mlx_lm.models.base", f"fixed_{i}")) for i in range(n)]
+    open_ = {"affected": ">=0.22.0,<=0.32.2", "fixed_in": None, "checked": "0.32.2"}
+    more += [
+        synthetic_patch(f"extra-apply-{i}", target=("mlx_lm.models.base", f"apply_{i}"), **open_) for i in range(n)
+    ]
+    return [*PATCHES, *more]
+
+
+@pytest.mark.parametrize("width", [None, 80])
+def test_a_healthy_newest_environment_fits_in_25_lines_however_many_patches_there_are(width):
+    """The view listed every active patch, one a line: each new patch for the newest releases made it longer. What
+    needs no attention is counted in the summary line; adding patches that need none adds no line."""
     report = _report(NEWEST)
-    text = format_text(report)
-    lines = text.splitlines()
-    assert len(lines) <= ONE_SCREEN, text
-    active = {p["id"] for p in report.data["patches"] if p["state"] not in ("not needed", "out of range")}
-    assert active, "some patch applies to the newest releases"
-    assert _ids_shown(text) == active, text
+    assert report.data["check"]["exit"] == 0
+    lines = format_text(report, width=width).splitlines()
+    assert len(lines) <= AT_MOST, "\n".join(lines)
+    assert not _ids_shown("\n".join(lines)), "a patch that needs no attention has a line of its own"
     assert lines[1] == "upstream: mlx 0.32.4, mlx-lm 0.32.2, mlx-vlm 0.7.10"
     assert lines[2].startswith(f"{len(PATCHES)} patches: ") and "not needed" in lines[2]
+    grown = build_report(Engine(_grown(40), upstream=NEWEST, config=Config()))
+    states = Counter(p["state"] for p in grown.data["patches"] if p["id"].startswith("extra-"))
+    assert states == {"pending": 40, "not needed": 40} and grown.data["check"]["exit"] == 0
+    assert len(format_text(grown, width=width).splitlines()) == len(lines), format_text(grown, width=width)
     assert max(len(line) for line in format_text(report, width=100).splitlines()) <= 100
+
+
+def test_what_needs_attention_is_listed_one_patch_a_line():
+    """A patch a check reason names (here: pending verification, the newest mlx-lm beyond every record) has its own
+    line, in its state's group; the rest stays counted."""
+    report = _report({**NEWEST, "mlx-lm": Upstream("mlx-lm", "9.0.0")})
+    assert report.data["check"]["exit"] == 1
+    text = format_text(report)
+    unverified = {p["id"] for p in report.data["patches"] if p["state"] == "pending"} & {
+        r.split(":")[0] for r in report.data["check"]["reasons"]
+    }
+    assert unverified and _ids_shown(text) == unverified, text
+    assert f"pending verification: the reproduction decides ({len(unverified)}):" in text
 
 
 def test_verbose_lists_every_patch_with_target_and_reason():
@@ -140,13 +169,16 @@ def test_not_installed_is_one_line_per_distribution_not_one_per_patch(verbose):
 
 
 def test_attention_comes_first_and_disabled_is_one_line():
-    config = read_config(
-        {"KVPATCH_DISABLE": "offset-detach,rotating-merge-empty"}, known_ids=frozenset(p.id for p in PATCHES)
-    )
-    text = format_text(_report(NEWEST, config))
+    every = frozenset(p.id for p in PATCHES)
+    config = read_config({"KVPATCH_DISABLE": "offset-detach,rotating-merge-empty"}, known_ids=every)
+    text = format_text(_report({**NEWEST, "mlx-vlm": Upstream("mlx-vlm", "9.0.0")}, config))
     disabled = [line for line in text.splitlines() if "offset-detach, rotating-merge-empty" in line]
-    assert len(disabled) == 1, text
-    assert text.index("disabled (2):") < text.index("will apply when its module is imported")
+    assert disabled == ["disabled (2): offset-detach, rotating-merge-empty"], text
+    assert text.index("pending verification: the reproduction decides") < text.index("disabled (2):")
+    everything = format_text(_report(NEWEST, read_config({"KVPATCH_DISABLE": "*"}, known_ids=every)))
+    assert [line for line in everything.splitlines() if line.startswith("disabled (")] == [
+        f"disabled ({len(PATCHES)}): " + ", ".join(p["id"] for p in _report(NEWEST).data["patches"][:4]) + ", ..."
+    ], everything
 
 
 def test_version_unknown_and_sources_are_spelled_out():
