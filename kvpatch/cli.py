@@ -19,9 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import __version__, activate, get_engine
+from . import __version__, activate, deactivate, get_engine, verdicts
 from ._site import BrokenInstall
+from .config import Config
 from .registry import load
+from .states import MEANINGS, Check, State
 from .status import build_report, cut, format_text
 from .vendored import format_copies, scan
 from .verifier import Verifier
@@ -160,6 +162,69 @@ def cmd_status(args: argparse.Namespace) -> int:
     return int(report.data["check"]["exit"]) if asked else EXIT_CLEAN
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Measure and store, in this process, every verdict the environment's imports read (every patch enabled); exit
+    :data:`EXIT_IOERR` when one is not stored, so that a build step running it fails."""
+    if args.background:  # holding verify.lock through the descriptor its starter passed on (the attempt stored)
+        with contextlib.suppress(OSError, AttributeError):
+            os.nice(10)
+    Verifier.begin()  # before anything imports upstream
+    deactivate()
+    engine = get_engine()
+    engine.reconsider(Config(enable_all=True))
+    engine.activate()
+    by, remeasure = ("background", False) if args.background else ("verify", not args.missing)
+    verifier = Verifier(engine, by, remeasure=remeasure)
+    rows = [
+        {
+            "id": st.patch.id,
+            "action": st.decision.action.value,
+            "state": "could not run"
+            if st.patch.id in verifier.errors and st.state is State.PENDING
+            else st.state.value,
+            "verdict": st.verified,
+            "drift": list(st.drift),
+            "reason": st.reason,
+            "error": verifier.errors.get(st.patch.id) or st.error,
+            # what the verdict was judged on, where this process measured one (kvpatch.verdicts.sizes_of)
+            "sizes": verdicts.sizes_of(st.measurement.before, st.measurement.after) if st.measurement else None,
+        }
+        for st in verifier.run()
+    ]
+    engine.deactivate()
+    # settled: clean for --check (pending: optional targets absent); "could not run" is none
+    settled = {state.value for state, meaning in MEANINGS.items() if meaning.check is Check.CLEAN}
+    unsettled = [r for r in rows if r["state"] not in settled]
+    lost = dict(verdicts.unstored)
+    code = EXIT_IOERR if lost else EXIT_ATTENTION if unsettled or engine.broken else EXIT_CLEAN
+    where = verdicts.write_place()
+    if args.json:
+        cache = str(where.path / verdicts.FILE) if where else None
+        data = {"schema": "kvpatch.verify/1", "cache": cache, "patches": rows, "broken": dict(engine.broken)}
+        emit(json.dumps({**data, "not_stored": lost, "exit": code}, indent=2))
+    else:
+        for r in rows:
+            if r["verdict"] or r["state"] not in settled - {State.PENDING.value}:
+                emit(f"{r['id']:<26} {r['state']:<20} {r['verdict'] or r['error'] or r['reason']}")
+        for module, error in engine.broken.items():
+            emit(f"BROKEN {module}: {error}")
+        verified = sum(1 for r in rows if r["verdict"])
+        decided = sum(1 for r in rows if r["action"] in ("apply", "not needed"))
+        stored = f"stored in {where.path / verdicts.FILE}" if where else "not stored: no writable cache"
+        emit(
+            f"kvpatch verify: verified {verified} patch(es) whose outcome depends on a reproduction here ({stored}); "
+            f"{decided} decided by the installed release need none (`kvpatch status --verify` measures those too); "
+            f"{len(unsettled)} need attention (exit {code})"
+        )
+    if lost:
+        print(
+            f"kvpatch verify: {len(lost)} verdict(s) were measured but NOT stored ({next(iter(lost.values()))}); "
+            f"later processes will show them as pending verification (exit {EXIT_IOERR})",
+            file=sys.stderr,
+        )
+    return code
+
+
 def _width(*, tty_only: bool) -> int | None:
     """The terminal's width, ``$COLUMNS`` or 80; ``None`` (never cut a line) for a pipe or file when ``tty_only``."""
     with contextlib.suppress(AttributeError, ValueError):
@@ -259,23 +324,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         fmt = argparse.RawDescriptionHelpFormatter if "\n" in description else argparse.HelpFormatter
         p[name] = sub.add_parser(name, description=description, epilog=epilog, formatter_class=fmt)
     p["run"].usage = _RUN_USAGE
-    for flags, text in (
-        (("-v", "--verbose"), "every patch, with its targets and the full reason"),
-        (("--json",), "machine-readable output (schema kvpatch.status/1)"),
-        (("--check",), "exit 0 clean, 1 attention needed, 2 a patch failed"),
-        (("--verify",), "run each relevant reproduction with and without its patch (imports mlx)"),
-        (("--fresh",), "settle outcomes again (import upstream) even if the environment is unchanged"),
-        (("--no-settle",), "predictions only: read package metadata, import nothing of upstream"),
-        (("--scan",), "also list vendored copies of patched upstream code in installed servers (reads files only)"),
+    for words, text in (
+        ("status -v --verbose", "every patch, with its targets and the full reason"),
+        ("status --json", "machine-readable output (schema kvpatch.status/1)"),
+        ("status --check", "exit 0 clean, 1 attention needed, 2 a patch failed"),
+        ("status --verify", "run each relevant reproduction with and without its patch (imports mlx)"),
+        ("status --fresh", "settle outcomes again (import upstream) even if the environment is unchanged"),
+        ("status --no-settle", "predictions only: read package metadata, import nothing of upstream"),
+        ("status --scan", "also list vendored copies of patched upstream code in installed servers (reads files only)"),
+        ("verify --json", "machine-readable output (schema kvpatch.verify/1)"),
+        ("verify --missing", "measure only patches without a stored verdict (default: all again)"),
+        ("list --json", "machine-readable output"),
     ):
-        p["status"].add_argument(*flags, action="store_true", help=text)
-    from . import verify
-
-    verify.add_arguments(p["verify"])
-    p["list"].add_argument("--json", action="store_true", help="machine-readable output")
+        name, *flags = words.split()
+        p[name].add_argument(*flags, action="store_true", help=text)
+    p["verify"].add_argument("--background", metavar="KEYS", help=argparse.SUPPRESS)  # the background verifier's start
     p["help"].add_argument("topic", nargs="?", metavar="COMMAND", help="the command to describe")
     p["help"].set_defaults(func=lambda args: main([*filter(None, [args.topic]), "--help"]))
-    for name, func in {"status": cmd_status, "verify": verify.run, "list": cmd_list, "version": cmd_version}.items():
+    for name, func in {"status": cmd_status, "verify": cmd_verify, "list": cmd_list, "version": cmd_version}.items():
         p[name].set_defaults(func=func)
     if command is None or command in _MAINTAINER_COMMANDS:  # the runtime's one import of kvpatch.maint (a test checks)
         from .maint.cli import add_parsers

@@ -1,14 +1,11 @@
-"""The lifecycle of kvpatch in one process: decide once (the gate), hook each target module, and install there what is
-decided, by a version fact or by the verdict stored for this environment; put the originals back on request. Three
-parts, one job: the :class:`Engine` coordinates (the decisions, every state change under its lock), its
-:class:`Activation` is the post-import hooks (a hook installs what is decided and never measures: a verification
-process's :class:`kvpatch.verifier.Verifier` does, outside every import), its :class:`Installer` the changes made on
-upstream's objects (through :mod:`kvpatch.surgery`'s one install path). :meth:`Engine.measure` is kvpatch's one run
-of a reproduction without and with its patch.
+"""The lifecycle of kvpatch in one process: decide once (the gate), hook each target module, install there what a
+version fact or the verdict stored for this environment decides, put the originals back on request. The
+:class:`Engine` coordinates (every state change under its lock), its :class:`Activation` is the post-import hooks
+(which never measure: a :class:`kvpatch.verifier.Verifier` does, outside every import), its :class:`Installer` the
+changes on upstream's objects (:func:`kvpatch.surgery.install`, the one install path).
 
 The lock guards the engine's bookkeeping only: it is never held while importing, building a replacement (builders
-may import), registering hooks or warning. Nothing in a hook raises: errors become the patch's state and a warning.
-"""
+may import), registering hooks or warning. Nothing in a hook raises: errors become the patch's state and a warning."""
 
 from __future__ import annotations
 
@@ -20,7 +17,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -88,10 +85,6 @@ class Measurement:
     before: Finding
     after: Finding | None = None  # None: not tried (the bug was absent without it, or it is not installed)
     foreign: tuple[str, ...] = ()  # targets holding another library's code during the run without the patch
-
-    def outcome(self, applied: bool = True) -> tuple[Outcome, str]:
-        """:func:`kvpatch.verdicts.judge` of the runs (``applied`` false: without the run with the patch)."""
-        return verdicts.judge(self.before, self.after if applied else None, self.foreign)
 
 
 class Engine:
@@ -192,8 +185,22 @@ class Engine:
         self.installer.restore_orphans()
 
     def measure(self, patch: Patch, *, install: bool = True, device: str | None = None) -> Measurement:
-        """kvpatch's one "with and without" of ``patch``'s reproduction (:func:`_measure` says how)."""
-        return _measure(self, patch, install=install, device=device)
+        """kvpatch's one "with and without" of ``patch``'s reproduction. *Without*: every installed patch on one of its
+        targets taken out (it can hide the symptom) except enablers (needed to run at all). *With*: as the engine has
+        it; not installed, installed for that run when ``install`` is on and the bug was present without it.
+        ``device``: where both run (:func:`run_reproduction`; ``None``: where a verdict is)."""
+        import_target_modules(patch)
+        st = self.status[patch.id]
+        with self.without(*sharing(self, patch)):
+            foreign = tuple(surgery.foreign_targets(patch))
+            before = run_reproduction(patch, device)
+        if st.installed or not (install and before.bug is Bug.PRESENT):
+            return Measurement(before, run_reproduction(patch, device) if st.installed else None, foreign)
+        self.installer.install(st)
+        try:
+            return Measurement(before, run_reproduction(patch, device), foreign)
+        finally:
+            self.installer.uninstall(st)
 
     def set_state(self, st: PatchStatus, state: State, why: Any = MISSING, *, error: Any = MISSING) -> None:
         """The one place a patch's state changes, under the engine's lock: ``why`` a :class:`~kvpatch.states.Reason`,
@@ -369,10 +376,8 @@ class Activation:
     def fail(self, st: PatchStatus, exc: BaseException) -> None:
         """``st`` not applied because of ``exc`` (a target missing, or a failure): restored, warned about once."""
         engine = self.engine
-        try:
+        with suppress(Exception):  # restoring failed too: the first error is the one to report
             engine.installer.uninstall(st)
-        except Exception:  # restoring failed too: the first error is the one to report
-            pass
         state = State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED
         error = failure(exc)
         engine.set_state(st, state, Reason("failed", state=state.value, error=error), error=error)
@@ -499,8 +504,15 @@ class Installer:
                     engine.status[change.patch_id].notes.append(note)
             if note:
                 emit(f"kvpatch: {note}", key=f"restore:{change.target.path}:{note}")
-        for pid in dict.fromkeys(c.patch_id for c in undo):
-            _restore_hooks(engine, engine.status[pid])
+        for pid in dict.fromkeys(c.patch_id for c in undo):  # their restore hooks: a failure is noted, warned once
+            for hook in engine.status[pid].record.restore_hooks:
+                try:
+                    hook()
+                except Exception as exc:  # never raised
+                    note = f"restore hook {getattr(hook, '__qualname__', hook)} raised: {failure(exc)}"
+                    with engine.lock:
+                        engine.status[pid].note(note)
+                    emit(f"kvpatch: {pid}: {note}", key=f"restore-hook:{pid}")
         for change in reversed(undo):  # reinstall what was stacked above, on top of the restored original
             module = sys.modules.get(change.target.module)
             if change.patch_id != st.patch.id and module is not None:
@@ -548,18 +560,6 @@ def upstream_original(changes: list[Change], target: Target, module: types.Modul
     return next((o for o in surgery.reachable(static, closures=False) if surgery.mark_of(o) is None), MISSING)
 
 
-def _restore_hooks(engine: Engine, st: PatchStatus) -> None:
-    """Run the restore hooks of ``st``'s patch (its changes are out): a failure is noted and warned about once."""
-    for hook in st.record.restore_hooks:
-        try:
-            hook()
-        except Exception as exc:  # never raised
-            note = f"restore hook {getattr(hook, '__qualname__', hook)} raised: {failure(exc)}"
-            with engine.lock:
-                st.note(note)
-            emit(f"kvpatch: {st.patch.id}: {note}", key=f"restore-hook:{st.patch.id}")
-
-
 def reached(engine: Engine, st: PatchStatus, changes: list[Change]) -> None:
     """Re-read ``st``'s installed replacements outside the lock, set under it: "applied" means reachable now."""
     results = [surgery.liveness(change) for change in changes]
@@ -593,25 +593,6 @@ def _reexecuted(change: Change) -> bool:
 def executing(module: types.ModuleType | None) -> bool:
     """True while ``module``'s own code is still running (importlib marks its spec)."""
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
-
-
-def _measure(engine: Engine, patch: Patch, *, install: bool = True, device: str | None = None) -> Measurement:
-    """kvpatch's one "with and without" of ``patch``'s reproduction (:meth:`Engine.measure`). *Without*:
-    every installed patch on one of its targets taken out (it can hide the symptom) except enablers (needed to run at
-    all). *With*: as ``engine`` has it; not installed, installed for that run when ``install`` is on and the bug was
-    present without it. ``device``: where both run (:func:`run_reproduction`; ``None``: where a verdict is)."""
-    import_target_modules(patch)
-    st = engine.status[patch.id]
-    with engine.without(*sharing(engine, patch)):
-        foreign = tuple(surgery.foreign_targets(patch))
-        before = run_reproduction(patch, device)
-    if st.installed or not (install and before.bug is Bug.PRESENT):
-        return Measurement(before, run_reproduction(patch, device) if st.installed else None, foreign)
-    engine.installer.install(st)
-    try:
-        return Measurement(before, run_reproduction(patch, device), foreign)
-    finally:
-        engine.installer.uninstall(st)
 
 
 def sharing(engine: Engine, patch: Patch) -> list[str]:

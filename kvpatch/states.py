@@ -120,6 +120,10 @@ OF_VERDICT = {Outcome.FIXED: (State.PENDING, "verdict"), Outcome.ABSENT: (State.
               Outcome.NOT_FIXED: (State.DRIFTED, "verdict-not-applied"),
               Outcome.INCONCLUSIVE: (State.INCONCLUSIVE, "verdict-inconclusive"),
               Outcome.SKIPPED: (State.NOT_NEEDED, "verdict-skipped")}
+#: The wording of each ``--verify`` outcome that says its detail (ELSEWHERE: whose code was in place); the others say
+#: the outcome alone (:func:`found`).
+_FOUND = {Outcome.SKIPPED: "found-error", Outcome.COULD_NOT_RUN: "found-error", Outcome.ELSEWHERE: "found-detail",
+          Outcome.UNPATCHED: "found-detail"}
 # fmt: on
 
 #: Every reason's wording, by code: the one place a state's reason or a check line becomes text.
@@ -156,11 +160,10 @@ WORDING = {
     "check-problem": "{problem}",
     # what --verify found, and what that asks for
     "found": "{outcome}",
-    "found-skipped": "skipped: {detail}",
     "found-detail": "{outcome} ({detail})",
     "found-inconclusive": "{outcome} {detail}",
     "found-inconclusive-with": "{outcome} with the patch: {detail}",
-    "found-error": "{outcome}: {detail}",
+    "found-error": "{outcome}: {detail}",  # the outcome's own words say "skipped" and "could not run"
     "verify-" + Outcome.NOT_FIXED.name: "{id}: {found}",
     "verify-" + Outcome.COULD_NOT_RUN.name: "{id}: verify {found} (this environment needs attention; not a record "
     "error)",
@@ -202,18 +205,12 @@ class Reason:
 def found(outcome: Outcome, detail: str = "", *, state: State | None = None, tried: str | None = None) -> Reason:
     """What ``--verify`` found, as its report says it: ``state`` the patch's (an unpatched bug names it), ``tried``
     what the run with the patch hit (an inconclusive finding says it)."""
-    if outcome is Outcome.SKIPPED:
-        return Reason("found-skipped", detail=detail)
-    if outcome is Outcome.COULD_NOT_RUN:
-        return Reason("found-error", outcome=outcome.value, detail=detail)
-    if outcome is Outcome.ELSEWHERE:  # whose code was in place
-        return Reason("found-detail", outcome=outcome.value, detail=detail)
-    if outcome is Outcome.UNPATCHED:  # the patch's state says why it is not applied
-        return Reason("found-detail", outcome=outcome.value, detail=state.value if state else detail)
     if outcome is Outcome.INCONCLUSIVE:
         code = "found-inconclusive-with" if tried else "found-inconclusive"
         return Reason(code, outcome=outcome.value, detail=tried or detail)
-    return Reason("found", outcome=outcome.value)
+    if outcome is Outcome.UNPATCHED and state is not None:  # the patch's state says why it is not applied
+        detail = state.value
+    return Reason(_FOUND.get(outcome, "found"), outcome=outcome.value, detail=detail)
 
 
 def verify_check(pid: str, outcome: Outcome, said: Reason, state: State, field_: str) -> tuple[Check, Reason | None]:

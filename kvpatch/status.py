@@ -57,13 +57,12 @@ def _verify(
     except Exception as exc:
         outcome, said = Outcome.COULD_NOT_RUN, found(Outcome.COULD_NOT_RUN, failure(exc))
     else:
-        applied = st.state is State.APPLIED
-        outcome, detail = m.outcome(applied)
+        after = m.after if st.state is State.APPLIED else None
+        outcome, detail = verdicts.judge(m.before, after, m.foreign)
         tried = m.after if m.before.bug is not Bug.INCONCLUSIVE else None  # the patch was tried: what it hit
         said = found(outcome, detail, state=st.state, tried=(tried.inconclusive or tried.skipped) if tried else None)
-        found_ = {"without_patch": _finding(m.before), "with_patch": _finding(m.after if applied else None)}
-        found_["foreign"] = list(m.foreign)
-        if size := verdicts.margin(verdicts.sizes_of(m.before, m.after if applied else None)):
+        found_ = {"without_patch": _finding(m.before), "with_patch": _finding(after), "foreign": list(m.foreign)}
+        if size := verdicts.margin(verdicts.sizes_of(m.before, after)):
             margins[st.patch.id] = size
     up = engine.upstream[st.patch.distribution]
     field = misplaced(st.record, up.version, up.source.commit, st.decision.action)

@@ -293,12 +293,12 @@ def test_verify_credits_a_server_fix_to_the_server_not_upstream(tmp_path):
 VERIFY_IN_PROCESS = r"""
 import argparse, contextlib, gc, io, json
 import kvpatch
-from kvpatch import verify
+from kvpatch import cli
 from kvpatch.engine import Engine
 
 engine = kvpatch.get_engine()
 with contextlib.redirect_stdout(io.StringIO()) as out:
-    verify.run(argparse.Namespace(background=None, json=True, missing=False))
+    cli.cmd_verify(argparse.Namespace(background=None, json=True, missing=False))
 rows = {r["id"]: r["action"] for r in json.loads(out.getvalue())["patches"]}
 print("@@" + json.dumps({
     "engines": sum(isinstance(o, Engine) for o in gc.get_objects()),

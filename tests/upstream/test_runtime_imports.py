@@ -12,13 +12,13 @@ import json
 CHILD = r"""
 import argparse, contextlib, io, json, sys
 import kvpatch
-from kvpatch import status, verify
+from kvpatch import cli, status
 
 engine = kvpatch.get_engine()
 status.build_report(engine)
 status.build_report(engine, verify=True)
 with contextlib.redirect_stdout(io.StringIO()):
-    verify.run(argparse.Namespace(background=None, json=True, missing=False))
+    cli.cmd_verify(argparse.Namespace(background=None, json=True, missing=False))
 loaded = sorted(m for m in sys.modules if m.startswith(("kvpatch.maint", "kvpatch.testing")))
 print("@@" + json.dumps(loaded))
 """
