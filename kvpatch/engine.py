@@ -79,9 +79,7 @@ class PatchStatus:
 
 
 @dataclass(frozen=True)
-class Measurement:
-    """The runs of :meth:`kvpatch.engine.Engine.measure`."""
-
+class Measurement:  # the runs of Engine.measure
     before: Finding
     after: Finding | None = None  # None: not tried (the bug was absent without it, or it is not installed)
     foreign: tuple[str, ...] = ()  # targets holding another library's code during the run without the patch
@@ -169,7 +167,6 @@ class Engine:
         return [r for r in results.values() if isinstance(r, Patch)]
 
     def activate(self) -> None:
-        """Hook the target modules of every patch that may apply (:meth:`Activation.on`)."""
         self.activation.on()
 
     def deactivate(self) -> None:
@@ -213,7 +210,6 @@ class Engine:
                 st.error = error
 
     def refresh(self) -> None:
-        """Re-read every installed replacement ("applied" means reachable now)."""
         self.installer.refresh()
 
     @contextmanager
@@ -384,10 +380,9 @@ class Activation:
         emit(f"kvpatch: patch {st.patch.id} is not applied ({state.value}): {error}", key=f"fail:{st.patch.id}")
 
     def import_failed(self, patch_id: str, module: str, exc: BaseException) -> None:
-        engine = self.engine
         error = f"importing {module} failed: {failure(exc)}"
         why = Reason("failed", state=State.FAILED.value, error=error)
-        engine.set_state(engine.status[patch_id], State.FAILED, why, error=error)
+        self.engine.set_state(self.engine.status[patch_id], State.FAILED, why, error=error)
 
 
 class Installer:
@@ -406,8 +401,7 @@ class Installer:
         return hooking
 
     def install(self, st: PatchStatus) -> None:
-        """Install each target of ``st`` whose module is imported, all or nothing: then applied (not needed where
-        every builder declines)."""
+        """Install each target of ``st`` whose module is imported, all or nothing (not needed: builders decline)."""
         for target in st.record.targets:
             module = sys.modules.get(target.module)
             # a circular import still executing the module: its own hook will come

@@ -136,7 +136,7 @@ def _start(keys: list[str]) -> str:
         log = place.path / "verify.log"
         with os.fdopen(_store.open_log(place, log.name, "verdicts"), "ab") as out:
             detach = [sys.executable, "-I", "-S", "-c", _DETACH, str(out.fileno()), *command]
-            with subprocess.Popen(
+            proc = subprocess.run(  # killed, waited for, on a timeout or any exception
                 detach,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -145,12 +145,9 @@ def _start(keys: list[str]) -> str:
                 cwd="/",
                 env=env,
                 start_new_session=True,
-            ) as proc:
-                try:
-                    said = proc.communicate(timeout=60)[0].strip()
-                except BaseException:
-                    proc.kill()
-                    raise
+                timeout=60,
+            )
+            said = proc.stdout.strip()
             if proc.returncode or not said.isdigit():
                 raise OSError(f"the verifier did not start (exit {proc.returncode}; {log} says why)")
             pid = int(said)
