@@ -87,8 +87,8 @@ def auto_activation() -> str | None:
 def _entry(p: Patch, st: PatchStatus) -> dict[str, Any]:
     entry = {k: getattr(p, k) for k in ("id", "summary", "distribution", "catalogue")}
     entry["targets"] = [t.path for t in p.targets]
-    entry |= {k: getattr(p, k) for k in ("affected", "fixed_in", "fixed_commit", "checked_through", "reference")}
-    entry |= {"hot_path": p.hot_path, "metal_only": p.metal_only}
+    record = ("affected", "fixed_in", "fixed_commit", "checked_through", "reference", "hot_path", "metal_only")
+    entry |= {k: getattr(p, k) for k in record}
     review_by = p.expiry.review_by.isoformat() if p.expiry.review_by else None
     entry["expiry"] = {"condition": p.expiry.condition, "review_by": review_by, "overdue": p.expiry.overdue()}
     entry |= {"action": st.decision.action.value, "state": st.state.value, "reason": st.reason, "error": st.error}
@@ -293,7 +293,8 @@ def _compact(report: Report, width: int | None) -> list[str]:
                 ids = _some(e["id"] for e in entries)
                 lines += [*wrapped(f"{meaning.title} ({len(entries)}): {ids}", "", width), ""]
             continue
-        lines.append(f"{meaning.title} ({len(named)}{f' of {len(entries)}' if len(named) < len(entries) else ''}):")
+        count = f"{len(named)} of {len(entries)}" if len(named) < len(entries) else len(named)
+        lines.append(f"{meaning.title} ({count}):")
         explained = meaning.explained
         shared = explained and len(named) > 1 and len({e["reason"] for e in named}) == 1
         if shared:  # one reason for the whole group: say it once

@@ -24,9 +24,7 @@ if TYPE_CHECKING:
 
 
 class Verifier:
-    """Settles, in this process, the patches whose outcome the reproduction decides: it imports their targets (the
-    hooks install what a version fact or a stored verdict decides), then measures each patch still to settle without
-    and with it (:meth:`kvpatch.engine.Engine.measure`), judges, stores the verdict and installs what it decides."""
+    """Settles, in this process, the patches whose outcome the reproduction decides (:meth:`run`)."""
 
     def __init__(self, engine: Engine, by: str, *, remeasure: bool = True) -> None:
         self.engine, self.by = engine, by
@@ -46,7 +44,9 @@ class Verifier:
             mx.set_default_device(mx.cpu)
 
     def run(self, patches: Iterable[Patch] | None = None) -> list[PatchStatus]:
-        """Settle ``patches`` (default: every one) with the engine active, in install order; their statuses."""
+        """Settle ``patches`` (default: every one) with the engine active, in install order: their targets imported
+        first (the hooks install what a version fact or a stored verdict decides), then each patch still to settle
+        verified; their statuses."""
         engine = self.engine
         records = engine.materialise() if patches is None else list(patches)
         engine.activation.import_pending(records, self._import_failed)

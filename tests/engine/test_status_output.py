@@ -86,6 +86,12 @@ def test_what_needs_attention_is_listed_one_patch_a_line():
     }
     assert unverified and _ids_shown(text) == unverified, text
     assert f"pending verification: the reproduction decides ({len(unverified)}):" in text
+    # a patch of a state that needs no attention, named by a check line (an overdue review, a --verify finding)
+    newest = _report(NEWEST)
+    pending = [p["id"] for p in newest.data["patches"] if p["state"] == "pending"]
+    text = format_text(newest._replace(attention=frozenset(pending[:1])))
+    assert _ids_shown(text) == {pending[0]}, text
+    assert f"will apply when its module is imported (1 of {len(pending)}):" in text
 
 
 def test_verbose_lists_every_patch_with_target_and_reason():
