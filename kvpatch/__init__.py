@@ -22,31 +22,9 @@ from .states import State
 
 #: The server API loaded on first use (``__getattr__``): name -> module.
 _LAZY = {"bounded_prompt_cache": "bounding"}
-__all__ = [
-    "Engine",
-    "Expiry",
-    "Finding",
-    "Kind",
-    "KvpatchWarning",
-    "Patch",
-    "PatchStatus",
-    "State",
-    "Target",
-    "__version__",
-    "activate",
-    "deactivate",
-    "fingerprint",
-    "get_engine",
-    "records",
-    "register_copy",
-    "NotApplied",
-    "require_applied",
-    "NotFixed",
-    "UnknownPatch",
-    "require",
-    "is_fixed",
-    *_LAZY,
-]
+__all__ = ["Engine", "Expiry", "Finding", "Kind", "KvpatchWarning", "Patch", "PatchStatus", "State", "Target"]
+__all__ += ["__version__", "activate", "deactivate", "fingerprint", "get_engine", "records", "register_copy"]
+__all__ += ["NotApplied", "require_applied", "NotFixed", "UnknownPatch", "require", "is_fixed", *_LAZY]
 
 __version__ = "0.1.0"
 
@@ -79,7 +57,7 @@ def activate() -> Engine | None:
         engine = get_engine()
         if engine.config.enabled:
             engine.activate()
-            if config.vendored():  # opt-in: patch vendored copies (kvpatch.vendored)
+            if os.environ.get(config.VENDORED, "").strip():  # opt-in: patch vendored copies (kvpatch.vendored)
                 from . import vendored
 
                 vendored.hook(engine)

@@ -69,17 +69,9 @@ class _Kept(Exception):
 
 
 _lock = threading.RLock()
+if hasattr(os, "register_at_fork"):  # a child of os.fork gets a lock no thread holds
+    os.register_at_fork(after_in_child=lambda: globals().__setitem__("_lock", threading.RLock()))
 _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registration
-
-
-def _after_fork() -> None:
-    """In a child of ``os.fork``: a lock another thread of the parent held would be held forever."""
-    global _lock
-    _lock = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
