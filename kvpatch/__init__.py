@@ -6,6 +6,8 @@ off; ``python -m kvpatch status`` shows what is applied and why."""
 
 from __future__ import annotations
 
+__version__ = "0.1.0"  # before the imports: the modules they load read it at import
+
 import importlib
 import os
 import sys
@@ -25,8 +27,6 @@ _LAZY = {"bounded_prompt_cache": "bounding"}
 __all__ = ["Engine", "Expiry", "Finding", "Kind", "KvpatchWarning", "Patch", "PatchStatus", "State", "Target"]
 __all__ += ["__version__", "activate", "deactivate", "fingerprint", "get_engine", "records", "register_copy"]
 __all__ += ["NotApplied", "require_applied", "NotFixed", "UnknownPatch", "require", "is_fixed", *_LAZY]
-
-__version__ = "0.1.0"
 
 # ``importlib.reload(kvpatch)`` re-runs this file in the same namespace: the process keeps its one engine.
 _engine: Engine | None = globals().get("_engine")

@@ -82,9 +82,7 @@ def carries(obj: Any, patch_id: str) -> bool:
 
 def mark_of(obj: Any) -> str | None:  # only a plain function: a proxy forwards attribute reads to what it wraps
     entry = _property(obj)
-    if entry is not None:
-        return entry[1]
-    return _OURS.get(obj) if type(obj) is types.FunctionType else None
+    return entry[1] if entry is not None else _OURS.get(obj) if type(obj) is types.FunctionType else None
 
 
 def describe(obj: Any) -> str:
@@ -124,12 +122,7 @@ def upstream_inner(obj: Any, package: str) -> Any:
 
 
 def owner_of(target: Target, module: types.ModuleType) -> Any:
-    owner: Any = module
-    for part in target.owner_path:
-        owner = getattr(owner, part, MISSING)
-        if owner is MISSING:
-            break
-    return owner
+    return functools.reduce(lambda owner, part: getattr(owner, part, MISSING), target.owner_path, module)
 
 
 def foreign_targets(patch: Patch) -> list[str]:
@@ -172,8 +165,7 @@ def mark(patch: Patch, target: Target, owner: Any, original: Any, function: Any)
     return function
 
 
-class TargetMissing(LookupError):
-    pass
+class TargetMissing(LookupError): ...
 
 
 def install(

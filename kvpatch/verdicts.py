@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from . import __version__
 from . import store as _store
 from ._warn import emit, failure, quoted
 from .locate import module_file, stamp
@@ -173,17 +174,11 @@ def tables() -> dict[str, Any]:
     return _loaded
 
 
-def _kvpatch_version() -> str:
-    from . import __version__  # here: kvpatch/__init__ imports this module before it defines __version__
-
-    return __version__
-
-
 def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
     """A hash of everything a verdict for ``patch`` depends on (upstream's PEP 610 source too)."""
     patch_file = getattr(sys.modules.get(patch.module), "__file__", None)
     parts = {
-        "kvpatch": _kvpatch_version(),
+        "kvpatch": __version__,
         "patch": [patch.id, patch_file, stamp(patch_file)],
         "python": [sys.version_info[0], sys.version_info[1], sys.platform],
         "upstream": {
@@ -199,7 +194,7 @@ def lookup(verdict_key: str) -> Verdict | None:
     """The stored verdict for ``verdict_key`` written by this kvpatch version, or ``None``. Never raises."""
     with contextlib.suppress(Exception):  # absent, corrupt or another kvpatch version's
         entry = tables()["verdicts"][verdict_key]
-        if entry["outcome"] in STORED and entry["kvpatch"] == _kvpatch_version():
+        if entry["outcome"] in STORED and entry["kvpatch"] == __version__:
             detail, by, source = (str(entry.get(k, "")) for k in ("detail", "by", "source"))
             sizes = _sizes(entry.get("sizes"))
             return Verdict(Outcome(entry["outcome"]), detail, float(entry.get("at", 0)), by, source, sizes)
@@ -231,7 +226,7 @@ def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[st
         "at": verdict.at,
         "by": verdict.by,
         "upstream": f"{patch.distribution} {up.version if up else None} ({up.source.kind if up else '?'})",
-        "kvpatch": _kvpatch_version(),
+        "kvpatch": __version__,
         **({"sizes": verdict.sizes} if verdict.sizes else {}),
     }
 
