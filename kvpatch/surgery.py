@@ -87,13 +87,10 @@ def mark_of(obj: Any) -> str | None:  # only a plain function: a proxy forwards 
 
 def describe(obj: Any) -> str:
     obj = _plain(obj)
-    try:
-        module = getattr(obj, "__module__", None)
-        qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
-    except Exception:
-        module = qualname = None
-    if isinstance(module, str) and isinstance(qualname, str):
-        return f"{module}.{qualname}"
+    with contextlib.suppress(Exception):  # a proxy whose attributes raise
+        module, qualname = obj.__module__, getattr(obj, "__qualname__", None) or obj.__name__
+        if isinstance(module, str) and isinstance(qualname, str):
+            return f"{module}.{qualname}"
     return f"<{type(obj).__module__}.{type(obj).__qualname__} object>"
 
 

@@ -28,12 +28,8 @@ SCHEMA = "kvpatch.verdicts/1"
 FILE = "verdicts.json"
 MAX_ENTRIES = 512
 _TABLES = ("verdicts", "attempts", "fingerprints")
-
-
 #: The outcomes (:class:`kvpatch.states.Outcome`) a verdict file keeps.
 STORED = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.NOT_FIXED, Outcome.INCONCLUSIVE, Outcome.SKIPPED})
-
-
 #: The sizes a verdict was judged on (:func:`sizes_of`): per side (``"without"``, ``"with"`` the patch) the computed
 #: difference's ``error`` and the ``rounding`` it was held to; a side whose symptom is structural has none.
 Sizes = dict[str, dict[str, float]]
