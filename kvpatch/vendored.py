@@ -15,21 +15,18 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import config, get_engine, store, surgery
 from ._warn import emit, failure
 from .detect import Upstream
-from .engine import PatchStatus, executing, hook_registry, reached
+from .engine import Engine, PatchStatus, executing, hook_registry, reached
 from .fingerprints import fingerprint, fingerprint_source, validated
 from .gate import Action, Decision, decide
 from .locate import module_file
 from .record import DISTRIBUTIONS, Expiry, Kind, Patch, Target
 from .states import OF_ACTION, Reason, State
 from .surgery import MISSING, TargetMissing
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 #: Modules known to hold vendored copies of patched upstream code (hooked when ``KVPATCH_VENDORED=1``).
 KNOWN: tuple[str, ...] = ("rapid_mlx.models.mlx_vlm_vendored.cache",)

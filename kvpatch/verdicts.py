@@ -11,18 +11,15 @@ import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from . import __version__
 from . import store as _store
 from ._warn import emit, failure, quoted
+from .detect import Upstream
 from .locate import module_file, stamp
-from .record import Bug
+from .record import Bug, Finding, Patch
 from .states import Outcome
-
-if TYPE_CHECKING:
-    from .detect import Upstream
-    from .record import Finding, Patch
 
 SCHEMA = "kvpatch.verdicts/1"
 FILE = "verdicts.json"
