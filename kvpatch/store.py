@@ -90,8 +90,7 @@ def _trusted(st: os.stat_result, path: str, kind: str) -> None:
 
 def _walk(place: Place, *, create: bool) -> tuple[int, bool]:
     """A descriptor of ``place``'s directory, or of its deepest existing directory and False where the rest is missing
-    (``create``: made, 0755). Every directory from ``/`` down is opened relative to the one above it, checked as it is
-    opened; raises :class:`Untrusted` or :class:`OSError`. The caller closes the descriptor."""
+    (``create``: made, 0755); raises :class:`Untrusted` or :class:`OSError`. The caller closes the descriptor."""
     anchor = os.path.realpath(place.anchor)  # the links in the path the user chose: resolved once, here
     below = place.path.relative_to(place.anchor).parts if place.path != place.anchor else ()
     parts = [p for p in Path(anchor).parts[1:] if p] + list(below)
@@ -138,8 +137,7 @@ def _why(exc: OSError, shown: str) -> OSError:
 
 
 class Directory(NamedTuple):
-    """A state directory opened and checked (:func:`opened`): whatever is read or written in it goes through its
-    descriptor (a read and the write after it are of the same directory, whatever happens to its path meanwhile)."""
+    """A state directory opened and checked (:func:`opened`): all it reads and writes go through its descriptor."""
 
     fd: int | None  # None: it does not exist (opened without ``create``)
     place: Place

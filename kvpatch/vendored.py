@@ -340,11 +340,7 @@ def restore() -> None:
 
 def copy_records() -> list[PatchStatus]:
     with _lock:
-        held = [
-            (reg.engine, st, reg.changes.get(pid, []))
-            for reg in _registered.values()
-            for pid, st in reg.statuses.items()
-        ]
+        held = [(r.engine, st, r.changes.get(pid, [])) for r in _registered.values() for pid, st in r.statuses.items()]
     for engine, st, changes in held:
         reached(engine, st, changes)
     return [st for _, st, _ in held]
