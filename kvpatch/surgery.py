@@ -270,8 +270,7 @@ def restore(change: Change) -> str | None:
 
 
 def splice_under(proxy: Any, old: Any, new: Any) -> bool:
-    """Replace ``old`` by ``new`` as what the wrapt ``proxy`` wraps (as a classmethod or staticmethod where ``old``
-    was one); True if it now wraps ``new``."""
+    """Make the wrapt ``proxy`` wrap ``new`` where it wraps ``old`` (a classmethod or staticmethod kept); True if so."""
     try:
         current = proxy.__wrapped__
         if _plain(current) is not old:
