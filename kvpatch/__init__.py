@@ -117,9 +117,8 @@ def __getattr__(name: str) -> object:
 
 
 def _command_line() -> bool:
-    """Whether the command line is importing kvpatch (the ``kvpatch`` script, ``python -m kvpatch``): it activates
-    after it has parsed its arguments, for a command that needs it (``--version``, ``help`` and a usage error
-    activate nothing)."""
+    """Whether the command line is importing kvpatch (the ``kvpatch`` script, ``python -m kvpatch``): it activates after
+    it has parsed its arguments, for a command that needs it (``--version``, ``help`` and a usage error need none)."""
     if getattr(sys.modules.get("_kvpatch_cli"), "starting", False):
         return True
     if sys.argv[:1] != ["-m"]:  # while runpy looks for the module to run, sys.argv[0] is "-m"

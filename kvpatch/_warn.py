@@ -1,7 +1,6 @@
 """The one path every kvpatch warning takes: once per key, as :class:`KvpatchWarning` at the user's ``import``
 line; under ``-W error`` on standard error instead, never raised. Each is also logged at INFO on the ``kvpatch``
-logger, whose ``NullHandler`` keeps logging's last resort quiet. Warning filters are never changed.
-"""
+logger, whose ``NullHandler`` keeps logging's last resort quiet. Warning filters are never changed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Surgery on someone else's objects: install a replacement (a plain function with the original's metadata and
 kvpatch's mark, never twice), tell whether it is still reached, put things back only where kvpatch's replacement is
-still the attribute (under a foreign wrapt proxy the original is spliced in; other wrappers stay, reported).
-"""
+still the attribute (under a foreign wrapt proxy the original is spliced in; other wrappers stay, reported)."""
 
 from __future__ import annotations
 

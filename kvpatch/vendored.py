@@ -1,7 +1,6 @@
 """Vendored copies of upstream code (a server's own copy of a module kvpatch patches has the same bugs): a
 registered copy (:func:`register_copy`) is patched when it is imported, with statuses of its own. :func:`scan` reads
-source files only: a copy is a function whose fingerprint equals a replaced target's in the installed upstream file.
-"""
+source files only: a copy is a function whose fingerprint equals a replaced target's in the installed upstream file."""
 
 from __future__ import annotations
 

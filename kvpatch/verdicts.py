@@ -1,7 +1,6 @@
 """Verdicts: what a patch's reproduction found in this environment, measured only in a verification process
-(:class:`kvpatch.verifier.Verifier`), read by every other from ``verdicts.json`` (with the verifier's attempts and
-the fingerprint cache) in each of :func:`kvpatch.store.verdict_places` (one stored at image build time serves every
-user)."""
+(:class:`kvpatch.verifier.Verifier`), read by every other from ``verdicts.json`` (with the verifier's attempts and the
+fingerprint cache) in each of :func:`kvpatch.store.verdict_places` (one stored at image build serves every user)."""
 
 from __future__ import annotations
 
