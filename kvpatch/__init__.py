@@ -6,6 +6,8 @@ off; ``python -m kvpatch status`` shows what is applied and why."""
 
 from __future__ import annotations
 
+__version__ = "0.1.0"  # before the imports: the modules they load read it at import
+
 import importlib
 import os
 import sys
@@ -22,33 +24,9 @@ from .states import State
 
 #: The server API loaded on first use (``__getattr__``): name -> module.
 _LAZY = {"bounded_prompt_cache": "bounding"}
-__all__ = [
-    "Engine",
-    "Expiry",
-    "Finding",
-    "Kind",
-    "KvpatchWarning",
-    "Patch",
-    "PatchStatus",
-    "State",
-    "Target",
-    "__version__",
-    "activate",
-    "deactivate",
-    "fingerprint",
-    "get_engine",
-    "records",
-    "register_copy",
-    "NotApplied",
-    "require_applied",
-    "NotFixed",
-    "UnknownPatch",
-    "require",
-    "is_fixed",
-    *_LAZY,
-]
-
-__version__ = "0.1.0"
+__all__ = ["Engine", "Expiry", "Finding", "Kind", "KvpatchWarning", "Patch", "PatchStatus", "State", "Target"]
+__all__ += ["__version__", "activate", "deactivate", "fingerprint", "get_engine", "records", "register_copy"]
+__all__ += ["NotApplied", "require_applied", "NotFixed", "UnknownPatch", "require", "is_fixed", *_LAZY]
 
 # ``importlib.reload(kvpatch)`` re-runs this file in the same namespace: the process keeps its one engine.
 _engine: Engine | None = globals().get("_engine")
@@ -79,7 +57,7 @@ def activate() -> Engine | None:
         engine = get_engine()
         if engine.config.enabled:
             engine.activate()
-            if config.vendored():  # opt-in: patch vendored copies (kvpatch.vendored)
+            if os.environ.get(config.VENDORED, "").strip():  # opt-in: patch vendored copies (kvpatch.vendored)
                 from . import vendored
 
                 vendored.hook(engine)
@@ -139,9 +117,8 @@ def __getattr__(name: str) -> object:
 
 
 def _command_line() -> bool:
-    """Whether the command line is importing kvpatch (the ``kvpatch`` script, ``python -m kvpatch``): it activates
-    after it has parsed its arguments, for a command that needs it (``--version``, ``help`` and a usage error
-    activate nothing)."""
+    """Whether the command line is importing kvpatch (the ``kvpatch`` script, ``python -m kvpatch``): it activates after
+    it has parsed its arguments, for a command that needs it (``--version``, ``help`` and a usage error need none)."""
     if getattr(sys.modules.get("_kvpatch_cli"), "starting", False):
         return True
     if sys.argv[:1] != ["-m"]:  # while runpy looks for the module to run, sys.argv[0] is "-m"

@@ -1,7 +1,6 @@
 """The one path every kvpatch warning takes: once per key, as :class:`KvpatchWarning` at the user's ``import``
 line; under ``-W error`` on standard error instead, never raised. Each is also logged at INFO on the ``kvpatch``
-logger, whose ``NullHandler`` keeps logging's last resort quiet. Warning filters are never changed.
-"""
+logger, whose ``NullHandler`` keeps logging's last resort quiet. Warning filters are never changed."""
 
 from __future__ import annotations
 
@@ -19,16 +18,8 @@ _MAX = 600
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _emitted: set[str] = set()
 _emitted_lock = threading.Lock()
-
-
-def _after_fork() -> None:
-    """In a child of ``os.fork``: a lock another thread of the parent held would be held forever."""
-    global _emitted_lock
-    _emitted_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
+if hasattr(os, "register_at_fork"):  # a child of os.fork gets a lock no thread holds
+    os.register_at_fork(after_in_child=lambda: globals().__setitem__("_emitted_lock", threading.Lock()))
 
 
 class KvpatchWarning(UserWarning):

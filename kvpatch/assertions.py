@@ -29,10 +29,9 @@ def _gate(engine: Engine, patch: Patch | Stub, config: Config | None = None) -> 
         return Decision(Action.VERIFY if config else Action.APPLY, "the gate raised")
 
 
-def _import_pending(engine: Engine, statuses: Iterable[PatchStatus]) -> None:
+def _import_pending(statuses: Iterable[PatchStatus]) -> None:
     """Import the target modules of pending patches: their hooks get the chance to install them."""
-    pending = [m for st in statuses if st.state is State.PENDING for m in st.record.modules]
-    for module in pending:
+    for module in [m for st in statuses if st.state is State.PENDING for m in st.record.modules]:
         with contextlib.suppress(ImportError):
             __import__(module)
 
@@ -71,7 +70,7 @@ def require_applied(*, import_targets: bool = True) -> list[PatchStatus]:
     first; without it, pending patches whose modules are not imported yet are not counted."""
     engine = get_engine()
     if import_targets:
-        _import_pending(engine, [st for st in engine.status.values() if _gate(engine, st.patch).action is Action.APPLY])
+        _import_pending([st for st in engine.status.values() if _gate(engine, st.patch).action is Action.APPLY])
     applicable, found = problems(engine)
     if found:
         raise NotApplied(found)
@@ -146,12 +145,8 @@ def _guarantee(engine: Engine, st: PatchStatus) -> Guarantee:
         if state is State.DISABLED:
             reason = str(Reason("off-not-ruled-out", reason=reason, gate=upstream.reason))
     if state is State.PENDING:
-        missing = [m for m in st.record.modules if m not in sys.modules]
-        why = (
-            Reason("not-installed", reason=reason)
-            if not missing
-            else Reason("not-imported", modules=", ".join(missing))
-        )
+        missing = ", ".join(m for m in st.record.modules if m not in sys.modules)
+        why = Reason("not-imported", modules=missing) if missing else Reason("not-installed", reason=reason)
         reason = str(why if engine.active else Reason("not-active"))
     return Guarantee(patch.id, False, state.value, reason)
 
@@ -163,7 +158,7 @@ def guarantees(engine: Engine, patch_ids: Iterable[str]) -> list[Guarantee]:
     if bad := [pid for pid in patch_ids if not isinstance(pid, str)]:
         raise TypeError(f"a patch id is a str, not {type(bad[0]).__name__} ({bad[0]!r})")
     statuses = [_patch_status(engine, pid) for pid in patch_ids]
-    _import_pending(engine, [st for st in statuses if isinstance(st, PatchStatus)])
+    _import_pending([st for st in statuses if isinstance(st, PatchStatus)])
     engine.refresh()  # "applied" means reached now
     return [_guarantee(engine, st) if isinstance(st, PatchStatus) else st for st in statuses]
 

@@ -4,7 +4,7 @@ bootstrap, which :func:`is_off` asks). A malformed value never raises: :attr:`Co
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ._site import boot as _boot
@@ -27,15 +27,9 @@ VARIABLES = ("KVPATCH", "KVPATCH_DISABLE", "KVPATCH_ENABLE", "KVPATCH_ENFORCE", 
 PATHS = (VERDICTS, CACHE, "XDG_CACHE_HOME")
 
 
-def __getattr__(name: str) -> frozenset[str]:
-    """``OFF_VALUES``: ``KVPATCH``'s off values, the bootstrap's (read on use: a kvpatch whose bootstrap is missing
-    still imports, and says so when it activates)."""
-    if name == "OFF_VALUES":
-        return _off_values()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _off_values() -> frozenset[str]:
+def off_values() -> frozenset[str]:
+    """``KVPATCH``'s off values, the bootstrap's (read on use: a kvpatch whose bootstrap is missing still imports, and
+    says so when it activates)."""
     return frozenset(_boot().OFF_VALUES)
 
 
@@ -66,7 +60,7 @@ def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[s
     disabled, disable_all = _ids(env, "KVPATCH_DISABLE", known_ids, problems)
     opted, enable_all = _ids(env, "KVPATCH_ENABLE", known_ids, problems)
     raw = env.get("KVPATCH_ENFORCE", "")
-    if raw.strip().lower() not in ON_VALUES | _off_values():
+    if raw.strip().lower() not in ON_VALUES | off_values():
         problems.append(f"KVPATCH_ENFORCE={_shown(raw)} is not understood (use 1 or 0); not enforcing")
     enforcing = raw.strip().lower() in ON_VALUES - {""}
     raw = env.get(VERIFY, "")
@@ -89,12 +83,8 @@ def background_verification() -> bool:
     return os.environ.get(VERIFY, "").strip().lower() not in NEVER
 
 
-def _setting(name: str) -> Callable[[], str | None]:
-    """A reader of ``name``: its value where set and not empty, else None (read at each call)."""
-    return lambda: os.environ.get(name) or None
-
-
-verifying = _setting(VERIFYING)
+def verifying() -> str | None:
+    return os.environ.get(VERIFYING) or None
 
 
 def absolute_path(name: str) -> str | None:
@@ -119,11 +109,6 @@ def _relative(name: str, env: Mapping[str, str]) -> str | None:
     return f"{name}={_shown(raw)} is a relative path; ignored (set an absolute one)"
 
 
-def vendored() -> str:
-    """``KVPATCH_VENDORED`` as set, stripped (:func:`vendored_modules` parses it)."""
-    return os.environ.get(VENDORED, "").strip()
-
-
 def vendored_modules() -> list[str] | None:
     """The modules ``KVPATCH_VENDORED`` names besides the copies kvpatch knows of (``None``: off)."""
     return _vendored(os.environ)[0]
@@ -132,7 +117,7 @@ def vendored_modules() -> list[str] | None:
 def _vendored(env: Mapping[str, str]) -> tuple[list[str] | None, list[str]]:
     """``KVPATCH_VENDORED``'s modules (``None``: off) and the items that are no module name (ignored)."""
     raw = env.get(VENDORED, "").strip()
-    if not raw or raw.lower() in _off_values():
+    if not raw or raw.lower() in off_values():
         return None, []
     items = [n.strip() for n in raw.split(",") if n.strip().lower() not in {*ON_VALUES, "all"}]
     names = [n for n in items if all(part.isidentifier() for part in n.split("."))]

@@ -18,11 +18,10 @@ from . import surgery, verdicts
 from ._warn import emit
 from .gate import Action
 from .locate import stamp
-from .record import Kind
+from .record import Kind, Patch, Target
 
 if TYPE_CHECKING:
     from .engine import PatchStatus
-    from .record import Patch, Target
 
 SHIPPED = Path(__file__).resolve().parent / "data" / "fingerprints.json"
 #: Computed in this process, not yet in the cache: file key -> {line:qualname -> fingerprint}.

@@ -58,8 +58,7 @@ class Bug(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Finding:
-    """What a reproduction observed: only the bug's own symptom (:func:`symptom`) is ``present``, any other error
-    ``inconclusive``."""
+    """What a reproduction observed: only the bug's own symptom (:func:`symptom`) is ``present``, no other error."""
 
     present: bool
     detail: str = ""

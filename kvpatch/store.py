@@ -48,8 +48,7 @@ class Untrusted(PermissionError):
 
 
 def cache_root() -> Path | None:
-    """``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else ``~/.cache/kvpatch`` (``None``: no home). Absolute:
-    a relative setting is ignored, with one warning (:func:`kvpatch.config.absolute_path`)."""
+    """``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else ``~/.cache/kvpatch`` (``None``: no home)."""
     if explicit := config.absolute_path(config.CACHE):
         return Path(explicit)
     try:
@@ -91,8 +90,7 @@ def _trusted(st: os.stat_result, path: str, kind: str) -> None:
 
 def _walk(place: Place, *, create: bool) -> tuple[int, bool]:
     """A descriptor of ``place``'s directory, or of its deepest existing directory and False where the rest is missing
-    (``create``: made, 0755). Every directory from ``/`` down is opened relative to the one above it, checked as it is
-    opened; raises :class:`Untrusted` or :class:`OSError`. The caller closes the descriptor."""
+    (``create``: made, 0755); raises :class:`Untrusted` or :class:`OSError`. The caller closes the descriptor."""
     anchor = os.path.realpath(place.anchor)  # the links in the path the user chose: resolved once, here
     below = place.path.relative_to(place.anchor).parts if place.path != place.anchor else ()
     parts = [p for p in Path(anchor).parts[1:] if p] + list(below)
@@ -139,8 +137,7 @@ def _why(exc: OSError, shown: str) -> OSError:
 
 
 class Directory(NamedTuple):
-    """A state directory opened and checked (:func:`opened`): whatever is read or written in it goes through its
-    descriptor (a read and the write after it are of the same directory, whatever happens to its path meanwhile)."""
+    """A state directory opened and checked (:func:`opened`): all it reads and writes go through its descriptor."""
 
     fd: int | None  # None: it does not exist (opened without ``create``)
     place: Place
@@ -190,8 +187,7 @@ class Directory(NamedTuple):
             os.close(fd)  # closing the last descriptor releases the lock
 
     def open(self, name: str, flags: int) -> int:
-        """``name`` opened with ``flags`` (created 0600), this user's or root's only: a refusal is warned about once.
-        Raises :class:`OSError`."""
+        """``name`` opened with ``flags`` (created 0600), this user's or root's only (a refusal warned about once)."""
         try:
             return _open(name, flags | os.O_CREAT, self._needed(), shown=self._shown(name), owned=True)
         except Untrusted as exc:
@@ -291,26 +287,22 @@ def read_bytes(path: Path) -> bytes | None:
 
 
 def read_json(place: Place, name: str, what: str = "state") -> Any:
-    """The JSON document ``name`` in ``place`` (``None``: absent, refused, unreadable or corrupt). Never raises."""
     with contextlib.suppress(Exception), opened(place, what, create=False) as directory:
         return directory.read_json(name)
     return None
 
 
 def write_json(place: Place, name: str, data: Any, what: str = "state") -> None:
-    """Atomically replace ``name`` in ``place`` with ``data`` as JSON. Raises :class:`OSError` if not written."""
     with opened(place, what, create=True) as directory:
         directory.write_json(name, data)
 
 
 @contextlib.contextmanager
 def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[int | None]:
-    """Lock ``name`` in ``place`` for the block, yielding its descriptor (``None``: ``wait`` off and the lock taken)."""
     with opened(place, what, create=True) as directory, directory.locked(name, wait=wait) as fd:
         yield fd
 
 
 def open_log(place: Place, name: str, what: str = "state") -> int:
-    """``name`` in ``place`` opened for appending (created 0600, no symlink followed). Raises :class:`OSError`."""
     with opened(place, what, create=True) as directory:
         return directory.open(name, os.O_WRONLY | os.O_APPEND)

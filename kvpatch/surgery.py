@@ -1,7 +1,6 @@
 """Surgery on someone else's objects: install a replacement (a plain function with the original's metadata and
 kvpatch's mark, never twice), tell whether it is still reached, put things back only where kvpatch's replacement is
-still the attribute (under a foreign wrapt proxy the original is spliced in; other wrappers stay, reported).
-"""
+still the attribute (under a foreign wrapt proxy the original is spliced in; other wrappers stay, reported)."""
 
 from __future__ import annotations
 
@@ -82,20 +81,15 @@ def carries(obj: Any, patch_id: str) -> bool:
 
 def mark_of(obj: Any) -> str | None:  # only a plain function: a proxy forwards attribute reads to what it wraps
     entry = _property(obj)
-    if entry is not None:
-        return entry[1]
-    return _OURS.get(obj) if type(obj) is types.FunctionType else None
+    return entry[1] if entry is not None else _OURS.get(obj) if type(obj) is types.FunctionType else None
 
 
 def describe(obj: Any) -> str:
     obj = _plain(obj)
-    try:
-        module = getattr(obj, "__module__", None)
-        qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
-    except Exception:
-        module = qualname = None
-    if isinstance(module, str) and isinstance(qualname, str):
-        return f"{module}.{qualname}"
+    with contextlib.suppress(Exception):  # a proxy whose attributes raise
+        module, qualname = obj.__module__, getattr(obj, "__qualname__", None) or obj.__name__
+        if isinstance(module, str) and isinstance(qualname, str):
+            return f"{module}.{qualname}"
     return f"<{type(obj).__module__}.{type(obj).__qualname__} object>"
 
 
@@ -124,12 +118,7 @@ def upstream_inner(obj: Any, package: str) -> Any:
 
 
 def owner_of(target: Target, module: types.ModuleType) -> Any:
-    owner: Any = module
-    for part in target.owner_path:
-        owner = getattr(owner, part, MISSING)
-        if owner is MISSING:
-            break
-    return owner
+    return functools.reduce(lambda owner, part: getattr(owner, part, MISSING), target.owner_path, module)
 
 
 def foreign_targets(patch: Patch) -> list[str]:
@@ -172,8 +161,7 @@ def mark(patch: Patch, target: Target, owner: Any, original: Any, function: Any)
     return function
 
 
-class TargetMissing(LookupError):
-    pass
+class TargetMissing(LookupError): ...
 
 
 def install(
@@ -281,8 +269,7 @@ def restore(change: Change) -> str | None:
 
 
 def splice_under(proxy: Any, old: Any, new: Any) -> bool:
-    """Replace ``old`` by ``new`` as what the wrapt ``proxy`` wraps (as a classmethod or staticmethod where ``old``
-    was one); True if it now wraps ``new``."""
+    """Make the wrapt ``proxy`` wrap ``new`` where it wraps ``old`` (a classmethod or staticmethod kept); True if so."""
     try:
         current = proxy.__wrapped__
         if _plain(current) is not old:

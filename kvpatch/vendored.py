@@ -1,7 +1,6 @@
 """Vendored copies of upstream code (a server's own copy of a module kvpatch patches has the same bugs): a
 registered copy (:func:`register_copy`) is patched when it is imported, with statuses of its own. :func:`scan` reads
-source files only: a copy is a function whose fingerprint equals a replaced target's in the installed upstream file.
-"""
+source files only: a copy is a function whose fingerprint equals a replaced target's in the installed upstream file."""
 
 from __future__ import annotations
 
@@ -15,21 +14,18 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import config, get_engine, store, surgery
 from ._warn import emit, failure
 from .detect import Upstream
-from .engine import PatchStatus, executing, hook_registry, reached
+from .engine import Engine, PatchStatus, executing, hook_registry, reached
 from .fingerprints import fingerprint, fingerprint_source, validated
 from .gate import Action, Decision, decide
 from .locate import module_file
 from .record import DISTRIBUTIONS, Expiry, Kind, Patch, Target
 from .states import OF_ACTION, Reason, State
 from .surgery import MISSING, TargetMissing
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 #: Modules known to hold vendored copies of patched upstream code (hooked when ``KVPATCH_VENDORED=1``).
 KNOWN: tuple[str, ...] = ("rapid_mlx.models.mlx_vlm_vendored.cache",)
@@ -69,17 +65,9 @@ class _Kept(Exception):
 
 
 _lock = threading.RLock()
+if hasattr(os, "register_at_fork"):  # a child of os.fork gets a lock no thread holds
+    os.register_at_fork(after_in_child=lambda: globals().__setitem__("_lock", threading.RLock()))
 _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registration
-
-
-def _after_fork() -> None:
-    """In a child of ``os.fork``: a lock another thread of the parent held would be held forever."""
-    global _lock
-    _lock = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
@@ -351,11 +339,7 @@ def restore() -> None:
 
 def copy_records() -> list[PatchStatus]:
     with _lock:
-        held = [
-            (reg.engine, st, reg.changes.get(pid, []))
-            for reg in _registered.values()
-            for pid, st in reg.statuses.items()
-        ]
+        held = [(r.engine, st, r.changes.get(pid, [])) for r in _registered.values() for pid, st in r.statuses.items()]
     for engine, st, changes in held:
         reached(engine, st, changes)
     return [st for _, st, _ in held]

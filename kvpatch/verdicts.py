@@ -1,7 +1,6 @@
 """Verdicts: what a patch's reproduction found in this environment, measured only in a verification process
-(:class:`kvpatch.verifier.Verifier`), read by every other from ``verdicts.json`` (with the verifier's attempts and
-the fingerprint cache) in each of :func:`kvpatch.store.verdict_places` (one stored at image build time serves every
-user)."""
+(:class:`kvpatch.verifier.Verifier`), read by every other from ``verdicts.json`` (with the verifier's attempts and the
+fingerprint cache) in each of :func:`kvpatch.store.verdict_places` (one stored at image build serves every user)."""
 
 from __future__ import annotations
 
@@ -11,28 +10,22 @@ import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
+from . import __version__
 from . import store as _store
 from ._warn import emit, failure, quoted
+from .detect import Upstream
 from .locate import module_file, stamp
-from .record import Bug
+from .record import Bug, Finding, Patch
 from .states import Outcome
-
-if TYPE_CHECKING:
-    from .detect import Upstream
-    from .record import Finding, Patch
 
 SCHEMA = "kvpatch.verdicts/1"
 FILE = "verdicts.json"
 MAX_ENTRIES = 512
 _TABLES = ("verdicts", "attempts", "fingerprints")
-
-
 #: The outcomes (:class:`kvpatch.states.Outcome`) a verdict file keeps.
 STORED = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.NOT_FIXED, Outcome.INCONCLUSIVE, Outcome.SKIPPED})
-
-
 #: The sizes a verdict was judged on (:func:`sizes_of`): per side (``"without"``, ``"with"`` the patch) the computed
 #: difference's ``error`` and the ``rounding`` it was held to; a side whose symptom is structural has none.
 Sizes = dict[str, dict[str, float]]
@@ -173,17 +166,11 @@ def tables() -> dict[str, Any]:
     return _loaded
 
 
-def _kvpatch_version() -> str:
-    from . import __version__  # here: kvpatch/__init__ imports this module before it defines __version__
-
-    return __version__
-
-
 def key(patch: Patch, upstream: Mapping[str, Upstream]) -> str:
     """A hash of everything a verdict for ``patch`` depends on (upstream's PEP 610 source too)."""
     patch_file = getattr(sys.modules.get(patch.module), "__file__", None)
     parts = {
-        "kvpatch": _kvpatch_version(),
+        "kvpatch": __version__,
         "patch": [patch.id, patch_file, stamp(patch_file)],
         "python": [sys.version_info[0], sys.version_info[1], sys.platform],
         "upstream": {
@@ -199,7 +186,7 @@ def lookup(verdict_key: str) -> Verdict | None:
     """The stored verdict for ``verdict_key`` written by this kvpatch version, or ``None``. Never raises."""
     with contextlib.suppress(Exception):  # absent, corrupt or another kvpatch version's
         entry = tables()["verdicts"][verdict_key]
-        if entry["outcome"] in STORED and entry["kvpatch"] == _kvpatch_version():
+        if entry["outcome"] in STORED and entry["kvpatch"] == __version__:
             detail, by, source = (str(entry.get(k, "")) for k in ("detail", "by", "source"))
             sizes = _sizes(entry.get("sizes"))
             return Verdict(Outcome(entry["outcome"]), detail, float(entry.get("at", 0)), by, source, sizes)
@@ -231,7 +218,7 @@ def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[st
         "at": verdict.at,
         "by": verdict.by,
         "upstream": f"{patch.distribution} {up.version if up else None} ({up.source.kind if up else '?'})",
-        "kvpatch": _kvpatch_version(),
+        "kvpatch": __version__,
         **({"sizes": verdict.sizes} if verdict.sizes else {}),
     }
 

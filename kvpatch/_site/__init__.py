@@ -23,8 +23,7 @@ def hooks() -> ModuleType | None:
 
 
 def boot() -> ModuleType:
-    """The bootstrap module (``_kvpatch_boot``), loaded for a process that did not start through it
-    (:class:`BrokenInstall` when the install lacks it)."""
+    """``_kvpatch_boot``, loaded for a process that did not start through it (:class:`BrokenInstall`: not installed)."""
     module = sys.modules.get("_kvpatch_boot")
     if module is not None:
         return module

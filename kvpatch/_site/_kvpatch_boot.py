@@ -72,8 +72,7 @@ def first(on=True):
 
 
 def from_shim(name, path=None, target=None):
-    """Take over from kvpatch.pth's stand-ins (none with KVPATCH=off). ``name`` "": kvpatch.pth at start-up with
-    KVPATCH set."""
+    """Take over from kvpatch.pth's stand-ins (none with KVPATCH=off); ``name`` "": at start-up with KVPATCH set."""
     global _startup_path
     if not name:
         return install()

@@ -13,6 +13,8 @@ _WATCHED = ("mlx_lm", "mlx_vlm")
 _also: set = set()  # modules a hook was registered for (beyond _WATCHED: a server's vendored copy of upstream code)
 
 _lock = _thread.allocate_lock()  # guards the tables below; never held while importing or calling out
+if hasattr(os, "register_at_fork"):  # a child of os.fork gets a lock no thread holds
+    os.register_at_fork(after_in_child=lambda: globals().__setitem__("_lock", _thread.allocate_lock()))
 _hooks: dict = {}  # module name -> callables waiting for it
 _running: dict = {}  # module name -> how many of our loaders are executing it now
 _tls = _thread._local()
@@ -21,16 +23,6 @@ _activated = False
 # Set by _kvpatch_boot before any use: its finder, its ``first`` (keeps that finder first on sys.meta_path: wrapt
 # puts its own at the front when first used), the trusted start-up path, its directory, its is_off.
 _finder = _first = _startup_path = _site_dir = _is_off = None
-
-
-def _after_fork():
-    """In a child of os.fork: a lock another thread of the parent held would be held forever."""
-    global _lock
-    _lock = _thread.allocate_lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
 
 
 def register_post_import_hook(hook, name):

@@ -448,7 +448,7 @@ def test_one_reading_of_kvpatch_off():
     from kvpatch import _site, config
 
     assert _site.boot() is sys.modules["_kvpatch_boot"] is _kvpatch_boot
-    assert config.OFF_VALUES == frozenset(_kvpatch_boot.OFF_VALUES)
+    assert config.off_values() == frozenset(_kvpatch_boot.OFF_VALUES)
     for value in ("off", "OFF", " disabled ", "0", "no", "false", "disable", "on", "", "1", "auto", "offf"):
         env = {"KVPATCH": value}
         assert config.read_config(env).enabled is not _kvpatch_boot.is_off(env), value
