@@ -351,3 +351,36 @@ def test_test_extra_installs_the_matrix_base():
     extra = text[text.index("test = [") : text.index("]", text.index("test = ["))]
     declared = set(re.findall(r'"([^"]+)"', extra))
     assert set(BASE_REQUIREMENTS) <= declared, set(BASE_REQUIREMENTS) - declared
+
+
+def test_a_pinned_thread_reads_its_root_whatever_the_environment_says_meanwhile(monkeypatch, tmp_path):
+    """The matrix's bucket threads run beside unit tests that set KVPATCH_CACHE (and KVPATCH) for a moment: a thread
+    handed the session's root keeps it, and the main thread still reads the environment."""
+    import contextvars
+    import threading
+
+    from kvpatch.maint.envs import PINNED_ROOT
+
+    monkeypatch.setenv("KVPATCH_CACHE", str(tmp_path / "session"))
+    context = contextvars.copy_context()
+    context.run(PINNED_ROOT.set, cache_dir())
+    monkeypatch.setenv("KVPATCH_CACHE", str(tmp_path / "a-test-of-the-moment"))
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(context.run(cache_dir)))
+    thread.start()
+    thread.join()
+    assert seen == [tmp_path / "session"]
+    assert cache_dir() == tmp_path / "a-test-of-the-moment"
+
+
+def test_the_matrix_takes_the_buckets_environment_once_before_the_tests(monkeypatch):
+    """What a bucket inherits is read when the buckets start, not when each begins: a unit test's KVPATCH=off set for
+    a moment meanwhile (tests/engine/test_pytest_plugin.py does) must not reach a bucket (CI lost a whole bucket's
+    patches to it)."""
+    import test_matrix
+
+    monkeypatch.delenv("KVPATCH", raising=False)
+    base = test_matrix._session_env()
+    monkeypatch.setenv("KVPATCH", "off")
+    assert "KVPATCH" not in base
+    assert test_matrix._run_bucket.__code__.co_varnames[:3] == ("bucket", "workdir", "base")

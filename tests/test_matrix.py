@@ -12,6 +12,7 @@ runs every bucket (under ``KVPATCH_TIER=quick``: the newest mlx-lm and mlx-vlm o
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import re
 import subprocess
@@ -25,7 +26,7 @@ import tiers
 from matrix import BUCKETS, BY_NAME
 from support import CPU_LINE, MATRIX_RESULTS, MATRIX_SELECTED, REPO, child_env, skip_if_no_index
 
-from kvpatch.maint.envs import Bucket, bucket_environ, build, cache_dir, is_cached, layer
+from kvpatch.maint.envs import PINNED_ROOT, Bucket, bucket_environ, build, cache_dir, is_cached, layer
 
 SELECT = os.environ.get("KVPATCH_MATRIX", "newest" if tiers.quick() else "all").strip()
 if SELECT in ("", "all"):
@@ -49,15 +50,28 @@ WORKDIRS: dict[str, Path] = {}
 BUILD_FAILED = 99
 
 
-def _run_bucket(bucket: Bucket, workdir: Path) -> tuple[int, str, float]:
+def _session_env() -> dict[str, str]:
+    """The buckets' base environment, read once when they are started (before any test runs): a bucket starting later
+    must not inherit what a unit test beside it sets for a moment (``KVPATCH=off`` turned a whole bucket's patches
+    off). KVPATCH / KVPATCH_DISABLE pass through, so `KVPATCH_DISABLE=<id>` shows a regression test failing."""
+    passed = {k: os.environ[k] for k in ("KVPATCH", "KVPATCH_DISABLE", tiers.TIER_VAR) if k in os.environ}
+    return child_env({**passed, tiers.SELECT_VAR: "1"})
+
+
+def _pinned(root: Path, run, *args):
+    """``run(*args)`` in a thread that reads the layer cache at ``root`` whatever ``os.environ`` says meanwhile."""
+    context = contextvars.copy_context()
+    context.run(PINNED_ROOT.set, root)
+    return context.run(run, *args)
+
+
+def _run_bucket(bucket: Bucket, workdir: Path, base: dict[str, str]) -> tuple[int, str, float]:
     started = time.monotonic()
     try:
         build(bucket)
     except Exception as exc:
         return BUILD_FAILED, f"building {bucket.name} failed: {exc}", time.monotonic() - started
-    # KVPATCH / KVPATCH_DISABLE pass through, so `KVPATCH_DISABLE=<id>` shows a regression test failing.
-    passed = {k: os.environ[k] for k in ("KVPATCH", "KVPATCH_DISABLE", tiers.TIER_VAR) if k in os.environ}
-    env = bucket_environ(bucket, base=child_env({**passed, tiers.SELECT_VAR: "1"}))
+    env = bucket_environ(bucket, base=base)
     workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(REPO / "tests" / "upstream"), "-q", "-rfE", "-p", "no:cacheprovider"],
@@ -105,6 +119,7 @@ def start(config: pytest.Config, names: list[str], base: Path) -> None:
     chosen = [b for b in SELECTED if b.name in names]
     busy = {name for where in tiers.INTEGRATION.values() for name in where}
     chosen.sort(key=lambda b: b.name not in busy or tiers.quick())  # (stable: matrix order otherwise)
+    root, env = cache_dir(), _session_env()
     config.stash[MATRIX_SELECTED] = len(chosen)
     config.stash[MATRIX_RESULTS] = {}
     layers = {req for b in chosen for req in b.requirements}
@@ -120,11 +135,11 @@ def start(config: pytest.Config, names: list[str], base: Path) -> None:
         # run (a bucket waits on the per-layer lock for a layer being built; a failed build is reported by it).
         builders = ThreadPoolExecutor(max_workers=LAYER_JOBS)
         for req in dict.fromkeys(req for b in chosen for req in b.requirements if req in missing):
-            builders.submit(_prefetch, req)
+            builders.submit(_pinned, root, _prefetch, req)
         config.add_cleanup(lambda: builders.shutdown(wait=True, cancel_futures=True))
     pool = ThreadPoolExecutor(max_workers=JOBS)
     WORKDIRS.update({b.name: base / b.name for b in chosen})
-    config.stash[_RUNS] = {b.name: pool.submit(_run_bucket, b, WORKDIRS[b.name]) for b in chosen}
+    config.stash[_RUNS] = {b.name: pool.submit(_pinned, root, _run_bucket, b, WORKDIRS[b.name], env) for b in chosen}
     config.add_cleanup(lambda: pool.shutdown(wait=True, cancel_futures=True))
 
 

@@ -24,6 +24,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -107,10 +108,15 @@ class EnvBuildError(RuntimeError):
         super().__init__(text)
 
 
+#: The cache root a thread was handed (tests/test_matrix.py's bucket threads get the session's): such a thread must
+#: not read ``os.environ``, which the tests running beside it change for a moment with ``monkeypatch``.
+PINNED_ROOT: ContextVar[Path | None] = ContextVar("kvpatch_cache_root", default=None)
+
+
 def cache_dir() -> Path:
-    """kvpatch's cache root (:func:`kvpatch.store.cache_root`): ``$KVPATCH_CACHE``, else
-    ``$XDG_CACHE_HOME/kvpatch``, else ``~/.cache/kvpatch``."""
-    root = cache_root()
+    """kvpatch's cache root: :data:`PINNED_ROOT` where set, else :func:`kvpatch.store.cache_root`
+    (``$KVPATCH_CACHE``, else ``$XDG_CACHE_HOME/kvpatch``, else ``~/.cache/kvpatch``)."""
+    root = PINNED_ROOT.get() or cache_root()
     if root is None:
         raise RuntimeError(f"no home directory to keep the release layers in: set {CACHE_VAR}")
     return root
