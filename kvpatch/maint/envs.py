@@ -24,8 +24,8 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
-from contextvars import ContextVar
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
