@@ -620,9 +620,11 @@ def test_settled_outcome_does_not_outlive_a_verification(tmp_path, monkeypatch):
     from kvpatch.engine import Engine
 
     monkeypatch.setenv("KVPATCH_VERDICTS", str(tmp_path))
+    # what this process read stays its own after the test (a later first import of mlx_vlm in this worker decides by it)
+    monkeypatch.setattr(verdicts, "_loaded", None)
     engine = Engine([], upstream={})
     before = settle.environment_key(engine)
     entry = {"patch": "p", "outcome": "fixed", "detail": "", "at": 0, "by": "verify"}
     (tmp_path / verdicts.FILE).write_text(json.dumps({"schema": verdicts.SCHEMA, "verdicts": {"k": entry}}))
-    verdicts._loaded = None  # read the file afresh
+    monkeypatch.setattr(verdicts, "_loaded", None)  # read the file afresh
     assert settle.environment_key(engine) != before
