@@ -1,0 +1,144 @@
+"""Attribution: what kvpatch has to do with a finding, measured by running its reproduction in child processes of
+the finding's bucket with kvpatch off, on, and on with candidate patches disabled.
+
+``fixed by <patch id>``  gone with kvpatch on, back with that one patch disabled;
+``fixed by kvpatch``     gone with kvpatch on, back only with several candidates disabled together;
+``new``                  there with kvpatch on: nothing in kvpatch covers it;
+``intended``             there with kvpatch on, and documented upstream behaviour (:mod:`.intended`);
+``not reproduced``       its reproduction passes with kvpatch off (a flaky finding: reported, never patched).
+
+The candidates are read from the registry: the patches applicable to the bucket's release whose targets live in a
+module the reproduction imports, on a class it names (or on a module-level function there). No patch is named in
+this code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from packaging.version import Version
+
+from ...record import Patch
+from . import intended
+
+TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Run:
+    present: bool | None  # the finding's failure; None: it failed some other way (the text says how)
+    text: str
+
+
+def imported(script: str) -> dict[str, set[str]]:
+    """Upstream modules the script imports from, and the names it takes from each."""
+    out: dict[str, set[str]] = {}
+    for module, names in re.findall(r"^from (mlx_(?:lm|vlm)[\w.]*) import (.+)$", script, flags=re.M):
+        out.setdefault(module, set()).update(n.strip() for n in names.split(","))
+    return out
+
+
+def candidates(
+    script: str, patches: list[Patch], releases: Mapping[str, str | None], whole: tuple[str, ...] = ()
+) -> list[str]:
+    """Patches applicable to ``releases`` with a target the script reaches (see the module's docstring); every target
+    in a ``whole`` module counts (a model's forward pass reaches all of its module, its caches and its attention)."""
+    modules = imported(script)
+    for module in whole:
+        modules[module] = {"*"}
+    out = []
+    for patch in patches:
+        release = releases.get(patch.distribution)
+        if release is None or not patch.range.contains(Version(release), prereleases=True):
+            continue
+        for target in patch.targets:
+            names = modules.get(target.module)
+            if names is None:
+                continue
+            owner = target.owner_path[0] if target.owner_path else None
+            if owner is None or owner in names or "*" in names:
+                out.append(patch.id)
+                break
+    return out
+
+
+def run(script: str, env: Mapping[str, str], *, expected: str, kvpatch: str, disable: tuple[str, ...] = ()) -> Run:
+    """Run the reproduction once; ``expected``: the exception type its failure raises."""
+    child = {k: v for k, v in env.items() if not k.startswith("KVPATCH") or k in ("KVPATCH_CACHE", "KVPATCH_BUCKET")}
+    child["KVPATCH_VERIFY"] = "never"
+    if kvpatch == "off":
+        child["KVPATCH"] = "off"
+    if disable:
+        child["KVPATCH_DISABLE"] = ",".join(disable)
+    child["PYTHONDONTWRITEBYTECODE"] = "1"
+    with tempfile.TemporaryDirectory(prefix="kvpatch-hunt-") as cwd:
+        path = Path(cwd) / "reproduction.py"
+        path.write_text(script, encoding="utf-8")
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-P", str(path)], cwd=cwd, env=child, capture_output=True, text=True, timeout=TIMEOUT
+            )
+        except subprocess.TimeoutExpired:
+            return Run(None, f"timed out after {TIMEOUT:.0f} s")
+    if proc.returncode == 0:
+        return Run(False, (proc.stdout.strip().splitlines() or [""])[-1])
+    last = (proc.stderr.strip().splitlines() or [""])[-1]
+    kind = last.split(":", 1)[0].strip().rsplit(".", 1)[-1]
+    return Run(True, last) if kind == expected else Run(None, last)
+
+
+@dataclass
+class Attribution:
+    verdict: str  # "fixed by <id>", "fixed by kvpatch (...)", "new", "intended", "not reproduced", "inconclusive"
+    off: str
+    on: str
+    candidates: list[str]
+    reference: str | None = None  # for "intended": where upstream documents it
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+def attribute(finding: dict[str, Any], env: Mapping[str, str], patches: list[Patch],
+              releases: Mapping[str, str | None]) -> Attribution:
+    """Attribute one finding (a record the in-bucket hunt emitted)."""
+    script = finding["script"]
+    expected = finding.get("error") or "AssertionError"
+    names = candidates(script, patches, releases, tuple(finding.get("modules") or ()))
+    off = run(script, env, expected=expected, kvpatch="off")
+    if off.present is not True:
+        verdict = "not reproduced" if off.present is False else "inconclusive"
+        return Attribution(verdict, off.text, "", names)
+    on = run(script, env, expected=expected, kvpatch="on")
+    if on.present is not False:
+        documented = intended.match(finding)
+        if documented is not None:
+            return Attribution("intended", off.text, on.text, names, documented)
+        return Attribution("new" if on.present else "inconclusive", off.text, on.text, names)
+
+    def back(disabled: list[str]) -> bool:
+        return run(script, env, expected=expected, kvpatch="on", disable=tuple(disabled)).present is True
+
+    if not names or not back(names):
+        return Attribution("fixed by kvpatch (no single candidate brings it back)", off.text, on.text, names)
+    group = list(names)
+    while len(group) > 1:
+        half = group[: len(group) // 2]
+        group = half if back(half) else group[len(group) // 2 :]
+    if len(names) == 1 or back(group):
+        return Attribution(f"fixed by {group[0]}", off.text, on.text, names)
+    return Attribution(f"fixed by kvpatch (several of {', '.join(names)})", off.text, on.text, names)
+
+
+def environ(bucket: Any) -> dict[str, str]:
+    from ..envs import bucket_environ
+
+    return bucket_environ(bucket, base=dict(os.environ))

@@ -1,0 +1,208 @@
+"""``python -m kvpatch.maint.hunt``: hunt one or more matrix buckets with kvpatch off and on, and attribute every
+finding (:mod:`.attribute`).
+
+    python -m kvpatch.maint.hunt --bucket lm-0.31.3                  # text report
+    python -m kvpatch.maint.hunt --bucket vlm-0.7.10 --json --budget 60
+    python -m kvpatch.maint.hunt --newest --out hunt-results/        # the newest mlx-lm and mlx-vlm buckets
+
+The two hunts (kvpatch off, kvpatch on) run side by side in child processes of the bucket, each with the budget;
+attribution runs after them. Exit status: 0 when nothing is ``new`` and nothing found with kvpatch on is attributed
+to a patch (a patch that does not fix what it claims), 1 otherwise, 2 when a bucket could not be hunted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from . import attribute
+from .inbucket import MARK
+
+SCHEMA = "kvpatch.hunt/1"
+#: Seconds each of the two hunts of a bucket runs: with attribution, a bucket takes about four minutes on two cores.
+DEFAULT_BUDGET = 90.0
+LEVELS = ("cache", "lazy", "model")
+#: Child processes at a time while attributing (the project's machines have two cores).
+JOBS = 2
+
+
+def hunt_child(env: dict[str, str], spec: dict[str, Any], *, kvpatch: str, timeout: float) -> dict[str, Any]:
+    """Run the in-bucket hunt; its records by kind. A model-level process that dies inside one architecture (a
+    crash in upstream or mlx: no Python exception to report) is run again without it, for the rest of the budget."""
+    started = time.monotonic()
+    out = _hunt_once(env, spec, kvpatch=kvpatch, timeout=timeout)
+    crashed: list[str] = []
+    while out.get("failure") and out.pop("_open", None) is not None and time.monotonic() - started < spec["budget"]:
+        name = out["_last"]
+        crashed.append(name)
+        out.setdefault("architectures", {})[name] = {"covered": False, "why": f"the process died in it ({out['failure']})"}
+        left = max(spec["budget"] - (time.monotonic() - started), 1.0)
+        again = dict(spec, levels=["model"], budget=left, skip=[*spec.get("skip", ()), *crashed])
+        more = _hunt_once(env, again, kvpatch=kvpatch, timeout=timeout)
+        out["findings"] += more["findings"]
+        out["architectures"].update(more.get("architectures", {}))
+        out["failure"] = more.get("failure")
+        out["_open"], out["_last"] = more.get("_open"), more.get("_last")
+    out.pop("_open", None)
+    out.pop("_last", None)
+    if not out.get("failure"):
+        out.pop("failure", None)
+    return out
+
+
+def _hunt_once(env: dict[str, str], spec: dict[str, Any], *, kvpatch: str, timeout: float) -> dict[str, Any]:
+    child = {k: v for k, v in env.items() if not k.startswith("KVPATCH") or k in ("KVPATCH_CACHE", "KVPATCH_BUCKET")}
+    child["KVPATCH_VERIFY"] = "never"
+    child["PYTHONDONTWRITEBYTECODE"] = "1"
+    if kvpatch == "off":
+        child["KVPATCH"] = "off"
+    cmd = [sys.executable, "-P", "-m", "kvpatch.maint.hunt.inbucket", json.dumps(spec)]
+    out: dict[str, Any] = {"findings": [], "kvpatch": kvpatch, "_open": None, "_last": None}
+    with tempfile.TemporaryDirectory(prefix="kvpatch-hunt-") as cwd:
+        try:
+            proc = subprocess.run(cmd, cwd=cwd, env=child, capture_output=True, text=True, timeout=timeout)
+            stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            stderr, code = "timed out", None
+    for line in stdout.splitlines():
+        if line.startswith(MARK):
+            record = json.loads(line[len(MARK) :])
+            kind = record.pop("kind")
+            if kind == "finding":
+                out["findings"].append(record)
+            elif kind == "begin":
+                out["_open"] = out["_last"] = record["name"]
+            elif kind == "architecture":
+                out.setdefault("architectures", {})[record.pop("name")] = record
+                out["_open"] = None
+            else:
+                out[kind] = record
+    if code != 0:
+        out["failure"] = f"exit {code}: " + "\n".join(stderr.strip().splitlines()[-8:])
+    return out
+
+
+def hunt_bucket(name: str, *, budget: float, levels: Sequence[str], seed: int, modes: Sequence[str],
+                attribute_findings: bool = True) -> dict[str, Any]:
+    from ...registry import load
+    from ..matrix import BY_NAME
+
+    bucket = BY_NAME[name]
+    env = attribute.environ(bucket)
+    spec = {"budget": budget, "levels": list(levels), "seed": seed}
+    started = time.monotonic()
+    timeout = budget * 3 + 600
+    with ThreadPoolExecutor(max_workers=len(modes)) as pool:
+        runs = dict(zip(modes, pool.map(lambda m: hunt_child(env, spec, kvpatch=m, timeout=timeout), modes), strict=True))
+    hunted = time.monotonic() - started
+    releases = {d: bucket.version(d) for d in ("mlx-lm", "mlx-vlm")}
+    patches = load().patches
+    findings = []
+    seen: dict[tuple[str, ...], dict[str, Any]] = {}
+    for mode in modes:
+        for f in runs[mode]["findings"]:
+            key = tuple(f["signature"])
+            if key in seen:
+                seen[key]["hunts"].append(mode)
+                continue
+            f["hunts"] = [mode]
+            seen[key] = f
+            findings.append(f)
+    if attribute_findings:
+        with ThreadPoolExecutor(max_workers=JOBS) as pool:
+            done = pool.map(lambda f: attribute.attribute(f, env, patches, releases).as_json(), findings)
+            for f, attribution in zip(findings, done, strict=True):
+                f["attribution"] = attribution
+    return {
+        "bucket": name,
+        "releases": {d: v for d, v in releases.items() if v},
+        "budget": budget,
+        "levels": list(levels),
+        "hunts": {m: {k: v for k, v in r.items() if k != "findings"} for m, r in runs.items()},
+        "findings": findings,
+        "seconds": {"hunt": round(hunted, 1), "total": round(time.monotonic() - started, 1)},
+    }
+
+
+def verdict_of(f: dict[str, Any]) -> str:
+    return f.get("attribution", {}).get("verdict", "not attributed")
+
+
+def problems(result: dict[str, Any]) -> list[str]:
+    """What fails the command: a new finding, or one that kvpatch on still shows though a patch claims it."""
+    out = []
+    for f in result["findings"]:
+        verdict = verdict_of(f)
+        if verdict == "new":
+            out.append(f"{result['bucket']}: new: {f['target']}: {f['invariant']} after {f['operation']}")
+        elif verdict.startswith("fixed by") and "on" in f["hunts"]:
+            out.append(f"{result['bucket']}: found with kvpatch on, yet {verdict}: {f['target']}: {f['invariant']}")
+    return out
+
+
+def format_text(result: dict[str, Any], *, scripts: bool) -> str:
+    lines = [f"== {result['bucket']} ({', '.join(f'{d} {v}' for d, v in result['releases'].items())}): "
+             f"{len(result['findings'])} findings in {result['seconds']['total']} s"]
+    for mode, info in result["hunts"].items():
+        summary = info.get("summary", {})
+        lines.append(f"   hunt with kvpatch {mode}: {summary.get('counts', {})} in {summary.get('seconds', '?')} s"
+                     + (f"; FAILED: {info['failure']}" if info.get("failure") else ""))
+    for f in result["findings"]:
+        lines.append(f"  - [{verdict_of(f)}] {f['target']}: {f['invariant']} after {f['operation']} "
+                     f"({f['length']} lines; found with kvpatch {'/'.join(f['hunts'])})")
+        lines.append(f"      {f['detail']}")
+        if scripts:
+            lines.extend("      | " + s for s in f["script"].splitlines())
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ..matrix import BUCKETS, LM_BUCKETS, VLM_BUCKETS
+
+    parser = argparse.ArgumentParser(prog="python -m kvpatch.maint.hunt", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bucket", action="append", default=[], choices=[b.name for b in BUCKETS])
+    parser.add_argument("--newest", action="store_true", help="the newest mlx-lm and mlx-vlm buckets")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET, help="seconds per hunt (default %(default)s)")
+    parser.add_argument("--levels", default=",".join(LEVELS), help="cache, lazy, model (comma-separated)")
+    parser.add_argument("--kvpatch", choices=("both", "off", "on"), default="both", help="which hunts to run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-attribute", action="store_true", help="report findings without attributing them")
+    parser.add_argument("--scripts", action="store_true", help="print every reproduction")
+    parser.add_argument("--json", action="store_true", help=f"machine-readable output (schema {SCHEMA})")
+    parser.add_argument("--out", type=Path, help="write <bucket>.json there")
+    args = parser.parse_args(argv)
+    names = list(args.bucket)
+    if args.newest:
+        names += [LM_BUCKETS[-1].name, VLM_BUCKETS[-1].name]
+    if not names:
+        parser.error("name a --bucket (or --newest)")
+    modes = ("off", "on") if args.kvpatch == "both" else (args.kvpatch,)
+    levels = tuple(x.strip() for x in args.levels.split(",") if x.strip())
+    results = []
+    failed = False
+    for name in dict.fromkeys(names):
+        result = hunt_bucket(name, budget=args.budget, levels=levels, seed=args.seed, modes=modes,
+                             attribute_findings=not args.no_attribute)
+        failed = failed or any(info.get("failure") for info in result["hunts"].values())
+        results.append(result)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{name}.json").write_text(json.dumps({"schema": SCHEMA, **result}, indent=2), encoding="utf-8")
+        if not args.json:
+            print(format_text(result, scripts=args.scripts), flush=True)
+    found = [p for r in results for p in problems(r)]
+    if args.json:
+        print(json.dumps({"schema": SCHEMA, "results": results, "problems": found}, indent=2))
+    else:
+        for p in found:
+            print(f"HUNT: {p}")
+    return 2 if failed else (1 if found else 0)
