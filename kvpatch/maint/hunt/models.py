@@ -36,7 +36,7 @@ TINY: dict[str, Any] = {
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
     "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
     "num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2, "multi_query_group_num": 2,
-    "head_dim": 16, "kv_channels": 16,
+    "head_dim": 32, "kv_channels": 32,
     "vocab_size": 128, "n_vocab": 128, "padded_vocab_size": 128,
     "max_position_embeddings": 256, "n_positions": 256, "max_seq_len": 256,
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4, "n_experts": 4,
@@ -104,7 +104,29 @@ def tiny(config_cls: Any, model_type: str, module: Any = None) -> dict[str, Any]
             out[name] = next((v for k, v in BY_TYPE.items() if k in annotation), 1)
             if annotation.startswith(("list", "typing.list")):
                 out[name] = _per_layer(annotation, TINY["num_hidden_layers"])
+        else:
+            rope = _default(f)
+            if isinstance(rope, dict) and "mrope_section" in rope:
+                out[name] = _mrope(rope, out.get("head_dim", TINY["head_dim"]), out.get("partial_rotary_factor"))
     return out
+
+
+def _default(f: Any) -> Any:
+    if isinstance(f, dataclasses.Field):
+        if f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        return None if f.default is dataclasses.MISSING else f.default
+    return None
+
+
+def _mrope(rope: dict[str, Any], head_dim: int, partial: float | None) -> dict[str, Any]:
+    """Rope parameters whose multimodal sections (which must add up to half the rotary dimension) fit the tiny head
+    dimension, split in the proportions of the defaults."""
+    half = int(head_dim * (rope.get("partial_rotary_factor") or partial or 1.0)) // 2
+    sections = list(rope["mrope_section"])
+    scaled = [max(1, half * s // sum(sections)) for s in sections]
+    scaled[0] += half - sum(scaled)
+    return {**rope, "mrope_section": scaled}
 
 
 def _per_layer(annotation: str, layers: int) -> list[Any]:
@@ -204,14 +226,18 @@ def lm_lines(args: dict[str, Any], prompts: list[list[int]]) -> list[str]:
 
 
 def vlm_model(arch: str) -> tuple[list[str], dict[str, Any]]:
-    """The header and the text config of a tiny mlx-vlm ``arch`` language model (raises where it cannot)."""
+    """The header and the configs of a tiny mlx-vlm ``arch`` language model (raises where it cannot): its
+    ``TextConfig`` (else its ``ModelConfig``), and the ``ModelConfig`` too where the language model takes both."""
     config = importlib.import_module(f"mlx_vlm.models.{arch}.config")
-    importlib.import_module(f"mlx_vlm.models.{arch}.language")
-    args = tiny(config.TextConfig, arch, config)
+    language = importlib.import_module(f"mlx_vlm.models.{arch}.language")
+    text_cls = "TextConfig" if hasattr(config, "TextConfig") else "ModelConfig"
+    args: dict[str, Any] = {"cls": text_cls, "text": tiny(getattr(config, text_cls), arch, config)}
+    if text_cls == "TextConfig" and len(inspect.signature(language.LanguageModel).parameters) > 1:
+        args["model"] = {**tiny(config.ModelConfig, arch, config), "text_config": args["text"]}
     maker = _vlm_make_cache()
     head = [
         "import mlx.core as mx",
-        f"from mlx_vlm.models.{arch}.config import TextConfig",
+        f"from mlx_vlm.models.{arch}.config import {text_cls}" + (", ModelConfig" if "model" in args else ""),
         f"from mlx_vlm.models.{arch}.language import LanguageModel",
         "from mlx_vlm.models.cache import make_prompt_cache",
         f"from {maker} import _make_cache",
@@ -232,9 +258,12 @@ def _vlm_make_cache() -> str:
 
 def vlm_lines(args: dict[str, Any], prompts: list[list[int]]) -> list[str]:
     """The reproduction of one mlx-vlm language model: its batch caches against make_prompt_cache alone."""
+    built = f"{args['cls']}(**{args['text']!r})"
+    if "model" in args:
+        built += f", ModelConfig.from_dict({args['model']!r})"
     return [
         "mx.random.seed(0)",
-        f"model = LanguageModel(TextConfig(**{args!r}))",
+        f"model = LanguageModel({built})",
         f"prompts = {prompts!r}",
         "pad = [max(map(len, prompts)) - len(p) for p in prompts]",
         "cache = _make_cache(model, pad)",
@@ -275,7 +304,7 @@ def one(dist: str, arch: str, prompts_of: Driver) -> tuple[Caught | None, str | 
         head, args = build(arch)
     except (Exception, SystemExit) as exc:  # a model module may exit on import (a missing optional package)
         return None, _why(exc)
-    prompts = prompts_of.prompts(int(args.get("vocab_size", TINY["vocab_size"])))
+    prompts = prompts_of.prompts(int(args.get("text", args).get("vocab_size", TINY["vocab_size"])))
     lines = lines_of(args, prompts)
     setup, drive = lines[:2], lines[2:]
     try:

@@ -26,7 +26,9 @@ BASE: dict[str, str] = {"mlx_lm": "mlx_lm.models.base", "mlx_vlm": "mlx_vlm.mode
 
 WINDOW = 5  # a rotating cache's window: small, so that a few tokens wrap it
 #: Constructor parameters the hunt knows how to fill, by name (``left_padding`` is the rows' own).
-KNOWN_PARAMETERS: dict[str, Any] = {"max_size": WINDOW, "group_size": 32, "bits": 4, "chunk_size": 4, "size": 1}
+KNOWN_PARAMETERS: dict[str, Any] = {
+    "max_size": WINDOW, "group_size": 32, "bits": 4, "chunk_size": 4, "size": 1, "ratio": 4,
+}
 #: Batch operations a batch class is expected to offer when its package's BatchKVCache does (``has-operations``).
 BATCH_OPERATIONS = ("prepare", "finalize", "filter", "extend", "extract", "make_mask")
 
@@ -91,14 +93,16 @@ def _own_classes(module: Any) -> list[type]:
 
 
 def _find(distribution: str, name: str) -> tuple[str, type] | None:
+    """The class ``name`` as the distribution's cache modules offer it (its own or one it re-exports), and the module
+    to import it from."""
     for module_name in MODULES[distribution]:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
         obj = getattr(module, name, None)
-        if isinstance(obj, type) and obj.__module__.split(".", 1)[0] == distribution:
-            return obj.__module__, obj
+        if isinstance(obj, type):
+            return module_name, obj
     return None
 
 
