@@ -84,6 +84,10 @@ INTEGRATION_HERE: frozenset[str] = frozenset(
         "test_pytest_plugin.py::test_kvpatch_off_fails_the_session_via_ini",
         "test_pytest_plugin.py::test_option_off_ignores_a_disabled_patch",
         "test_pytest_plugin.py::test_require_applied_at_server_start",
+        # the bug hunt's own proof that it can fail (tests/hunt): hunts in bucket child processes, minutes
+        "test_hunt_can_fail.py::test_planted_filter_bug_is_found_and_shrunk",
+        "test_hunt_can_fail.py::test_lazy_drive_finds_the_offset_growth_and_not_with_kvpatch_on",
+        "test_hunt_can_fail.py::test_attribution_names_the_patch_that_fixes_a_catalogue_bug",
     }
 )
 

@@ -90,9 +90,14 @@ def run(script: str, env: Mapping[str, str], *, expected: str, kvpatch: str, dis
             return Run(None, f"timed out after {TIMEOUT:.0f} s")
     if proc.returncode == 0:
         return Run(False, (proc.stdout.strip().splitlines() or [""])[-1])
-    last = (proc.stderr.strip().splitlines() or [""])[-1]
+    raised = [line for line in proc.stderr.splitlines() if _RAISED.match(line)]
+    last = raised[-1] if raised else (proc.stderr.strip().splitlines() or [""])[-1]
     kind = last.split(":", 1)[0].strip().rsplit(".", 1)[-1]
     return Run(True, last) if kind == expected else Run(None, last)
+
+
+#: A traceback's closing line: the exception's (dotted) type, a colon (a message may span more lines after it).
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b(:|$)")
 
 
 @dataclass

@@ -97,20 +97,44 @@ def _hunt_once(env: dict[str, str], spec: dict[str, Any], *, kvpatch: str, timeo
     return out
 
 
-def hunt_bucket(name: str, *, budget: float, levels: Sequence[str], seed: int, modes: Sequence[str],
-                attribute_findings: bool = True) -> dict[str, Any]:
-    from ...registry import load
+def bucket_place(name: str) -> tuple[dict[str, str], dict[str, str | None]]:
+    """A matrix bucket's environment and releases."""
     from ..matrix import BY_NAME
 
     bucket = BY_NAME[name]
-    env = attribute.environ(bucket)
+    return attribute.environ(bucket), {d: bucket.version(d) for d in ("mlx-lm", "mlx-vlm")}
+
+
+def newest_places() -> list[tuple[str, dict[str, str], dict[str, str | None]]]:
+    """The newest mlx-lm and mlx-vlm on the package index (releases under 48 hours old left out), each layered with
+    the mlx it asks for, as ``kvpatch upstream-check`` plans them: (name, environment, releases) for each."""
+    import datetime as dt
+    import os
+
+    from ..upstream_check import Planner
+
+    planner = Planner(include_fresh=False, now=dt.datetime.now(dt.timezone.utc))
+    lm, vlm = planner.target("mlx-lm", None), planner.target("mlx-vlm", None)
+    out = []
+    for env in planner.plan(lm, None, ()) + planner.plan(None, vlm, ()):
+        name = " + ".join(f"{d} {v}" for d, v in env.versions.items() if d != "mlx")
+        layered = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in env.layers)}
+        out.append((name, layered, {d: env.versions.get(d) for d in ("mlx-lm", "mlx-vlm")}))
+    return out
+
+
+def hunt_bucket(name: str, *, budget: float, levels: Sequence[str], seed: int, modes: Sequence[str],
+                attribute_findings: bool = True, place: Any = None) -> dict[str, Any]:
+    """Hunt one environment: a matrix bucket by ``name``, or ``place`` = (environment, releases)."""
+    from ...registry import load
+
+    env, releases = place if place is not None else bucket_place(name)
     spec = {"budget": budget, "levels": list(levels), "seed": seed}
     started = time.monotonic()
     timeout = budget * 3 + 600
     with ThreadPoolExecutor(max_workers=len(modes)) as pool:
         runs = dict(zip(modes, pool.map(lambda m: hunt_child(env, spec, kvpatch=m, timeout=timeout), modes), strict=True))
     hunted = time.monotonic() - started
-    releases = {d: bucket.version(d) for d in ("mlx-lm", "mlx-vlm")}
     patches = load().patches
     findings = []
     seen: dict[tuple[str, ...], dict[str, Any]] = {}
@@ -118,7 +142,10 @@ def hunt_bucket(name: str, *, budget: float, levels: Sequence[str], seed: int, m
         for f in runs[mode]["findings"]:
             key = tuple(f["signature"])
             if key in seen:
-                seen[key]["hunts"].append(mode)
+                # found with kvpatch on as well: that hunt's reproduction is the one to attribute (what remains)
+                f["hunts"] = [*seen[key]["hunts"], mode]
+                findings[findings.index(seen[key])] = f
+                seen[key] = f
                 continue
             f["hunts"] = [mode]
             seen[key] = f
@@ -171,14 +198,18 @@ def format_text(result: dict[str, Any], *, scripts: bool) -> str:
     lines = [f"== {result['bucket']} ({', '.join(f'{d} {v}' for d, v in result['releases'].items())}): "
              f"{len(result['findings'])} findings in {result['seconds']['total']} s"]
     for mode, info in result["hunts"].items():
-        summary = info.get("summary", {})
-        lines.append(f"   hunt with kvpatch {mode}: {summary.get('counts', {})} in {summary.get('seconds', '?')} s"
+        counts: dict[str, int] = {}
+        for f in result["findings"]:
+            if mode in f["hunts"]:
+                counts[f["level"]] = counts.get(f["level"], 0) + 1
+        covered = sum(1 for a in info.get("architectures", {}).values() if a.get("covered"))
+        lines.append(f"   hunt with kvpatch {mode}: findings {counts}, {covered} architectures covered"
                      + (f"; FAILED: {info['failure']}" if info.get("failure") else ""))
     for f in result["findings"]:
         lines.append(f"  - [{verdict_of(f)}] {f['target']}: {f['invariant']} after {f['operation']} "
                      f"({f['length']} lines; found with kvpatch {'/'.join(f['hunts'])})")
         lines.append(f"      {f['detail']}")
-        if scripts:
+        if scripts or verdict_of(f) == "new":  # a new finding's reproduction is what a maintainer reads first
             lines.extend("      | " + s for s in f["script"].splitlines())
     return "\n".join(lines)
 
@@ -189,32 +220,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpatch.maint.hunt", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bucket", action="append", default=[], choices=[b.name for b in BUCKETS])
     parser.add_argument("--newest", action="store_true", help="the newest mlx-lm and mlx-vlm buckets")
+    parser.add_argument(
+        "--upstream", action="store_true", help="the newest mlx-lm and mlx-vlm on the package index (CI's short hunt)"
+    )
+    parser.add_argument("--report-only", action="store_true", help="exit 0 whatever is found (CI: findings are read)")
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET, help="seconds per hunt (default %(default)s)")
     parser.add_argument("--levels", default=",".join(LEVELS), help="cache, lazy, model (comma-separated)")
     parser.add_argument("--kvpatch", choices=("both", "off", "on"), default="both", help="which hunts to run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-attribute", action="store_true", help="report findings without attributing them")
-    parser.add_argument("--scripts", action="store_true", help="print every reproduction")
+    parser.add_argument("--scripts", action="store_true", help="print every reproduction (a new one is always printed)")
     parser.add_argument("--json", action="store_true", help=f"machine-readable output (schema {SCHEMA})")
     parser.add_argument("--out", type=Path, help="write <bucket>.json there")
     args = parser.parse_args(argv)
     names = list(args.bucket)
     if args.newest:
         names += [LM_BUCKETS[-1].name, VLM_BUCKETS[-1].name]
-    if not names:
-        parser.error("name a --bucket (or --newest)")
+    places: list[tuple[str, Any]] = [(name, None) for name in dict.fromkeys(names)]
+    if args.upstream:
+        places += [(name, (env, releases)) for name, env, releases in newest_places()]
+    if not places:
+        parser.error("name a --bucket (or --newest, --upstream)")
     modes = ("off", "on") if args.kvpatch == "both" else (args.kvpatch,)
     levels = tuple(x.strip() for x in args.levels.split(",") if x.strip())
     results = []
     failed = False
-    for name in dict.fromkeys(names):
+    for name, place in places:
         result = hunt_bucket(name, budget=args.budget, levels=levels, seed=args.seed, modes=modes,
-                             attribute_findings=not args.no_attribute)
+                             attribute_findings=not args.no_attribute, place=place)
         failed = failed or any(info.get("failure") for info in result["hunts"].values())
         results.append(result)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"{name}.json").write_text(json.dumps({"schema": SCHEMA, **result}, indent=2), encoding="utf-8")
+            (args.out / f"{name.replace(' ', '-').replace('+', '')}.json").write_text(json.dumps({"schema": SCHEMA, **result}, indent=2), encoding="utf-8")
         if not args.json:
             print(format_text(result, scripts=args.scripts), flush=True)
     found = [p for r in results for p in problems(r)]
@@ -223,4 +261,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         for p in found:
             print(f"HUNT: {p}")
+    if args.report_only:
+        return 0
     return 2 if failed else (1 if found else 0)

@@ -41,6 +41,32 @@ def where(found: dict[str, str | None]) -> str:
     return ", ".join(f"{d} {v}" for d, v in found.items() if v)
 
 
+def related(script: str) -> list[str]:
+    """The upstream modules the script's upstream modules take functions and classes from (a re-export: mlx-vlm <=
+    0.6.3's cache module is mlx-lm's classes, its attention calls mlx-lm's quantized attention): a patch there may
+    bear on the finding too."""
+    import importlib
+    import re
+
+    out: list[str] = []
+    for name in re.findall(r"^from (mlx_(?:lm|vlm)[\w.]*) import", script, flags=re.M):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for value in vars(module).values():
+            origin = getattr(value, "__module__", None)
+            if (
+                isinstance(origin, str)
+                and origin != name
+                and origin.split(".", 1)[0] in ("mlx_lm", "mlx_vlm")
+                and (isinstance(value, type) or callable(value))
+                and origin not in out
+            ):
+                out.append(origin)
+    return out
+
+
 def finding(caught: Caught, level: str, at: str) -> dict[str, Any]:
     v = caught.violation
     text = repro.script(caught, at)
@@ -55,7 +81,7 @@ def finding(caught: Caught, level: str, at: str) -> dict[str, Any]:
         "detail": v.detail,
         "signature": list(v.signature),
         "script": text,
-        "modules": caught.modules,
+        "modules": caught.modules or related(text),
         "length": repro.length(text),
     }
 

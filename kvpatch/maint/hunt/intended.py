@@ -25,6 +25,13 @@ INTENDED: tuple[Intended, ...] = (
         "mlx-lm's BatchRotatingKVCache.update_and_fetch raises this RuntimeError itself: a right-padded prefill must be "
         "finalized before a single-token step (mlx_lm/models/cache.py, BatchRotatingKVCache.update_and_fetch)",
     ),
+    Intended(
+        r"",
+        "model-runs",
+        r"does not yet support batching",
+        "the batch path refuses a model whose caches it cannot batch with this ValueError of its own (mlx-lm's "
+        "mlx_lm/generate.py and mlx-vlm's generate module, _make_cache / _merge_caches)",
+    ),
 )
 
 

@@ -74,11 +74,13 @@ def length(text: str) -> int:
     in_doc = False
     for line in text.splitlines():
         stripped = line.strip()
+        quotes = stripped.count('"""')
+        if in_doc:
+            in_doc = quotes % 2 == 0
+            continue
         if stripped.startswith('"""'):
-            if not (len(stripped) > 3 and stripped.endswith('"""')):
-                in_doc = not in_doc
+            in_doc = quotes % 2 == 1
             continue
-        if in_doc or not stripped or stripped.startswith("#"):
-            continue
-        count += 1
+        if stripped and not stripped.startswith("#"):
+            count += 1
     return count

@@ -44,15 +44,11 @@ def step(cache, rows, seed, n, left=None, right=None, dims=(32, 32), dtype=mx.fl
     return [(out[i : i + 1, :, s], alone(row, *xs)) for i, s, row, xs in own], keys, k
 
 
-def roundtrip(cache):
-    """A fresh cache of the same class restored from its state (and meta_state), as a prompt-cache load does."""
-    cls = type(cache)
-    if not hasattr(cls, "meta_state"):
-        return cls.from_state(cache.state)
-    if hasattr(cls, "from_state"):
-        return cls.from_state(cache.state, cache.meta_state)
-    fresh = cls.__new__(cls)
-    fresh.state, fresh.meta_state = cache.state, cache.meta_state
+def restore(cache, fresh):
+    """A fresh cache of the same class given the cache's state (and meta_state), as a prefix-cache restore does."""
+    fresh.state = cache.state
+    if hasattr(type(cache), "meta_state"):
+        fresh.meta_state = cache.meta_state
     return fresh
 
 

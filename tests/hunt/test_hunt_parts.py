@@ -1,0 +1,101 @@
+"""The hunt's parts that need no mlx: how a finding's candidate patches are read from the registry, how a
+reproduction is measured, which findings are attributed together, documented behaviour, tiny configs by field name,
+and where hypothesis is installed (unit tier)."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from kvpatch.maint.hunt import attribute, cli, intended, models, repro
+from kvpatch.registry import load
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = """\
+# a reproduction
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+
+cache = BatchKVCache(left_padding=[1, 0])
+"""
+
+
+def test_candidates_are_the_applicable_patches_on_the_classes_a_reproduction_names():
+    patches = load().patches
+    names = attribute.candidates(SCRIPT, patches, {"mlx-lm": "0.31.3", "mlx-vlm": None})
+    assert "batch-trim-capped" in names and "offset-rebind" in names  # BatchKVCache targets, in range on 0.31.3
+    assert "qsdpa-gqa-batch-mask" in names  # a module-level function of mlx_lm.models.base
+    assert "mask-fill" not in names  # mlx-lm < 0.24.0 only
+    assert "rotating-merge-empty" not in names  # BatchRotatingKVCache: not named by the script
+    assert not [n for n in names if next(p for p in patches if p.id == n).distribution == "mlx-vlm"]
+    old = attribute.candidates(SCRIPT, patches, {"mlx-lm": "0.22.0"})
+    assert {"mask-fill", "qsdpa-gqa-batch-mask"} <= set(old) and "batch-trim-capped" not in old
+
+
+def test_model_level_candidates_take_every_target_of_the_modules_a_model_reaches():
+    patches = load().patches
+    script = "from mlx_lm.models import gemma3n as arch\nfrom mlx_lm.generate import BatchGenerator\n"
+    plain = attribute.candidates(script, patches, {"mlx-lm": "0.31.3"})
+    whole = attribute.candidates(script, patches, {"mlx-lm": "0.31.3"}, ("mlx_lm.models.cache",))
+    assert "rotating-merge-empty" not in plain and "rotating-merge-empty" in whole
+
+
+def test_reproduction_length_counts_lines_of_code_only():
+    text = '# comment\n"""doc\nstring"""\n\nimport mlx.core as mx\n\n\ndef f():\n    """one line"""\n    return 1\n'
+    assert repro.length(text) == 3
+
+
+def test_findings_of_one_class_invariant_and_operation_are_attributed_together():
+    a = {"target": "m.C", "invariant": "rows-agree", "operation": "decode", "error": None, "hunts": ["off"]}
+    b = dict(a, operation="update")
+    c = dict(a, operation="filter")
+    assert cli.kinship(a) == cli.kinship(b) != cli.kinship(c)
+    assert cli.kinship(a) != cli.kinship(dict(a, hunts=["off", "on"]))
+
+
+def test_documented_behaviour_matches_by_class_invariant_and_detail():
+    finding = {
+        "target": "mlx_lm.models.cache.BatchRotatingKVCache",
+        "invariant": "no-crash",
+        "detail": "RuntimeError: finalize() should be called before deocoding with BatchRotatingKVCache",
+    }
+    assert intended.match(finding)
+    assert intended.match(dict(finding, target="mlx_lm.models.cache.BatchKVCache")) is None
+    assert intended.match(dict(finding, invariant="rows-agree")) is None
+
+
+@dataclasses.dataclass
+class _Config:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: list[str]
+    activation_sparsity_pattern: list[float]
+    unknown_count: int
+    rope_scaling: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"type": "mrope", "mrope_section": [16, 24, 24]}
+    )
+    vocab_size: int = 262144
+
+
+def test_tiny_configs_come_from_field_names():
+    args = models.tiny(_Config, "demo")
+    layers = models.TINY["num_hidden_layers"]
+    assert args["model_type"] == "demo" and args["hidden_size"] == models.TINY["hidden_size"]
+    assert args["vocab_size"] == models.TINY["vocab_size"]  # a default that is not tiny is shrunk too
+    assert args["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"][:layers]
+    assert args["activation_sparsity_pattern"] == [0.0] * layers
+    assert args["unknown_count"] == models.BY_TYPE["int"]
+    sections = args["rope_scaling"]["mrope_section"]
+    assert sum(sections) == models.TINY["head_dim"] // 2 and len(sections) == 3
+
+
+def test_hypothesis_is_a_test_dependency_never_a_runtime_one():
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    assert not [d for d in pyproject["project"]["dependencies"] if d.startswith("hypothesis")]
+    assert [d for d in pyproject["dependency-groups"]["test"] if d.startswith("hypothesis")]
