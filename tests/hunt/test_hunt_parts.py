@@ -5,9 +5,10 @@ and where hypothesis is installed (unit tier)."""
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvpatch.maint.hunt import attribute, cli, intended, models, repro
 from kvpatch.registry import load
@@ -96,6 +97,10 @@ def test_tiny_configs_come_from_field_names():
 
 
 def test_hypothesis_is_a_test_dependency_never_a_runtime_one():
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml on Python 3.10 needs tomli")
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     assert not [d for d in pyproject["project"]["dependencies"] if d.startswith("hypothesis")]
     assert [d for d in pyproject["dependency-groups"]["test"] if d.startswith("hypothesis")]

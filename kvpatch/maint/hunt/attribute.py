@@ -112,8 +112,9 @@ class Attribution:
         return {k: v for k, v in vars(self).items() if v is not None}
 
 
-def attribute(finding: dict[str, Any], env: Mapping[str, str], patches: list[Patch],
-              releases: Mapping[str, str | None]) -> Attribution:
+def attribute(
+    finding: dict[str, Any], env: Mapping[str, str], patches: list[Patch], releases: Mapping[str, str | None]
+) -> Attribution:
     """Attribute one finding (a record the in-bucket hunt emitted)."""
     script = finding["script"]
     expected = finding.get("error") or "AssertionError"

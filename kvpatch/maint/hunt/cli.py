@@ -44,7 +44,10 @@ def hunt_child(env: dict[str, str], spec: dict[str, Any], *, kvpatch: str, timeo
     while out.get("failure") and out.pop("_open", None) is not None and time.monotonic() - started < spec["budget"]:
         name = out["_last"]
         crashed.append(name)
-        out.setdefault("architectures", {})[name] = {"covered": False, "why": f"the process died in it ({out['failure']})"}
+        out.setdefault("architectures", {})[name] = {
+            "covered": False,
+            "why": f"the process died in it ({out['failure']})",
+        }
         left = max(spec["budget"] - (time.monotonic() - started), 1.0)
         skip = [*spec.get("skip", ()), *crashed, *out["architectures"]]
         again = dict(spec, levels=["model"], budget=left, skip=skip)
@@ -123,8 +126,16 @@ def newest_places() -> list[tuple[str, dict[str, str], dict[str, str | None]]]:
     return out
 
 
-def hunt_bucket(name: str, *, budget: float, levels: Sequence[str], seed: int, modes: Sequence[str],
-                attribute_findings: bool = True, place: Any = None) -> dict[str, Any]:
+def hunt_bucket(
+    name: str,
+    *,
+    budget: float,
+    levels: Sequence[str],
+    seed: int,
+    modes: Sequence[str],
+    attribute_findings: bool = True,
+    place: Any = None,
+) -> dict[str, Any]:
     """Hunt one environment: a matrix bucket by ``name``, or ``place`` = (environment, releases)."""
     from ...registry import load
 
@@ -133,10 +144,12 @@ def hunt_bucket(name: str, *, budget: float, levels: Sequence[str], seed: int, m
     started = time.monotonic()
     timeout = budget * 3 + 600
     with ThreadPoolExecutor(max_workers=len(modes)) as pool:
-        runs = dict(zip(modes, pool.map(lambda m: hunt_child(env, spec, kvpatch=m, timeout=timeout), modes), strict=True))
+        runs = dict(
+            zip(modes, pool.map(lambda m: hunt_child(env, spec, kvpatch=m, timeout=timeout), modes), strict=True)
+        )
     hunted = time.monotonic() - started
     patches = load().patches
-    findings = []
+    findings: list[dict[str, Any]] = []
     seen: dict[tuple[str, ...], dict[str, Any]] = {}
     for mode in modes:
         for f in runs[mode]["findings"]:
@@ -195,19 +208,25 @@ def problems(result: dict[str, Any]) -> list[str]:
 
 
 def format_text(result: dict[str, Any], *, scripts: bool) -> str:
-    lines = [f"== {result['bucket']} ({', '.join(f'{d} {v}' for d, v in result['releases'].items())}): "
-             f"{len(result['findings'])} findings in {result['seconds']['total']} s"]
+    lines = [
+        f"== {result['bucket']} ({', '.join(f'{d} {v}' for d, v in result['releases'].items())}): "
+        f"{len(result['findings'])} findings in {result['seconds']['total']} s"
+    ]
     for mode, info in result["hunts"].items():
         counts: dict[str, int] = {}
         for f in result["findings"]:
             if mode in f["hunts"]:
                 counts[f["level"]] = counts.get(f["level"], 0) + 1
         covered = sum(1 for a in info.get("architectures", {}).values() if a.get("covered"))
-        lines.append(f"   hunt with kvpatch {mode}: findings {counts}, {covered} architectures covered"
-                     + (f"; FAILED: {info['failure']}" if info.get("failure") else ""))
+        lines.append(
+            f"   hunt with kvpatch {mode}: findings {counts}, {covered} architectures covered"
+            + (f"; FAILED: {info['failure']}" if info.get("failure") else "")
+        )
     for f in result["findings"]:
-        lines.append(f"  - [{verdict_of(f)}] {f['target']}: {f['invariant']} after {f['operation']} "
-                     f"({f['length']} lines; found with kvpatch {'/'.join(f['hunts'])})")
+        lines.append(
+            f"  - [{verdict_of(f)}] {f['target']}: {f['invariant']} after {f['operation']} "
+            f"({f['length']} lines; found with kvpatch {'/'.join(f['hunts'])})"
+        )
         lines.append(f"      {f['detail']}")
         if scripts or verdict_of(f) == "new":  # a new finding's reproduction is what a maintainer reads first
             lines.extend("      | " + s for s in f["script"].splitlines())
@@ -246,13 +265,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     failed = False
     for name, place in places:
-        result = hunt_bucket(name, budget=args.budget, levels=levels, seed=args.seed, modes=modes,
-                             attribute_findings=not args.no_attribute, place=place)
+        result = hunt_bucket(
+            name,
+            budget=args.budget,
+            levels=levels,
+            seed=args.seed,
+            modes=modes,
+            attribute_findings=not args.no_attribute,
+            place=place,
+        )
         failed = failed or any(info.get("failure") for info in result["hunts"].values())
         results.append(result)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"{name.replace(' ', '-').replace('+', '')}.json").write_text(json.dumps({"schema": SCHEMA, **result}, indent=2), encoding="utf-8")
+            (args.out / f"{name.replace(' ', '-').replace('+', '')}.json").write_text(
+                json.dumps({"schema": SCHEMA, **result}, indent=2), encoding="utf-8"
+            )
         if not args.json:
             print(format_text(result, scripts=args.scripts), flush=True)
     found = [p for r in results for p in problems(r)]

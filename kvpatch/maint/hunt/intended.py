@@ -22,8 +22,8 @@ INTENDED: tuple[Intended, ...] = (
         r"\.BatchRotatingKVCache$",
         "no-crash",
         r"finalize\(\) should be called before",
-        "mlx-lm's BatchRotatingKVCache.update_and_fetch raises this RuntimeError itself: a right-padded prefill must be "
-        "finalized before a single-token step (mlx_lm/models/cache.py, BatchRotatingKVCache.update_and_fetch)",
+        "mlx-lm's BatchRotatingKVCache.update_and_fetch raises this RuntimeError itself: a right-padded prefill must "
+        "be finalized before a single-token step (mlx_lm/models/cache.py, BatchRotatingKVCache.update_and_fetch)",
     ),
     Intended(
         r"",

@@ -15,6 +15,7 @@ import itertools
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -83,14 +84,39 @@ def bound(dtype: Any, pairs: list[tuple[Any, Any]]) -> float:
     return _numbers.CLEAR * _numbers.rounding(dtype, scale)
 
 
-class CacheMachine(RuleBasedStateMachine):
-    """Drives one KV cache class (a batch class against its single-row class, or a single-row class against
-    itself fed one token at a time)."""
+class Machine(RuleBasedStateMachine):
+    """What the machines share: the target, the known signatures, the violations caught, the deadline, the tape."""
 
     target: ClassVar[Target]
     known: ClassVar[set[tuple[str, ...]]]
     caught: ClassVar[list[Caught]]
     deadline: ClassVar[float] = float("inf")  # time.monotonic() past which every rule rejects
+    tape: Tape
+    seeds: Iterator[int]
+
+    def fail(self, invariant: str, detail: str, operation: str, situation: tuple[str, ...], **more: Any) -> None:
+        violation = Violation(invariant, detail, operation, situation, self.target.id, **more)
+        if violation.signature in self.known:
+            reject()
+        self.caught.append(Caught(violation, list(self.tape.head), list(self.tape.lines)))
+        raise violation
+
+    def run(self, operation: str, situation: tuple[str, ...], *lines: str) -> None:
+        """Run upstream's lines; an exception there is a ``no-crash`` violation."""
+        for line in lines:
+            try:
+                self.tape.run(line)
+            except Exception as exc:
+                text = traceback.format_exception_only(type(exc), exc)[-1].strip()
+                self.fail("no-crash", text, operation, situation, error=type(exc).__name__)
+
+    def seed(self) -> int:
+        return next(self.seeds)
+
+
+class CacheMachine(Machine):
+    """Drives one KV cache class (a batch class against its single-row class, or a single-row class against
+    itself fed one token at a time)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -141,25 +167,6 @@ class CacheMachine(RuleBasedStateMachine):
             flags.append("window-wrapped")
         return tuple(flags)
 
-    def fail(self, invariant: str, detail: str, operation: str, situation: tuple[str, ...], **more: Any) -> None:
-        violation = Violation(invariant, detail, operation, situation, self.target.id, **more)
-        if violation.signature in self.known:
-            reject()
-        self.caught.append(Caught(violation, list(self.tape.head), list(self.tape.lines)))
-        raise violation
-
-    def run(self, operation: str, situation: tuple[str, ...], *lines: str) -> None:
-        """Run upstream's lines; an exception there is a ``no-crash`` violation."""
-        for line in lines:
-            try:
-                self.tape.run(line)
-            except Exception as exc:
-                text = traceback.format_exception_only(type(exc), exc)[-1].strip()
-                self.fail("no-crash", text, operation, situation, error=type(exc).__name__)
-
-    def seed(self) -> int:
-        return next(self.seeds)
-
     def data_args(self) -> str:
         return f"dims={self.dims}, dtype={self.dtype}"
 
@@ -168,7 +175,7 @@ class CacheMachine(RuleBasedStateMachine):
     def check_pairs(self, operation: str, situation: tuple[str, ...], expression: str = "pairs") -> None:
         pairs = self.tape.value(expression)
         dtype = self.tape.value(self.dtype)
-        for got, want in pairs:
+        for got, _ in pairs:
             if got.dtype != dtype:
                 self.fail(
                     "dtype-kept",
@@ -190,7 +197,7 @@ class CacheMachine(RuleBasedStateMachine):
                 check=[
                     f"err = max(mx.abs(a - b).max().item() for a, b in {expression})",
                     "print('largest difference between a row in the batch and the same row alone:', err)",
-                    f"assert err <= {bound(dtype, pairs):.2g}, err  # {_numbers.CLEAR}x this dtype's rounding at this magnitude",
+                    f"assert err <= {bound(dtype, pairs):.2g}, err  # {_numbers.CLEAR}x the dtype's rounding here",
                 ],
             )
 
@@ -400,11 +407,13 @@ class CacheMachine(RuleBasedStateMachine):
         self._step(n, None, "update" if n > 1 else "decode")
 
     @precondition(
-        lambda self: self.started
-        and self.batch
-        and self.pending is None
-        and "prepare" in self.target.operations
-        and not any(r.lead for r in self.rows)
+        lambda self: (
+            self.started
+            and self.batch
+            and self.pending is None
+            and "prepare" in self.target.operations
+            and not any(r.lead for r in self.rows)
+        )
     )
     @rule(n=st.integers(2, 4), data=st.data())
     def update_right_padded(self, n: int, data: st.DataObject) -> None:
@@ -425,7 +434,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.pending = None
         self.after("finalize", situation)
 
-    @precondition(lambda self: self.started and self.batch and len(self.rows) > 1 and "filter" in self.target.operations)
+    @precondition(
+        lambda self: self.started and self.batch and len(self.rows) > 1 and "filter" in self.target.operations
+    )
     @rule(data=st.data())
     def filter(self, data: st.DataObject) -> None:
         keep = sorted(data.draw(st.sets(st.integers(0, len(self.rows) - 1), min_size=1, max_size=len(self.rows) - 1)))
@@ -497,8 +508,10 @@ class CacheMachine(RuleBasedStateMachine):
                 f"extract({i}).offset is {got}, row {i} alone has {want}",
                 "extract",
                 situation,
-                check=[f"print('extracted offset:', single.offset, 'row alone:', rows[{i}].offset)",
-                       f"assert single.offset == rows[{i}].offset"],
+                check=[
+                    f"print('extracted offset:', single.offset, 'row alone:', rows[{i}].offset)",
+                    f"assert single.offset == rows[{i}].offset",
+                ],
             )
         seed = self.seed()
         probe = (
@@ -509,7 +522,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.check_pairs("extract", situation)
         self.after("extract", situation)
 
-    @precondition(lambda self: self.started and self.pending is None and self.rows and not any(r.lead for r in self.rows))
+    @precondition(
+        lambda self: self.started and self.pending is None and self.rows and not any(r.lead for r in self.rows)
+    )
     @rule(n=st.integers(1, 3))
     def trim(self, n: int) -> None:
         """Trim n tokens (speculative decoding's rollback): rows that still expect their prompt's padding hold no
@@ -524,8 +539,10 @@ class CacheMachine(RuleBasedStateMachine):
                 f"the batch says is_trimmable()={batch}, its rows alone {rows}",
                 "is_trimmable",
                 situation,
-                check=["print('batch is_trimmable:', trimmable[0], 'rows alone:', trimmable[1])",
-                       "assert trimmable[0] == all(trimmable[1])"],
+                check=[
+                    "print('batch is_trimmable:', trimmable[0], 'rows alone:', trimmable[1])",
+                    "assert trimmable[0] == all(trimmable[1])",
+                ],
             )
         if not batch or not all(rows):
             return
@@ -598,22 +615,15 @@ class CacheMachine(RuleBasedStateMachine):
                 f"dequantize() returns {dk.dtype}/{dv.dtype} for {dtype} keys/values",
                 "dequantize",
                 situation,
-                check=[f"print('fed:', {self.dtype}, 'dequantized:', dk.dtype, dv.dtype)",
-                       f"assert dk.dtype == dv.dtype == {self.dtype}"],
+                check=[
+                    f"print('fed:', {self.dtype}, 'dequantized:', dk.dtype, dv.dtype)",
+                    f"assert dk.dtype == dv.dtype == {self.dtype}",
+                ],
             )
 
 
-class ArraysMachine(RuleBasedStateMachine):
+class ArraysMachine(Machine):
     """Drives a batch ArraysCache (recurrent states) against one ArraysCache per row fed alone."""
-
-    target: ClassVar[Target]
-    known: ClassVar[set[tuple[str, ...]]]
-    caught: ClassVar[list[Caught]]
-    deadline: ClassVar[float] = float("inf")  # time.monotonic() past which every rule rejects
-
-    fail = CacheMachine.fail
-    run = CacheMachine.run
-    seed = CacheMachine.seed
 
     def __init__(self) -> None:
         super().__init__()
@@ -692,10 +702,12 @@ class ArraysMachine(RuleBasedStateMachine):
         self._step(n, None, "update" if n > 1 else "decode")
 
     @precondition(
-        lambda self: self.started
-        and self.pending is None
-        and "prepare" in self.target.operations
-        and not any(r.lead for r in self.rows)
+        lambda self: (
+            self.started
+            and self.pending is None
+            and "prepare" in self.target.operations
+            and not any(r.lead for r in self.rows)
+        )
     )
     @rule(n=st.integers(2, 4), data=st.data())
     def update_right_padded(self, n: int, data: st.DataObject) -> None:
@@ -757,7 +769,9 @@ def static_checks(targets: list[Target]) -> list[Caught]:
         reference = next((m for m in MODULES[t.distribution] if m.endswith(".cache")), None)
         head = ["import mlx.core as mx", f"from {reference} import BatchKVCache", f"from {t.module} import {t.name}"]
         tape = Tape(head)
-        tape.run(f"missing = [op for op in {BATCH_OPERATIONS} if hasattr(BatchKVCache, op) and not hasattr({t.name}, op)]")
+        tape.run(
+            f"missing = [op for op in {BATCH_OPERATIONS} if hasattr(BatchKVCache, op) and not hasattr({t.name}, op)]"
+        )
         missing = tape.value("missing")
         if missing:
             violation = Violation(

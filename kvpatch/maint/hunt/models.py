@@ -27,6 +27,7 @@ from kvpatch.patches import _numbers
 
 from .machine import Caught, Violation
 
+# fmt: off
 #: Field names the tiny configs set, and their values (what a field of that name means is the same across the
 #: architectures: sizes, counts, ratios).
 TINY: dict[str, Any] = {
@@ -61,6 +62,7 @@ PER_LAYER: dict[str, list[Any]] = {
 }
 #: Values for required fields the table does not name, by annotation (containers first: ``List[int]`` is a list).
 BY_TYPE: dict[str, Any] = {"list": [], "dict": {}, "tuple": (), "int": 1, "float": 1.0, "bool": False, "str": ""}
+# fmt: on
 #: Nested configs (``text_config`` ...): the module's config class whose name holds the word, filled the same way.
 NESTED = {"text_config": "Text", "vision_config": "Vision", "audio_config": "Audio"}
 PROMPTS = (5, 2, 4)  # left-padded to 5
@@ -87,7 +89,9 @@ def architectures(package: str) -> list[str]:
 
 def tiny(config_cls: Any, model_type: str, module: Any = None) -> dict[str, Any]:
     """Keyword arguments for a tiny ``config_cls`` (of ``module``, where nested config classes are looked up)."""
-    fields = {f.name: f for f in dataclasses.fields(config_cls)} if dataclasses.is_dataclass(config_cls) else {}
+    fields: dict[str, Any] = (
+        {f.name: f for f in dataclasses.fields(config_cls)} if dataclasses.is_dataclass(config_cls) else {}
+    )
     if not fields:
         fields = {n: p for n, p in inspect.signature(config_cls).parameters.items() if n != "self"}
     out: dict[str, Any] = {}
@@ -171,7 +175,9 @@ class Driver:
         return [[rng.randrange(1, vocab) for _ in range(n)] for n in PROMPTS]
 
 
-def _fail(arch: str, invariant: str, detail: str, script: list[str], head: list[str], error: str | None = None) -> Caught:
+def _fail(
+    arch: str, invariant: str, detail: str, script: list[str], head: list[str], error: str | None = None
+) -> Caught:
     violation = Violation(invariant, detail, "batched generation", (), arch, error=error)
     dist = arch.split(".", 1)[0]
     # The modules whose patches may bear on it: the architecture's own, the caches, the attention, the batch path.
@@ -315,7 +321,10 @@ def one(dist: str, arch: str, prompts_of: Driver) -> tuple[Caught | None, str | 
         return None, _why(exc)
     size = _parameters(tape.value("model"))
     if size > MAX_PARAMETERS:
-        return None, f"the config is not tiny: {size:,} parameters (fields the tiny config does not name, e.g. a nested config)"
+        return (
+            None,
+            f"the config is not tiny: {size:,} parameters (fields the tiny config does not name, e.g. a nested config)",
+        )
     why = _alone_runs(dist, tape, prompts)
     if why is not None:
         return None, why

@@ -7,7 +7,7 @@ reproduction run the same code. Everything here reads as it would in an upstream
 reproduction carries it.
 """
 
-# ruff: noqa: F821, E501
+# ruff: noqa: F821, E501, B905
 # (the upstream names come from the namespace the hunt executes this in, or from the reproduction's imports)
 
 import mlx.core as mx
@@ -18,7 +18,10 @@ import mlx.core as mx
 def data(seed, rows, n, dims=(32, 32), dtype=mx.float32):
     """Random queries (4 heads), keys and values (2 heads: grouped-query attention) for rows x n tokens."""
     keys = mx.random.split(mx.random.key(seed), 3)
-    return tuple(mx.random.normal((rows, h, n, d), key=r).astype(dtype) for r, h, d in zip(keys, (4, 2, 2), (dims[0], dims[0], dims[1])))
+    return tuple(
+        mx.random.normal((rows, h, n, d), key=r).astype(dtype)
+        for r, h, d in zip(keys, (4, 2, 2), (dims[0], dims[0], dims[1]))
+    )
 
 
 def attend(cache, q, k, v, masked=True):
@@ -30,7 +33,9 @@ def attend(cache, q, k, v, masked=True):
 
 def alone(cache, q, k, v):
     """The reference: one row's tokens through a single-row cache of its own, one token at a time (no mask)."""
-    return mx.concatenate([attend(cache, *(x[:, :, t : t + 1] for x in (q, k, v)), False)[0] for t in range(q.shape[2])], axis=2)
+    return mx.concatenate(
+        [attend(cache, *(x[:, :, t : t + 1] for x in (q, k, v)), False)[0] for t in range(q.shape[2])], axis=2
+    )
 
 
 def step(cache, rows, seed, n, left=None, right=None, dims=(32, 32), dtype=mx.float32):

@@ -46,7 +46,7 @@ def hunt_target(target: Target, seconds: float, *, seed: int = 0, known: set[tup
     # Shrinking a late finding may run past the share by half of it at most.
     deadline = time.monotonic() + seconds * 3 / 2
     members = {"target": target, "known": known, "caught": [], "deadline": deadline}
-    factory = type(f"Hunt{target.name}", (base,), members)
+    factory: Any = type(f"Hunt{target.name}", (base,), members)
     config = settings(
         max_examples=EXAMPLES,
         stateful_step_count=STEPS,

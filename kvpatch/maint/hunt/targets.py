@@ -27,7 +27,12 @@ BASE: dict[str, str] = {"mlx_lm": "mlx_lm.models.base", "mlx_vlm": "mlx_vlm.mode
 WINDOW = 5  # a rotating cache's window: small, so that a few tokens wrap it
 #: Constructor parameters the hunt knows how to fill, by name (``left_padding`` is the rows' own).
 KNOWN_PARAMETERS: dict[str, Any] = {
-    "max_size": WINDOW, "group_size": 32, "bits": 4, "chunk_size": 4, "size": 1, "ratio": 4,
+    "max_size": WINDOW,
+    "group_size": 32,
+    "bits": 4,
+    "chunk_size": 4,
+    "size": 1,
+    "ratio": 4,
 }
 #: Batch operations a batch class is expected to offer when its package's BatchKVCache does (``has-operations``).
 BATCH_OPERATIONS = ("prepare", "finalize", "filter", "extend", "extract", "make_mask")
@@ -66,12 +71,12 @@ class Target:
 def _parameters(cls: type) -> tuple[dict[str, Any], list[str]]:
     """The constructor keywords the hunt fills, and the required parameters it cannot."""
     try:
-        signature = inspect.signature(cls.__init__)
+        signature = _init_signature(cls)
     except (TypeError, ValueError):
         return {}, ["(no signature)"]
     filled: dict[str, Any] = {}
     unknown: list[str] = []
-    for name, p in list(signature.parameters.items())[1:]:
+    for name, p in signature.parameters.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name == "left_padding":
             continue
         if name in KNOWN_PARAMETERS:
@@ -80,6 +85,13 @@ def _parameters(cls: type) -> tuple[dict[str, Any], list[str]]:
         elif p.default is inspect.Parameter.empty:
             unknown.append(name)
     return filled, unknown
+
+
+def _init_signature(cls: type) -> inspect.Signature:
+    """``__init__``'s parameters without ``self`` (a class may also define ``__new__``, whose signature
+    ``inspect.signature(cls)`` would give)."""
+    signature = inspect.signature(getattr(cls, "__init__"))  # noqa: B009 (mypy: __init__ on a type)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 def _own_classes(module: Any) -> list[type]:
@@ -137,28 +149,57 @@ def _target(dist: str, module_name: str, cls: type, reference_ops: tuple[str, ..
         skipped[where] = f"needs constructor parameters the hunt cannot fill: {', '.join(unknown)}"
         return None
     if is_arrays:
-        return Target(dist, module_name, name, "arrays", name, module_name, arguments, arguments,
-                      _prepare_keywords(cls), tuple(op for op in BATCH_OPERATIONS if hasattr(cls, op)))
+        return Target(
+            dist,
+            module_name,
+            name,
+            "arrays",
+            name,
+            module_name,
+            arguments,
+            arguments,
+            _prepare_keywords(cls),
+            tuple(op for op in BATCH_OPERATIONS if hasattr(cls, op)),
+        )
     if name.startswith("Batch"):
-        found = _find(dist, name[len("Batch"):])
+        found = _find(dist, name[len("Batch") :])
         if found is None:
-            skipped[where] = f"no single-row class {name[len('Batch'):]} to judge its rows against"
+            skipped[where] = f"no single-row class {name[len('Batch') :]} to judge its rows against"
             return None
         single_module, single = found
         single_arguments, unknown = _parameters(single)
         if unknown:
             skipped[where] = f"its single-row class needs parameters the hunt cannot fill: {', '.join(unknown)}"
             return None
-        if "left_padding" not in inspect.signature(cls.__init__).parameters:
+        if "left_padding" not in _init_signature(cls).parameters:
             skipped[where] = "takes no left_padding: not a batch cache of rows"
             return None
         return Target(
-            dist, module_name, name, "batch", single.__name__, single_module, arguments, single_arguments,
-            _prepare_keywords(cls), tuple(op for op in reference_ops if hasattr(cls, op)),
-            window=arguments.get("max_size"), quantized=_quantized(cls),
+            dist,
+            module_name,
+            name,
+            "batch",
+            single.__name__,
+            single_module,
+            arguments,
+            single_arguments,
+            _prepare_keywords(cls),
+            tuple(op for op in reference_ops if hasattr(cls, op)),
+            window=arguments.get("max_size"),
+            quantized=_quantized(cls),
         )
-    return Target(dist, module_name, name, "single", name, module_name, arguments, arguments,
-                  window=arguments.get("max_size"), quantized=_quantized(cls))
+    return Target(
+        dist,
+        module_name,
+        name,
+        "single",
+        name,
+        module_name,
+        arguments,
+        arguments,
+        window=arguments.get("max_size"),
+        quantized=_quantized(cls),
+    )
 
 
 def _quantized(cls: type) -> bool:
