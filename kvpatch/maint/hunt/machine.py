@@ -12,6 +12,7 @@ budget finds several distinct bugs of one class instead of the easiest one many 
 from __future__ import annotations
 
 import itertools
+import re
 import tempfile
 import time
 import traceback
@@ -51,7 +52,15 @@ class Violation(Exception):
         it), so the situation tells them apart only for the structural operations."""
         situation = () if self.operation in UPDATES else tuple(sorted(self.situation))
         operation = "update" if self.operation == "decode" else self.operation
-        return (self.target, self.invariant, operation, self.error or "", *situation)
+        return (self.target, self.invariant, operation, self.error or "", self.message, *situation)
+
+    @property
+    def message(self) -> str:
+        """A crash's message without its numbers (two crashes of one operation are two bugs when they say different
+        things: a shape mismatch is not a type error in a mask)."""
+        if self.invariant != "no-crash":
+            return ""
+        return re.sub(r"[\d.]+", "#", self.detail.split(":", 1)[-1])[:60].strip()
 
 
 #: The operations that feed tokens.
@@ -566,10 +575,16 @@ class CacheMachine(Machine):
         self.after("state round trip", situation)
 
     @precondition(
-        lambda self: self.started and self.pending is None and self.primed and "load_prompt_cache" in self.tape.ns
+        lambda self: (
+            self.started
+            and self.pending is None
+            and "load_prompt_cache" in self.tape.ns
+            and all(r.tokens for r in self.rows)
+        )
     )
     @rule()
     def save_load(self) -> None:
+        """A prompt cache (it holds a prompt) written with save_prompt_cache and read back with load_prompt_cache."""
         situation = self.situation()
         self.before()
         path = tempfile.mkdtemp(prefix="kvpatch-hunt-")

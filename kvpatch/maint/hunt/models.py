@@ -53,7 +53,7 @@ TINY.update(
         "partial_rotary_factor": 0.5, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "layer_norm_eps": 1e-5,
         "norm_eps": 1e-5, "layer_norm_epsilon": 1e-5, "norm_epsilon": 1e-5,
         "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16, "laurel_rank": 4,
-        "num_kv_shared_layers": 1,
+        "num_kv_shared_layers": 1, "full_attention_interval": 2, "eos_token_id": 1,
     }
 )
 #: Per-layer lists (``layer_types`` ...): element values by element type; layer types by the names HF configs use.
@@ -211,10 +211,11 @@ def lm_model(arch: str) -> tuple[list[str], dict[str, Any]]:
 
 
 def lm_lines(args: dict[str, Any], prompts: list[list[int]]) -> list[str]:
-    """The reproduction of one mlx-lm architecture: BatchGenerator against generate_step alone."""
+    """The reproduction of one mlx-lm architecture: BatchGenerator against generate_step on each prompt alone, each
+    run on a model of its own (the same weights: the same seed)."""
     return [
-        "mx.random.seed(0)",
-        f"model = arch.Model(arch.ModelArgs(**{args!r}))",
+        f"def make():\n    mx.random.seed(0)\n    return arch.Model(arch.ModelArgs(**{args!r}))",
+        "model = make()",
         f"prompts = {prompts!r}",
         f"gen = BatchGenerator(model, max_tokens={STEPS}, completion_batch_size=3, prefill_batch_size=3)",
         "uids = gen.insert(prompts)",
@@ -224,7 +225,7 @@ def lm_lines(args: dict[str, Any], prompts: list[list[int]]) -> list[str]:
         "        batched[r.uid].append((r.token, r.logprobs))",
         "pairs = []",
         "for u, p in zip(uids, prompts):",
-        f"    for (t, got), (w, want) in zip(batched[u], generate_step(mx.array(p), model, max_tokens={STEPS})):",
+        f"    for (t, got), (w, want) in zip(batched[u], generate_step(mx.array(p), make(), max_tokens={STEPS})):",
         "        pairs.append((got, want))",
         "        if t != int(w):",
         "            break  # past a different token the contexts differ",
@@ -238,12 +239,23 @@ def vlm_model(arch: str) -> tuple[list[str], dict[str, Any]]:
     language = importlib.import_module(f"mlx_vlm.models.{arch}.language")
     text_cls = "TextConfig" if hasattr(config, "TextConfig") else "ModelConfig"
     args: dict[str, Any] = {"cls": text_cls, "text": tiny(getattr(config, text_cls), arch, config)}
+    names = [text_cls]
+    # a padded prompt's mask where the model takes one (mRoPE models derive their prompt positions from it, as
+    # Hugging Face's get_rope_index does: upstream's contract for a left-padded batch)
+    args["masked"] = "attention_mask" in inspect.signature(language.LanguageModel.__call__).parameters
     if text_cls == "TextConfig" and len(inspect.signature(language.LanguageModel).parameters) > 1:
         args["model"] = {**tiny(config.ModelConfig, arch, config), "text_config": args["text"]}
+        # as mlx-vlm's loader does: the nested configs become objects of their classes
+        args["nested"] = {
+            field: cls
+            for field, word in NESTED.items()
+            if field in args["model"] and (cls := f"{word}Config") in vars(config) and field != "text_config"
+        }
+        names += ["ModelConfig", *args["nested"].values()]
     maker = _vlm_make_cache()
     head = [
         "import mlx.core as mx",
-        f"from mlx_vlm.models.{arch}.config import {text_cls}" + (", ModelConfig" if "model" in args else ""),
+        f"from mlx_vlm.models.{arch}.config import {', '.join(names)}",
         f"from mlx_vlm.models.{arch}.language import LanguageModel",
         "from mlx_vlm.models.cache import make_prompt_cache",
         f"from {maker} import _make_cache",
@@ -263,25 +275,36 @@ def _vlm_make_cache() -> str:
 
 
 def vlm_lines(args: dict[str, Any], prompts: list[list[int]]) -> list[str]:
-    """The reproduction of one mlx-vlm language model: its batch caches against make_prompt_cache alone."""
-    built = f"{args['cls']}(**{args['text']!r})"
-    if "model" in args:
-        built += f", ModelConfig.from_dict({args['model']!r})"
+    """The reproduction of one mlx-vlm language model: the batch caches of its batch path against each prompt alone
+    (``make_prompt_cache``), each run on a model of its own (the same weights: models keep rope state)."""
+    text = f"{args['cls']}(**{args['text']!r})"
+    if "model" not in args:
+        build = f"    return LanguageModel({text})"
+    else:
+        build = f"    config = ModelConfig.from_dict({args['model']!r})\n    config.text_config = {text}\n"
+        build += "".join(
+            f"    config.{field} = {cls}.from_dict({args['model'][field]!r})\n" for field, cls in args["nested"].items()
+        )
+        build += "    return LanguageModel(config.text_config, config)"
+    mask = ", attention_mask=mx.arange(batch.shape[1]) >= mx.array(pad)[:, None]" if args["masked"] else ""
     return [
-        "mx.random.seed(0)",
-        f"model = LanguageModel({built})",
+        f"def make():\n    mx.random.seed(0)\n{build}",
+        "model = make()",
         f"prompts = {prompts!r}",
         "pad = [max(map(len, prompts)) - len(p) for p in prompts]",
         "cache = _make_cache(model, pad)",
         "logits = lambda out: getattr(out, 'logits', out)",
-        "out = logits(model(mx.array([[0] * n + p for n, p in zip(pad, prompts)]), cache=cache))[:, -1]",
-        "alone = [make_prompt_cache(model) for _ in prompts]",
-        "want = [logits(model(mx.array([p]), cache=c))[:, -1] for p, c in zip(prompts, alone)]",
+        "batch = mx.array([[0] * n + p for n, p in zip(pad, prompts)])",
+        f"out = logits(model(batch, cache=cache{mask}))[:, -1]",
+        "alone = [(make(), p) for p in prompts]",
+        "caches = [make_prompt_cache(m) for m, _ in alone]",
+        "want = [logits(m(mx.array([p]), cache=c))[:, -1] for (m, p), c in zip(alone, caches)]",
         "pairs = [(out[i : i + 1], want[i]) for i in range(len(prompts))]",
         f"for t in range({STEPS - 1}):  # decode the batch's own greedy tokens, each row alone too",
         "    nxt = mx.argmax(out, axis=-1)",
         "    out = logits(model(nxt[:, None], cache=cache))[:, -1]",
-        "    want = [logits(model(nxt[i : i + 1, None], cache=c))[:, -1] for i, c in enumerate(alone)]",
+        "    want = [logits(m(nxt[i : i + 1, None], cache=c))[:, -1]",
+        "            for i, ((m, _), c) in enumerate(zip(alone, caches))]",
         "    pairs += [(out[i : i + 1], want[i]) for i in range(len(prompts))]",
     ]
 
