@@ -30,13 +30,19 @@ def script(caught: Caught, where: str) -> str:
     statement = INVARIANTS[v.invariant].statement
     out = [
         f"# {v.target}: {statement}.",
-        f"# Found by kvpatch's bug hunt on {where}: {v.invariant} fails after {v.operation}: {v.detail}",
+        f"# Found by kvpatch's bug hunt on {where}: {v.invariant} fails after {v.operation}: {_first(v.detail)}",
         *head,
     ]
     for helper in helpers:
         out += ["", "", helper]
     out += ["", "", *code]
     return "\n".join(_tidy(out)) + "\n"
+
+
+def _first(text: str) -> str:
+    """A message's first line (an exception's message may hold more), as a comment may hold it."""
+    line = (text.strip().splitlines() or [""])[0]
+    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def _without_mask(head: list[str]) -> list[str]:
