@@ -578,6 +578,29 @@ class CacheMachine(Machine):
         lambda self: (
             self.started
             and self.pending is None
+            and self.primed
+            and hasattr(self._cls(), "prefix_cache_snapshot")
+            and hasattr(self._cls(), "prefix_cache_restore")
+        )
+    )
+    @rule()
+    def prefix_snapshot(self) -> None:
+        """A prefix-cache snapshot restored into a fresh cache of the class (the round trip its protocol promises)."""
+        situation = self.situation()
+        self.before()
+        t = self.target
+        fresh = (
+            f"{t.name}({t.call(t.arguments, left_padding=[0] * len(self.rows))})"
+            if self.batch
+            else f"{t.name}({t.call(t.arguments)})"
+        )
+        self.run("prefix snapshot", situation, f"cache = snapshot(cache, {fresh})")
+        self.after("prefix snapshot", situation)
+
+    @precondition(
+        lambda self: (
+            self.started
+            and self.pending is None
             and "load_prompt_cache" in self.tape.ns
             and all(r.tokens for r in self.rows)
         )

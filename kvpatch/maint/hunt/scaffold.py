@@ -57,6 +57,12 @@ def restore(cache, fresh):
     return fresh
 
 
+def snapshot(cache, fresh):
+    """The cache's prefix-cache snapshot restored into a fresh cache (mlx-vlm's prefix-cache protocol)."""
+    fresh.prefix_cache_restore(cache.prefix_cache_snapshot())
+    return fresh
+
+
 def recur(cache, seed, n, rows, width=8):
     """A recurrent (SSM-style) layer's use of an ArraysCache for n tokens: positions its mask leaves out keep the state."""
     x = mx.random.normal((rows, n, width), key=mx.random.key(seed))
