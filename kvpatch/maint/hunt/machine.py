@@ -499,6 +499,13 @@ class CacheMachine(Machine):
         self.rows = [Row(r.tokens, 0) for r in self.rows] + [Row(0, 0) for _ in range(empties)]
         self.after("merge", situation)
 
+    def fresh(self) -> str:
+        """Source of a fresh cache of the target class with as many rows as the cache under test."""
+        t = self.target
+        if self.batch:
+            return f"{t.name}({t.call(t.arguments, left_padding=[0] * len(self.rows))})"
+        return f"{t.name}({t.call(t.arguments)})"
+
     def _cls(self) -> Any:
         return self.tape.value(self.target.name)
 
@@ -565,12 +572,7 @@ class CacheMachine(Machine):
     def state_roundtrip(self) -> None:
         situation = self.situation()
         self.before()
-        t = self.target
-        fresh = (
-            f"{t.name}({t.call(t.arguments, left_padding=[0] * len(self.rows))})"
-            if self.batch
-            else f"{t.name}({t.call(t.arguments)})"
-        )
+        fresh = self.fresh()
         self.run("state round trip", situation, f"cache = restore(cache, {fresh})")
         self.after("state round trip", situation)
 
@@ -588,12 +590,7 @@ class CacheMachine(Machine):
         """A prefix-cache snapshot restored into a fresh cache of the class (the round trip its protocol promises)."""
         situation = self.situation()
         self.before()
-        t = self.target
-        fresh = (
-            f"{t.name}({t.call(t.arguments, left_padding=[0] * len(self.rows))})"
-            if self.batch
-            else f"{t.name}({t.call(t.arguments)})"
-        )
+        fresh = self.fresh()
         self.run("prefix snapshot", situation, f"cache = snapshot(cache, {fresh})")
         self.after("prefix snapshot", situation)
 
