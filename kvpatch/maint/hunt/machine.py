@@ -512,7 +512,11 @@ class CacheMachine(Machine):
     @precondition(lambda self: self.started and self.batch and self.primed and "extract" in self.target.operations)
     @rule(data=st.data())
     def extract(self, data: st.DataObject) -> None:
-        i = data.draw(st.integers(0, len(self.rows) - 1))
+        """extract(i) of a row that holds its prompt (a row whose padding is still to come has not started)."""
+        ready = [i for i, r in enumerate(self.rows) if not r.lead]
+        if not ready:
+            return
+        i = data.draw(st.sampled_from(ready))
         situation = self.situation()
         self.before()
         self.run("extract", situation, f"single = cache.extract({i})")
