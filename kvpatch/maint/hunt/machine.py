@@ -798,7 +798,8 @@ class ArraysMachine(Machine):
 
 
 def static_checks(targets: list[Target]) -> list[Caught]:
-    """``has-operations``: each batch class against its package's BatchKVCache (no sequence needed)."""
+    """``has-operations``: each batch class against its package's BatchKVCache, one finding per missing operation
+    (no sequence needed)."""
     from .targets import BATCH_OPERATIONS, MODULES
 
     out: list[Caught] = []
@@ -807,19 +808,18 @@ def static_checks(targets: list[Target]) -> list[Caught]:
             continue
         reference = next((m for m in MODULES[t.distribution] if m.endswith(".cache")), None)
         head = ["import mlx.core as mx", f"from {reference} import BatchKVCache", f"from {t.module} import {t.name}"]
-        tape = Tape(head)
-        tape.run(
-            f"missing = [op for op in {BATCH_OPERATIONS} if hasattr(BatchKVCache, op) and not hasattr({t.name}, op)]"
-        )
-        missing = tape.value("missing")
-        if missing:
-            violation = Violation(
-                "has-operations",
-                f"{t.name} lacks {', '.join(missing)} (BatchKVCache has them)",
-                "class",
-                (),
-                t.id,
-                check=[f"print('{t.name} lacks:', missing)", "assert not missing"],
-            )
-            out.append(Caught(violation, head, list(tape.lines)))
+        for operation in BATCH_OPERATIONS:
+            tape = Tape(head)
+            tape.run(f"has = hasattr(BatchKVCache, {operation!r}), hasattr({t.name}, {operation!r})")
+            reference_has, has = tape.value("has")
+            if reference_has and not has:
+                violation = Violation(
+                    "has-operations",
+                    f"{t.name} has no {operation}() (BatchKVCache has)",
+                    operation,
+                    (),
+                    t.id,
+                    check=[f"print('BatchKVCache, {t.name} have {operation}():', has)", "assert has[1] == has[0]"],
+                )
+                out.append(Caught(violation, head, list(tape.lines)))
     return out
