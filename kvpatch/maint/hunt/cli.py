@@ -36,34 +36,51 @@ JOBS = 2
 
 
 def hunt_child(env: dict[str, str], spec: dict[str, Any], *, kvpatch: str, timeout: float) -> dict[str, Any]:
-    """Run the in-bucket hunt; its records by kind. A model-level process that dies inside one architecture (a
-    crash in upstream or mlx: no Python exception to report) is run again without it, for the rest of the budget."""
+    """One hunt (kvpatch off or on) of an environment, as a sequence of in-bucket processes: the targets, the fixed
+    checks, one process per cache target (its share of the budget by kind), then the model level. A process that
+    dies without a Python exception (a crash inside mlx) loses only the target or architecture it was in, which is
+    noted; the model level goes on without the architecture."""
     started = time.monotonic()
-    out = _hunt_once(env, spec, kvpatch=kvpatch, timeout=timeout)
-    crashed: list[str] = []
-    while out.get("failure") and out.pop("_open", None) is not None and time.monotonic() - started < spec["budget"]:
-        name = out["_last"]
-        crashed.append(name)
-        out.setdefault("architectures", {})[name] = {
-            "covered": False,
-            "why": f"the process died in it ({out['failure']})",
-        }
-        left = max(spec["budget"] - (time.monotonic() - started), 1.0)
-        skip = [*spec.get("skip", ()), *crashed, *out["architectures"]]
-        again = dict(spec, levels=["model"], budget=left, skip=skip)
-        more = _hunt_once(env, again, kvpatch=kvpatch, timeout=timeout)
-        out["findings"] += more["findings"]
-        out["architectures"].update(more.get("architectures", {}))
-        if "summary" in more:
-            summary = out.setdefault("summary", {"counts": {}, "notes": [], "seconds": 0})
-            summary["counts"]["model"] = summary["counts"].get("model", 0) + more["summary"]["counts"]["model"]
-            summary["seconds"] = round(time.monotonic() - started, 1)
-        out["failure"] = more.get("failure")
-        out["_open"], out["_last"] = more.get("_open"), more.get("_last")
-    out.pop("_open", None)
-    out.pop("_last", None)
-    if not out.get("failure"):
-        out.pop("failure", None)
+    budget = float(spec["budget"])
+    levels = set(spec["levels"])
+    out: dict[str, Any] = {"findings": [], "kvpatch": kvpatch, "died": {}, "architectures": {}}
+
+    def step(extra: dict[str, Any]) -> dict[str, Any]:
+        run = _hunt_once(env, {"seed": spec.get("seed", 0), **extra}, kvpatch=kvpatch, timeout=timeout)
+        out["findings"] += run["findings"]
+        out["architectures"].update(run.get("architectures", {}))
+        if run.get("failure") and run.get("_open"):
+            out["died"][run["_open"]] = run["failure"]
+        elif run.get("failure"):
+            out.setdefault("failures", []).append(run["failure"])
+        return run
+
+    found = step({"levels": ["discover"]})
+    weights: dict[str, int] = found.get("targets", {}).get("weights", {})
+    out["not_hunted"] = found.get("targets", {}).get("not_hunted", {})
+    out["targets"] = list(weights)
+    fixed = [x for x in ("lazy", "static") if x in levels or ("cache" in levels and x == "static")]
+    if fixed:
+        step({"levels": fixed})
+    model_share = budget * 3 / 10 if "model" in levels else 0.0
+    if "cache" in levels and weights:
+        cache_budget = max(budget - model_share - (time.monotonic() - started), 1.0)
+        total = sum(weights.values())
+        for target, weight in weights.items():
+            step({"levels": ["cache"], "only": [target], "budget": cache_budget * weight / total})
+    if "model" in levels:
+        skip: list[str] = []
+        while True:
+            left = budget - (time.monotonic() - started)
+            if left <= 0:
+                break
+            run = step({"levels": ["model"], "budget": left, "skip": skip + list(out["architectures"])})
+            if not (run.get("failure") and run.get("_open")):
+                break
+            skip.append(run["_open"])
+            died = {"covered": False, "why": f"the process died in it ({run['failure']})"}
+            out["architectures"][run["_open"]] = died
+    out["seconds"] = round(time.monotonic() - started, 1)
     return out
 
 
@@ -74,7 +91,7 @@ def _hunt_once(env: dict[str, str], spec: dict[str, Any], *, kvpatch: str, timeo
     if kvpatch == "off":
         child["KVPATCH"] = "off"
     cmd = [sys.executable, "-P", "-m", "kvpatch.maint.hunt.inbucket", json.dumps(spec)]
-    out: dict[str, Any] = {"findings": [], "kvpatch": kvpatch, "_open": None, "_last": None}
+    out: dict[str, Any] = {"findings": [], "kvpatch": kvpatch, "_open": None}
     with tempfile.TemporaryDirectory(prefix="kvpatch-hunt-") as cwd:
         try:
             proc = subprocess.run(cmd, cwd=cwd, env=child, capture_output=True, text=True, timeout=timeout)
@@ -89,14 +106,16 @@ def _hunt_once(env: dict[str, str], spec: dict[str, Any], *, kvpatch: str, timeo
             if kind == "finding":
                 out["findings"].append(record)
             elif kind == "begin":
-                out["_open"] = out["_last"] = record["name"]
+                out["_open"] = record["name"]
             elif kind == "architecture":
                 out.setdefault("architectures", {})[record.pop("name")] = record
                 out["_open"] = None
+            elif kind == "summary":
+                out["_open"] = None  # the process got to its end
             else:
                 out[kind] = record
     if code != 0:
-        out["failure"] = f"exit {code}: " + "\n".join(stderr.strip().splitlines()[-8:])
+        out["failure"] = f"exit {code}: " + " / ".join(stderr.strip().splitlines()[-3:])
     return out
 
 
@@ -219,9 +238,11 @@ def format_text(result: dict[str, Any], *, scripts: bool) -> str:
                 counts[f["level"]] = counts.get(f["level"], 0) + 1
         covered = sum(1 for a in info.get("architectures", {}).values() if a.get("covered"))
         lines.append(
-            f"   hunt with kvpatch {mode}: findings {counts}, {covered} architectures covered"
-            + (f"; FAILED: {info['failure']}" if info.get("failure") else "")
+            f"   hunt with kvpatch {mode}: findings {counts}, {len(info.get('targets', []))} cache classes, "
+            f"{covered} architectures covered in {info.get('seconds')} s"
         )
+        lines.extend(f"     the process died in {name}: {why}" for name, why in info.get("died", {}).items())
+        lines.extend(f"     FAILED: {why}" for why in info.get("failures", []))
     for f in result["findings"]:
         lines.append(
             f"  - [{verdict_of(f)}] {f['target']}: {f['invariant']} after {f['operation']} "
@@ -274,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             attribute_findings=not args.no_attribute,
             place=place,
         )
-        failed = failed or any(info.get("failure") for info in result["hunts"].values())
+        failed = failed or any(info.get("failures") for info in result["hunts"].values())
         results.append(result)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)

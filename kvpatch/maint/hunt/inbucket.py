@@ -2,7 +2,8 @@
 state machines, the lazy-metadata drives and the model-level comparison, within a time budget. Prints one marked
 JSON line per finding and one summary line; the parent (:mod:`kvpatch.maint.hunt.cli`) attributes the findings.
 
-    python -m kvpatch.maint.hunt.inbucket '{"budget": 120, "levels": ["cache", "lazy", "model"], "seed": 0}'
+    python -m kvpatch.maint.hunt.inbucket '{"levels": ["discover"]}'
+    python -m kvpatch.maint.hunt.inbucket '{"levels": ["cache"], "only": ["mlx_lm.models.cache.KVCache"], "budget": 30}'
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from . import repro
 from .machine import Caught
 
 MARK = "KVPATCH-HUNT "
-#: How the cache level's time is shared: batch classes (the most operations, the most bugs) over ArraysCache over a
-#: single-row class.
+#: How the cache level's time is shared (by the parent): batch classes (the most operations, the most bugs) over
+#: ArraysCache over a single-row class.
 WEIGHTS = {"batch": 3, "arrays": 2, "single": 1}
 
 
@@ -93,9 +94,13 @@ def _distributions(found: dict[str, str | None]) -> tuple[str, ...]:
 
 
 def main(argv: list[str]) -> int:
+    """One step of a hunt, as the parent (:func:`kvpatch.maint.hunt.cli.hunt_child`) asks for it: ``discover`` (the
+    targets and what is not hunted), ``lazy`` and ``static`` (fixed checks of every target), ``cache`` (the state
+    machine of the targets in ``only``, within ``budget``) or ``model`` (the architectures, within ``budget``, less
+    ``skip``). A process that dies in a target or an architecture loses only that one: the parent goes on."""
     spec = json.loads(argv[0]) if argv else {}
     budget = float(spec.get("budget", 120))
-    levels = tuple(spec.get("levels", ("cache", "lazy", "model")))
+    levels = tuple(spec.get("levels", ("discover",)))
     seed = int(spec.get("seed", 0))
     only = set(spec.get("only", ()))
     started = time.monotonic()
@@ -108,71 +113,51 @@ def main(argv: list[str]) -> int:
     dists = _distributions(found)
     hunted, skipped = targets.discover(dists)
     if only:
-        hunted = [t for t in hunted if t.id in only or t.name in only]
-    for target in list(hunted):
-        why = search.smoke(target)
-        if why is not None:
-            skipped[target.id] = why
-            hunted.remove(target)
+        hunted = [t for t in hunted if t.id in only]
+    if "discover" in levels or "lazy" in levels or "static" in levels:
+        for target in list(hunted):
+            why = search.smoke(target)
+            if why is not None:
+                skipped[target.id] = why
+                hunted.remove(target)
     notes: list[str] = []
-    counts = {"cache": 0, "lazy": 0, "model": 0}
-    shares = _shares(levels, budget)
+    if "discover" in levels:
+        weights = {t.id: WEIGHTS[t.kind] for t in hunted}
+        emit({"kind": "targets", "weights": weights, "not_hunted": skipped})
     if "lazy" in levels:
         for target in lazy.lazy_targets(hunted):
+            emit({"kind": "begin", "name": f"lazy {target.id}"})
             for caught in lazy.drive(target):
                 emit(finding(caught, "cache", at))
-                counts["lazy"] += 1
-    if "cache" in levels and hunted:
-        known: set[tuple[str, ...]] = set()
+    if "static" in levels:
         for caught in machine.static_checks(hunted):
-            known.add(caught.violation.signature)
             emit(finding(caught, "cache", at))
-            counts["cache"] += 1
-        left = max(shares["cache"] - (time.monotonic() - started), 1.0)
-        weights = [WEIGHTS[t.kind] for t in hunted]
-        for target, weight in zip(hunted, weights, strict=True):
-            outcome = search.hunt_target(target, left * weight / sum(weights), seed=seed, known=known)
+    if "cache" in levels:
+        for target in hunted:
+            emit({"kind": "begin", "name": target.id})
+            outcome = search.hunt_target(target, budget / len(hunted), seed=seed)
             notes.extend(f"{target.id}: {n}" for n in outcome.notes)
             for caught in outcome.caught:
                 emit(finding(caught, "cache", at))
-                counts["cache"] += 1
     if "model" in levels:
         from . import models
 
         def done(name: str, caught: Caught | None, why: str | None) -> None:
             if caught is not None:
                 emit(finding(caught, "model", at))
-                counts["model"] += 1
             emit({"kind": "architecture", "name": name, "covered": why is None, "why": why})
 
-        left = max(budget - (time.monotonic() - started), 1.0)
         report = models.hunt(
             dists,
-            left,
+            budget,
             seed=seed,
             skip=tuple(spec.get("skip", ())),
             begin=lambda name: emit({"kind": "begin", "name": name}),
             done=done,
         )
         notes.extend(report.notes)
-    emit(
-        {
-            "kind": "summary",
-            "targets": [t.id for t in hunted],
-            "not_hunted": skipped,
-            "counts": counts,
-            "notes": notes,
-            "seconds": round(time.monotonic() - started, 1),
-        }
-    )
+    emit({"kind": "summary", "notes": notes, "seconds": round(time.monotonic() - started, 1)})
     return 0
-
-
-def _shares(levels: tuple[str, ...], budget: float) -> dict[str, float]:
-    """Where the budget goes: the cache level takes it all unless the model level runs too (then 70/30)."""
-    if "model" in levels and "cache" in levels:
-        return {"cache": budget * 7 / 10, "model": budget * 3 / 10}
-    return {"cache": budget, "model": budget}
 
 
 if __name__ == "__main__":

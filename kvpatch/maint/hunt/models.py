@@ -407,6 +407,12 @@ def hunt(
     report = Report()
     deadline = time.monotonic() + seconds
     for dist in dists:
+        why = _no_batch_path(dist)
+        if why is not None:
+            report.not_covered[f"{dist}.models (every architecture)"] = why
+            if done is not None:
+                done(f"{dist}.models (every architecture)", None, why)
+            continue
         package = f"{dist}.models"
         archs = [a for a in architectures(package) if _is_architecture(dist, a)]
         random.Random(seed).shuffle(archs)
@@ -430,6 +436,18 @@ def hunt(
             if caught is not None:
                 report.caught.append(caught)
     return report
+
+
+def _no_batch_path(dist: str) -> str | None:
+    """Why this release has no batch path to compare (None when it has one)."""
+    try:
+        if dist == "mlx_lm":
+            from mlx_lm.generate import BatchGenerator  # noqa: F401
+        else:
+            _vlm_make_cache()
+    except ImportError as exc:
+        return f"no batch path in this release: {exc}"
+    return None
 
 
 def _is_architecture(dist: str, arch: str) -> bool:
