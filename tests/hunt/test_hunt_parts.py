@@ -104,3 +104,21 @@ def test_hypothesis_is_a_test_dependency_never_a_runtime_one():
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     assert not [d for d in pyproject["project"]["dependencies"] if d.startswith("hypothesis")]
     assert [d for d in pyproject["dependency-groups"]["test"] if d.startswith("hypothesis")]
+
+
+def test_a_probe_is_the_reproduction_last_step_on_the_cache_itself():
+    from kvpatch.maint.hunt.machine import Caught, Violation
+    from kvpatch.maint.hunt.tape import PROBE
+
+    lines = [
+        "cache = C()",
+        "rows = [R()]",
+        "cache.filter([0])",
+        PROBE,
+        "probe.finalize()",
+        "x = step(probe, probe_rows)",
+    ]
+    violation = Violation("rows-agree", "off by 1", "filter", (), "m.C", check=["assert ok"])
+    body = repro.body(Caught(violation, [], lines))
+    assert body == ["cache = C()", "rows = [R()]", "cache.filter([0])", "cache.finalize()", "x = step(cache, rows)",
+                    "assert ok"]  # fmt: skip

@@ -5,7 +5,9 @@ the finding's bucket with kvpatch off, on, and on with candidate patches disable
 ``fixed by kvpatch``     gone with kvpatch on, back only with several candidates disabled together;
 ``new``                  there with kvpatch on: nothing in kvpatch covers it;
 ``intended``             there with kvpatch on, and documented upstream behaviour (:mod:`.intended`);
-``not reproduced``       its reproduction passes with kvpatch off (a flaky finding: reported, never patched).
+``with kvpatch only: <patch id>``  found by the kvpatch-on hunt, absent from upstream alone: that patch brings it
+                         (kvpatch's own bug, or upstream behaviour a patch newly exposes);
+``not reproduced``       its reproduction passes where it was found (a flaky finding: reported, never patched).
 
 The candidates are read from the registry: the patches applicable to the bucket's release whose targets live in a
 module the reproduction imports, on a class it names (or on a module-level function there). No patch is named in
@@ -120,6 +122,8 @@ def attribute(
     expected = finding.get("error") or "AssertionError"
     names = candidates(script, patches, releases, tuple(finding.get("modules") or ()))
     off = run(script, env, expected=expected, kvpatch="off")
+    if off.present is False and "on" in finding.get("hunts", ()):
+        return _with_kvpatch_only(script, env, expected, names, off)
     if off.present is not True:
         verdict = "not reproduced" if off.present is False else "inconclusive"
         return Attribution(verdict, off.text, "", names)
@@ -142,6 +146,25 @@ def attribute(
     if len(names) == 1 or back(group):
         return Attribution(f"fixed by {group[0]}", off.text, on.text, names)
     return Attribution(f"fixed by kvpatch (several of {', '.join(names)})", off.text, on.text, names)
+
+
+def _with_kvpatch_only(script: str, env: Mapping[str, str], expected: str, names: list[str], off: Run) -> Attribution:
+    """A finding of the kvpatch-on hunt that upstream alone does not have: which patch brings it (the one whose
+    removal makes it go; a patch that makes an operation available exposes what that operation then does)."""
+    on = run(script, env, expected=expected, kvpatch="on")
+    if on.present is not True:
+        return Attribution("not reproduced", off.text, on.text, names)
+
+    def gone(disabled: list[str]) -> bool:
+        return run(script, env, expected=expected, kvpatch="on", disable=tuple(disabled)).present is False
+
+    if not names or not gone(names):
+        return Attribution("with kvpatch only (no single candidate)", off.text, on.text, names)
+    group = list(names)
+    while len(group) > 1:
+        half = group[: len(group) // 2]
+        group = half if gone(half) else group[len(group) // 2 :]
+    return Attribution(f"with kvpatch only: {group[0]}", off.text, on.text, names)
 
 
 def environ(bucket: Any) -> dict[str, str]:

@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from kvpatch.patches import _numbers
 
-from .tape import Tape, header
+from .tape import PROBE, Tape, header
 from .targets import Target
 
 
@@ -315,7 +315,7 @@ class CacheMachine(Machine):
             return  # a cache that cannot be copied is only checked by the next real step
         lead = [r.lead for r in self.rows]
         n = max(lead) + 1
-        lines = ["probe, probe_rows = copy.deepcopy((cache, rows))"]
+        lines = [PROBE]
         if self.pending is not None:
             lines.append("probe.finalize()")
         args = f"probe, probe_rows, {self.seed()}, {n}" + (f", left={lead}" if any(lead) else "")

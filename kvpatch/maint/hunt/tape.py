@@ -14,7 +14,9 @@ from typing import Any
 from .targets import Target
 
 SCAFFOLD = Path(__file__).with_name("scaffold.py")
-_UPSTREAM_MARK = "# hunt: upstream"
+#: The line that starts a probe: one more step on copies of the cache and its rows (machine.py writes it,
+#: repro.py turns it into a step on the cache itself).
+PROBE = "probe, probe_rows = copy.deepcopy((cache, rows))"
 
 
 @cache
