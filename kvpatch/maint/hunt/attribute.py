@@ -127,7 +127,13 @@ def attribute(
     if off.present is not True:
         verdict = "not reproduced" if off.present is False else "inconclusive"
         return Attribution(verdict, off.text, "", names)
-    on = run(script, env, expected=expected, kvpatch="on")
+    # found by the kvpatch-on hunt: present with kvpatch on, as measured there (one child process less)
+    found_on = "on" in finding.get("hunts", ())
+    on = (
+        Run(True, "found by the hunt with kvpatch on")
+        if found_on
+        else run(script, env, expected=expected, kvpatch="on")
+    )
     if on.present is not False:
         documented = intended.match(finding)
         if documented is not None:

@@ -29,7 +29,7 @@ from .inbucket import MARK
 SCHEMA = "kvpatch.hunt/1"
 #: Seconds each of the two hunts of a bucket runs (side by side): with attribution, a bucket takes under five minutes
 #: on two cores.
-DEFAULT_BUDGET = 150.0
+DEFAULT_BUDGET = 120.0
 LEVELS = ("cache", "lazy", "model")
 #: Child processes at a time while attributing (the project's machines have two cores).
 JOBS = 2
