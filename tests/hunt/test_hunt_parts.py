@@ -51,11 +51,14 @@ def test_reproduction_length_counts_lines_of_code_only():
     assert repro.length(text) == 3
 
 
-def test_findings_of_one_class_invariant_and_operation_are_attributed_together():
-    a = {"target": "m.C", "invariant": "rows-agree", "operation": "decode", "error": None, "hunts": ["off"]}
-    b = dict(a, operation="update")
-    c = dict(a, operation="filter")
+def test_findings_are_attributed_together_only_when_their_signatures_match():
+    a = {"signature": ["m.C", "rows-agree", "decode", "", ""], "hunts": ["off"]}
+    b = dict(a, signature=["m.C", "rows-agree", "update", "", ""])
+    c = dict(a, signature=["m.C", "rows-agree", "filter", "", ""])
+    d = dict(a, signature=["m.C", "no-crash", "update", "ValueError", "shape (#,#)"])
+    e = dict(a, signature=["m.C", "no-crash", "update", "ValueError", "a str"])
     assert cli.kinship(a) == cli.kinship(b) != cli.kinship(c)
+    assert cli.kinship(d) != cli.kinship(e)
     assert cli.kinship(a) != cli.kinship(dict(a, hunts=["off", "on"]))
 
 

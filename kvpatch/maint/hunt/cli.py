@@ -212,9 +212,12 @@ def hunt_bucket(
 
 def kinship(f: dict[str, Any]) -> tuple[str, ...]:
     """Findings taken to be one bug for attribution (their shortest reproduction is attributed, the others inherit the
-    verdict): one class, one invariant, one operation, one error, found by the same hunts."""
-    operation = "update" if f["operation"] == "decode" else f["operation"]
-    return (f["target"], f["invariant"], operation, f.get("error") or "", *f["hunts"])
+    verdict): one signature (class, invariant, operation, crash and its message, situation) but for decode / update,
+    found by the same hunts."""
+    signature = list(f["signature"])
+    if len(signature) > 2 and signature[2] == "decode":
+        signature[2] = "update"
+    return (*signature, *f["hunts"])
 
 
 def verdict_of(f: dict[str, Any]) -> str:
