@@ -134,24 +134,27 @@ def attribute(
         if found_on
         else run(script, env, expected=expected, kvpatch="on")
     )
-    if on.present is not False:
+    if on.present is True:
         documented = intended.match(finding)
         if documented is not None:
             return Attribution("intended", off.text, on.text, names, documented)
-        return Attribution("new" if on.present else "inconclusive", off.text, on.text, names)
+        return Attribution("new", off.text, on.text, names)
+    # With kvpatch on the reproduction passes, or fails another way: its own failure is gone (what a patch fixed);
+    # what remains is said with the verdict (the hunt's other findings tell what it is).
+    remains = f" (with kvpatch on it then fails otherwise: {on.text})" if on.present is None else ""
 
     def back(disabled: list[str]) -> bool:
         return run(script, env, expected=expected, kvpatch="on", disable=tuple(disabled)).present is True
 
     if not names or not back(names):
-        return Attribution("fixed by kvpatch (no single candidate brings it back)", off.text, on.text, names)
+        return Attribution(f"fixed by kvpatch (no single candidate brings it back){remains}", off.text, on.text, names)
     group = list(names)
     while len(group) > 1:
         half = group[: len(group) // 2]
         group = half if back(half) else group[len(group) // 2 :]
     if len(names) == 1 or back(group):
-        return Attribution(f"fixed by {group[0]}", off.text, on.text, names)
-    return Attribution(f"fixed by kvpatch (several of {', '.join(names)})", off.text, on.text, names)
+        return Attribution(f"fixed by {group[0]}{remains}", off.text, on.text, names)
+    return Attribution(f"fixed by kvpatch (several of {', '.join(names)}){remains}", off.text, on.text, names)
 
 
 def _with_kvpatch_only(script: str, env: Mapping[str, str], expected: str, names: list[str], off: Run) -> Attribution:
