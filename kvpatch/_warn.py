@@ -21,12 +21,27 @@ _emitted: set[str] = set()
 _emitted_lock = threading.Lock()
 
 
+def _after_fork() -> None:
+    """In a child of ``os.fork``: a lock another thread of the parent held would be held forever."""
+    global _emitted_lock
+    _emitted_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 class KvpatchWarning(UserWarning):
     """Something about kvpatch's patches needs attention (only ever warned, never raised)."""
 
 
 def failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def quoted(path: object) -> str:
+    """``path`` for a message: quoted, a line break or control character in it escaped (never a forged line)."""
+    return repr(str(path))
 
 
 def _stacklevel() -> int:

@@ -4,7 +4,6 @@ a server names, :func:`require_applied` for every applicable patch."""
 from __future__ import annotations
 
 import contextlib
-import difflib
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -12,13 +11,11 @@ from dataclasses import dataclass
 from . import _copy_records, get_engine
 from .config import Config
 from .detect import Upstream
-from .engine import Engine, PatchStatus, State
+from .engine import Engine, PatchStatus
 from .gate import Action, Decision, decide
 from .record import DISTRIBUTIONS, Patch
 from .registry import Stub, module_for
-
-#: States in which the bug cannot bite this process: the fix is reached now, or upstream has no such bug.
-_FIXED_STATES = frozenset({State.APPLIED, State.NOT_NEEDED, State.OUT_OF_RANGE, State.NOT_INSTALLED})
+from .states import MEANINGS, Check, Reason, State
 
 
 def _gate(engine: Engine, patch: Patch | Stub, config: Config | None = None) -> Decision:
@@ -34,7 +31,7 @@ def _gate(engine: Engine, patch: Patch | Stub, config: Config | None = None) -> 
 
 def _import_pending(engine: Engine, statuses: Iterable[PatchStatus]) -> None:
     """Import the target modules of pending patches: their hooks get the chance to install them."""
-    pending = [m for st in statuses if st.state is State.PENDING for m in engine.record_of(st).modules]
+    pending = [m for st in statuses if st.state is State.PENDING for m in st.record.modules]
     for module in pending:
         with contextlib.suppress(ImportError):
             __import__(module)
@@ -50,22 +47,19 @@ def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[
     found: list[Guarantee] = []
     for patch in engine.materialise():
         st = engine.status[patch.id]
-        action = _gate(engine, st.patch).action
-        touched = any(m in loaded for m in patch.modules)
+        action, meaning = _gate(engine, st.patch).action, MEANINGS[st.state]
+        waiting = meaning.waits and not any(m in loaded for m in patch.modules)  # settled at an import to come
         if action is Action.APPLY:
             applicable.append(st)
-            bad = st.state not in _FIXED_STATES and (st.state is not State.PENDING or touched)
-        else:
-            bad = action is Action.VERIFY and (
-                st.state in (State.FAILED, State.DRIFTED, State.TARGET_MISSING, State.OVERRIDDEN, State.INCONCLUSIVE)
-                or (st.state is State.UNVERIFIED and touched)
-            )
+            bad = not meaning.fixed and not waiting
+        else:  # one its reproduction decides: only what --check calls a problem
+            bad = action is Action.VERIFY and meaning.check is not Check.CLEAN and not waiting
         if bad:
             found.append(Guarantee(patch.id, False, st.state.value, st.error or st.reason))
     for st in _copy_records():
         if st.decision.action is Action.APPLY:
             applicable.append(st)
-            if st.state not in _FIXED_STATES and (st.state is not State.PENDING or st.copy in loaded):
+            if not MEANINGS[st.state].fixed and (st.state is not State.PENDING or st.copy in loaded):
                 found.append(Guarantee(f"{st.record.id} in {st.copy}", False, st.state.value, st.error or st.reason))
     found.extend(Guarantee(module, False, "broken", error) for module, error in engine.broken.items())
     return applicable, found
@@ -118,6 +112,8 @@ class UnknownPatch(LookupError):
     """A patch id that kvpatch does not know (a typo, or a patch this kvpatch release does not have)."""
 
     def __init__(self, patch_id: str, known: Iterable[str]) -> None:
+        import difflib  # here: kvpatch loads this module with itself, and a typo is rare
+
         self.patch_id = patch_id
         self.suggestions = difflib.get_close_matches(patch_id, sorted(known), n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(map(repr, self.suggestions))}?" if self.suggestions else ""
@@ -135,25 +131,37 @@ def _patch_status(engine: Engine, patch_id: str) -> PatchStatus | Guarantee:
 
 
 def _guarantee(engine: Engine, st: PatchStatus) -> Guarantee:
-    patch, state, reason = engine.record_of(st), st.state, st.error or st.reason
+    patch, state, reason = st.patch, st.state, st.error or st.reason
     if st.suspended:
-        return Guarantee(patch.id, False, "suspended", "taken out in this process (suspend / kvpatch.testing.without)")
-    if state in _FIXED_STATES:
+        return Guarantee(patch.id, False, "suspended", str(Reason("suspended")))
+    if MEANINGS[state].fixed:
         return Guarantee(patch.id, True, state.value, reason)
     if state in (State.DISABLED, State.OPT_IN):
         # off: fixed only where the installed upstream has no such bug (the gate with the patch opted in)
         upstream = _gate(engine, patch, Config(enabled_ids=frozenset({patch.id})))
         if upstream.action in (Action.NOT_NEEDED, Action.OUT_OF_RANGE, Action.NOT_INSTALLED):
-            return Guarantee(patch.id, True, state.value, f"{reason}; not needed: {upstream.reason}")
+            return Guarantee(
+                patch.id, True, state.value, str(Reason("off-not-needed", reason=reason, gate=upstream.reason))
+            )
         if state is State.DISABLED:
-            reason = f"{reason}; without it the bug is not ruled out: {upstream.reason}"
+            reason = str(Reason("off-not-ruled-out", reason=reason, gate=upstream.reason))
     if state is State.PENDING:
-        reason = f"its target modules ({', '.join(patch.modules)}) could not be imported, so it is not installed"
+        missing = [m for m in st.record.modules if m not in sys.modules]
+        why = (
+            Reason("not-installed", reason=reason)
+            if not missing
+            else Reason("not-imported", modules=", ".join(missing))
+        )
+        reason = str(why if engine.active else Reason("not-active"))
     return Guarantee(patch.id, False, state.value, reason)
 
 
 def guarantees(engine: Engine, patch_ids: Iterable[str]) -> list[Guarantee]:
-    """One :class:`Guarantee` per id, in order; an unknown id raises :class:`UnknownPatch` before any import."""
+    """One :class:`Guarantee` per id, in order; an unknown id raises :class:`UnknownPatch` before any import (an id
+    that is not a str: :class:`TypeError`)."""
+    patch_ids = list(patch_ids)
+    if bad := [pid for pid in patch_ids if not isinstance(pid, str)]:
+        raise TypeError(f"a patch id is a str, not {type(bad[0]).__name__} ({bad[0]!r})")
     statuses = [_patch_status(engine, pid) for pid in patch_ids]
     _import_pending(engine, [st for st in statuses if isinstance(st, PatchStatus)])
     engine.refresh()  # "applied" means reached now
@@ -176,7 +184,9 @@ def require(*patch_ids: str) -> list[Guarantee]:
 
 def is_fixed(patch_id: str) -> bool:
     """Whether one fix is in effect (:func:`require`'s test); never raises but :class:`UnknownPatch` (a typo must
-    not read as "not fixed")."""
+    not read as "not fixed") and :class:`TypeError` (an id that is not a str)."""
+    if not isinstance(patch_id, str):
+        raise TypeError(f"is_fixed() takes a patch id (str), not {type(patch_id).__name__}")
     try:
         return guarantees(get_engine(), (patch_id,))[0].fixed
     except UnknownPatch:

@@ -7,6 +7,7 @@ import argparse
 import builtins
 import contextlib
 import difflib
+import importlib.util
 import json
 import os
 import runpy
@@ -19,9 +20,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import __version__, activate, get_engine
+from ._site import BrokenInstall
 from .registry import load
 from .status import build_report, cut, format_text
 from .vendored import format_copies, scan
+from .verifier import Verifier
 
 #: The exit-code table (``status --help``, ``kvpatch --help``, the docs): code, meaning.
 EXIT_CODES: tuple[tuple[int, str], ...] = (
@@ -40,7 +43,7 @@ _USER_COMMANDS = {
     "verify": "run the reproductions whose outcome depends on this environment and store the verdicts",
     "run": "run a program (-c CODE, -m MODULE or SCRIPT) with kvpatch active, like python",
     "list": "list every patch: id, upstream package, affected releases, the bug it fixes",
-    "version": "print kvpatch's version (also --version)",
+    "version": "print kvpatch's version (also -V, --version)",
     "help": "show this help, or a command's (kvpatch help status)",
 }
 _MAINTAINER_COMMANDS = {
@@ -98,8 +101,12 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors exit 64, not argparse's 2 (which ``status --check`` uses for a failed patch)."""
 
     def error(self, message: str) -> NoReturn:
+        unknown = message.removeprefix("unrecognized arguments: ").split() if "unrecognized" in message else []
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        close = [c for w in unknown if w.startswith("-") for c in difflib.get_close_matches(w, options, n=1)]
+        hint = f" - did you mean {close[0]!r}?" if close else ""
         with contextlib.suppress(Exception):
-            print(f"{self.format_usage()}{self.prog}: error: {message}", file=sys.stderr)
+            print(f"{self.format_usage()}{self.prog}: error: {message}{hint}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
@@ -135,6 +142,9 @@ def emit(text: str, *, end: str = "\n") -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.verify:
+        Verifier.begin()  # before anything imports upstream
+    activate()
     engine = get_engine()
     report = build_report(engine, verify=args.verify, settle=not args.no_settle, fresh=args.fresh)
     copies = scan(engine, installed=True) if args.scan else None
@@ -205,6 +215,16 @@ def cmd_run(argv: Sequence[str]) -> int:
         exec(compile(value, "<string>", "exec"), main_module.__dict__)
     elif kind == "-m":
         sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(value) is not None
+        except ModuleNotFoundError as exc:  # a parent package that does not exist (else: the program's own error)
+            if not f"{value}.".startswith(f"{exc.name}."):
+                raise
+            found = False
+        except ValueError:  # a relative or empty name
+            found = False
+        if not found:
+            usage_error(f"no module named {value!r}")
         runpy.run_module(value, run_name="__main__", alter_sys=True)
     else:
         sys.path.insert(0, str(Path(value).resolve().parent))
@@ -228,7 +248,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             "`kvpatch status --help` lists the exit statuses."
         ),
     )
-    parser.add_argument("--version", action="store_true", help="print kvpatch's version and exit")
+    parser.add_argument("-V", "--version", action="store_true", help="print kvpatch's version and exit")
     for title, listed in COMMANDS:  # for the help only: the subparsers below parse the commands
         group = parser.add_argument_group(title)
         group._group_actions += [argparse.Action([], dest=name, metavar=name, help=text) for name, text in listed]
@@ -289,6 +309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenInstall as exc:  # not a bug to report: a file of the install is missing
+        with contextlib.suppress(Exception):
+            print(f"kvpatch: {exc} (exit {EXIT_INTERNAL})", file=sys.stderr)
+        return EXIT_INTERNAL
     except Exception as exc:
         if isinstance(exc, OSError) and sys.stdout is not None:  # a command's own print: is stdout what failed?
             try:

@@ -8,11 +8,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ._site import boot as _boot
+from ._warn import emit
 
 SHOWN = 60  # the most characters of one environment value a message quotes
 _NAMED = 3  # the most unknown ids one message names
-OFF_VALUES = frozenset(_boot().OFF_VALUES)
 ON_VALUES = frozenset({"", "on", "1", "true", "yes", "enable", "enabled", "auto"})
+#: ``KVPATCH_VERIFY``'s values that turn background verification off.
+NEVER = frozenset({"never", "off", "0", "no", "false"})
 
 VERIFY = "KVPATCH_VERIFY"
 VERDICTS = "KVPATCH_VERDICTS"
@@ -21,6 +23,20 @@ VENDORED = "KVPATCH_VENDORED"
 VERIFYING = "KVPATCH_VERIFYING"  # set by kvpatch for a verification process (the background child, ``verify``)
 #: Every variable a user sets (what an import does depends on each: ``kvpatch.settle`` keys on all of them).
 VARIABLES = ("KVPATCH", "KVPATCH_DISABLE", "KVPATCH_ENABLE", "KVPATCH_ENFORCE", VERIFY, VERDICTS, CACHE, VENDORED)
+#: The variables that name a directory (read through :func:`absolute_path`).
+PATHS = (VERDICTS, CACHE, "XDG_CACHE_HOME")
+
+
+def __getattr__(name: str) -> frozenset[str]:
+    """``OFF_VALUES``: ``KVPATCH``'s off values, the bootstrap's (read on use: a kvpatch whose bootstrap is missing
+    still imports, and says so when it activates)."""
+    if name == "OFF_VALUES":
+        return _off_values()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _off_values() -> frozenset[str]:
+    return frozenset(_boot().OFF_VALUES)
 
 
 @dataclass(frozen=True)
@@ -50,9 +66,16 @@ def read_config(environ: Mapping[str, str] | None = None, known_ids: frozenset[s
     disabled, disable_all = _ids(env, "KVPATCH_DISABLE", known_ids, problems)
     opted, enable_all = _ids(env, "KVPATCH_ENABLE", known_ids, problems)
     raw = env.get("KVPATCH_ENFORCE", "")
-    if raw.strip().lower() not in ON_VALUES | OFF_VALUES:
+    if raw.strip().lower() not in ON_VALUES | _off_values():
         problems.append(f"KVPATCH_ENFORCE={_shown(raw)} is not understood (use 1 or 0); not enforcing")
     enforcing = raw.strip().lower() in ON_VALUES - {""}
+    raw = env.get(VERIFY, "")
+    if raw.strip().lower() not in ON_VALUES | NEVER:
+        problems.append(f"{VERIFY}={_shown(raw)} is not understood (use 'never' or 'auto'); verification stays on")
+    if bad := _vendored(env)[1]:
+        listed = ", ".join(map(_shown, bad[:_NAMED])) + (f" and {len(bad) - _NAMED} more" if len(bad) > _NAMED else "")
+        problems.append(f"{VENDORED} names {listed}, not module names; ignored")
+    problems += [why for name in PATHS if (why := _relative(name, env)) is not None]
     return Config(enabled, disabled, disable_all, enforcing, tuple(problems), opted, enable_all)
 
 
@@ -63,7 +86,7 @@ def is_off(environ: Mapping[str, str] | None = None) -> bool:
 
 def background_verification() -> bool:
     """Whether a process without a verdict may start a background verification (``KVPATCH_VERIFY``)."""
-    return os.environ.get(VERIFY, "").strip().lower() not in {"never", "off", "0", "no", "false"}
+    return os.environ.get(VERIFY, "").strip().lower() not in NEVER
 
 
 def _setting(name: str) -> Callable[[], str | None]:
@@ -72,13 +95,48 @@ def _setting(name: str) -> Callable[[], str | None]:
 
 
 verifying = _setting(VERIFYING)
-verdicts_override = _setting(VERDICTS)
-cache_override = _setting(CACHE)
+
+
+def absolute_path(name: str) -> str | None:
+    """The directory ``name`` (one of :data:`PATHS`) names, ``~`` expanded, read at each call; ``None`` where it is
+    unset, empty or relative. A relative one would name another directory in each working directory (and the
+    background verifier's is ``/``): it is ignored, with one warning."""
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    path = os.path.expanduser(raw)
+    if os.path.isabs(path):
+        return path
+    why = _relative(name, os.environ)
+    emit(str(why), key=f"config:{why}")  # the engine warns its problems under the same key: said once
+    return None
+
+
+def _relative(name: str, env: Mapping[str, str]) -> str | None:
+    raw = env.get(name)
+    if not raw or os.path.isabs(os.path.expanduser(raw)):
+        return None
+    return f"{name}={_shown(raw)} is a relative path; ignored (set an absolute one)"
 
 
 def vendored() -> str:
-    """``KVPATCH_VENDORED`` as set, stripped; :func:`kvpatch.vendored.setting` parses it."""
+    """``KVPATCH_VENDORED`` as set, stripped (:func:`vendored_modules` parses it)."""
     return os.environ.get(VENDORED, "").strip()
+
+
+def vendored_modules() -> list[str] | None:
+    """The modules ``KVPATCH_VENDORED`` names besides the copies kvpatch knows of (``None``: off)."""
+    return _vendored(os.environ)[0]
+
+
+def _vendored(env: Mapping[str, str]) -> tuple[list[str] | None, list[str]]:
+    """``KVPATCH_VENDORED``'s modules (``None``: off) and the items that are no module name (ignored)."""
+    raw = env.get(VENDORED, "").strip()
+    if not raw or raw.lower() in _off_values():
+        return None, []
+    items = [n.strip() for n in raw.split(",") if n.strip().lower() not in {*ON_VALUES, "all"}]
+    names = [n for n in items if all(part.isidentifier() for part in n.split("."))]
+    return names, [n for n in items if n not in names]
 
 
 def values() -> list[tuple[str, str | None]]:

@@ -7,16 +7,22 @@ import functools
 import hashlib
 import inspect
 import json
+import sys
 import time
+import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import verdicts
+from . import surgery, verdicts
 from ._warn import emit
+from .gate import Action
 from .locate import stamp
+from .record import Kind
 
 if TYPE_CHECKING:
-    from .record import Patch
+    from .engine import PatchStatus
+    from .record import Patch, Target
 
 SHIPPED = Path(__file__).resolve().parent / "data" / "fingerprints.json"
 #: Computed in this process, not yet in the cache: file key -> {line:qualname -> fingerprint}.
@@ -94,3 +100,43 @@ def save(*, wait: bool = False) -> None:
 
     if verdicts.update(change, wait=wait) is None:
         _new.clear()
+
+
+def check_drift(st: PatchStatus, original_of: Callable[[Target, types.ModuleType], Any]) -> None:
+    """Note each imported replaced target of ``st``'s patch whose fingerprint is none it was validated on
+    (``st.drift``), and each that is another library's replacement not reaching upstream's code (``st.foreign``): its
+    verdict then decides the patch. ``original_of(target, module)``: the upstream object there (``MISSING``: none)."""
+    patch = st.record
+    known = validated(patch) if st.decision.action is not Action.VERIFY else None
+    for target in patch.targets if known else ():
+        recorded = known.get(target.path) if known else None
+        module = sys.modules.get(target.module)
+        if target.kind is not Kind.REPLACE or target in st.fingerprinted or not recorded or module is None:
+            continue
+        original = original_of(target, module)
+        if original is surgery.MISSING:
+            continue
+        st.fingerprinted.add(target)
+        fp = cached(original)
+        if fp in recorded:
+            continue
+        top = target.module.split(".", 1)[0]
+        # only a plain function is another library's code here: a proxy is looked through by the fingerprint
+        where = surgery.foreign(original, top) if type(original) is types.FunctionType else None
+        if where is None:
+            st.drift.append(
+                f"{target.path} has source fingerprint {fp}, none of the {len(recorded)} recorded for "
+                f"{patch.distribution} releases in {patch.affected}"
+            )
+            continue
+        inner = surgery.upstream_inner(original, top)
+        if inner is not None and cached(inner) in recorded:
+            continue  # another library's wrapper around upstream code kvpatch validated
+        # a replacement not reaching upstream's code: no verdict (measured on upstream's code) vouches for it
+        st.foreign.append(target.path)
+        st.drift.append(
+            f"{target.path} is {where}, another library's replacement of {patch.distribution}'s "
+            "code (installed before kvpatch and not calling upstream's)"
+        )
+    if known:
+        save()

@@ -111,3 +111,30 @@ def _decide_installed(patch: Patch | Stub, upstream: Upstream) -> Decision:
     if fixed is None:  # a record without fixed_in has checked_through
         return _verify(f"{dist} {version} is newer than {patch.checked_through} (not fixed as of then)")
     return _verify(f"{dist} {version} lies between the affected range {patch.affected} and the fix {patch.fixed_in}")
+
+
+#: :func:`misplaced`'s answers that are not one record field.
+LOWER_BOUND = "lower bound of affected"
+PINNED = "introduced_commit or fixed_commit"
+
+
+def misplaced(patch: Patch, version: str | None, commit: str | None, says: Action) -> str:
+    """The record field a finding on upstream's own code contradicts, by where ``version`` (installed from git
+    ``commit``, if given) sits in the record (CONTRIBUTING.md, "The record"), which ``says`` the release has the fix
+    (``NOT_NEEDED``) or predates the bug (``OUT_OF_RANGE``) while the bug is there, or has it (``APPLY``) while it is
+    absent: then the range's lower bound, its upper end (``fixed_in``) or a gap in ``affected``."""
+    if says is Action.NOT_NEEDED:
+        return "fixed_commit" if commit else "fixed_in"
+    if says is Action.OUT_OF_RANGE:
+        return "introduced_commit" if commit else LOWER_BOUND
+    if commit:
+        return PINNED
+    try:
+        release = Version(version or "")
+        ends = {Version(s.version) for s in patch.range if s.operator in ("<=", "<")}
+        ends |= {Version(patch.checked_through)} if patch.checked_through else set()
+    except InvalidVersion:
+        return "affected"
+    if any(s.operator in (">=", ">") and Version(s.version) == release for s in patch.range):
+        return LOWER_BOUND
+    return "fixed_in" if release in ends else "affected"

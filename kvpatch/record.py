@@ -169,7 +169,10 @@ class Patch:
             raise RecordError(f"{self.id}: fixed_in {self.fixed_in} lies inside {self.affected}")
         if all(spec.operator in (">=", ">", "!=") for spec in self.range):
             # an open range would apply blindly to every future release: newer ones go to the reproduction
-            raise RecordError(f"{self.id}: affected range {self.affected!r} has no upper bound")
+            raise RecordError(
+                f"{self.id}: affected={self.affected!r} has no upper bound: end it at the newest release measured "
+                "('<=X', with checked_through='X'), or before the fixing release ('<X', with fixed_in='X')"
+            )
         if fixed is None and self.checked_through is None:
             raise RecordError(f"{self.id}: an unfixed bug needs checked_through (the newest release measured)")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -87,6 +88,26 @@ class Stub:
         if record.id != self.id:
             raise ValueError(f"{self.module} defines {record.id!r}, the unit index says {self.id!r}")
         return record
+
+
+class Unloadable(NamedTuple):
+    """Why a unit could not be imported; ``gone``: its file is gone (kvpatch was uninstalled or replaced since)."""
+
+    error: str
+    gone: bool
+
+
+def resolve(stubs: Iterable[Stub]) -> dict[str, Patch | Unloadable]:
+    """Each stub's record, its unit imported (a unit's code runs), or why it could not be."""
+    results: dict[str, Patch | Unloadable] = {}
+    for stub in stubs:
+        try:
+            results[stub.id] = stub.resolve()
+        except Exception as exc:
+            missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+            gone = bool(missing) and f"{stub.module}.".startswith(f"{missing}.")
+            results[stub.id] = Unloadable(failure(exc), gone)
+    return results
 
 
 def index() -> list[Stub] | None:

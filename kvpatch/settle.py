@@ -4,18 +4,16 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import config, store, verdicts
-from .engine import Engine, State, import_target_modules
+from .engine import Engine
 from .locate import module_file, stamp
 
 
@@ -43,14 +41,6 @@ def environment_key(engine: Engine) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def import_pending(engine: Engine, failed: Callable[[str, str, Exception], None]) -> None:
-    """Import each pending patch's target modules, checked as it goes (one patch's import settles others); a module
-    that fails to import goes to ``failed(patch id, module, exception)``."""
-    for patch in engine.materialise():
-        if engine.status[patch.id].state is State.PENDING:
-            import_target_modules(patch, functools.partial(failed, patch.id))
-
-
 def settle(engine: Engine, *, fresh: bool = False) -> Settled:
     """Import what the engine would patch (no reproductions) and return every patch's outcome: the cached one for
     this environment unless ``fresh`` or the environment changed (a missing or refused file: settle again)."""
@@ -61,7 +51,8 @@ def settle(engine: Engine, *, fresh: bool = False) -> Settled:
             if data["key"] == environment_key(engine) and isinstance(data["outcomes"], dict):
                 return Settled("cache", float(data["at"]), data["outcomes"])
     if engine.active:
-        import_pending(engine, engine.import_failed)  # a module that failed to import: its hooks never ran
+        # a module that failed to import: its hooks never ran
+        engine.activation.import_pending(engine.materialise(), engine.activation.import_failed)
         engine.refresh()
     outcomes = {
         pid: {"state": st.state.value, "reason": st.reason, "error": st.error, "notes": list(st.notes)}

@@ -1,5 +1,6 @@
-"""The audit behind ``kvpatch status``: every patch's state and why, and the check's exit status. The JSON form
-follows ``kvpatch/data/status.schema.json`` (``kvpatch.status/1``: keys are added, never removed or renamed)."""
+"""The audit behind ``kvpatch status``: every patch's state and why, and the check's exit status, as the state
+table says them (:mod:`kvpatch.states`). The JSON form follows ``kvpatch/data/status.schema.json``
+(``kvpatch.status/1``: keys are added, never removed or renamed)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,17 @@ import platform
 import sys
 import textwrap
 from collections import Counter
+from dataclasses import replace
 from typing import Any, NamedTuple
 
-from . import __version__, _copy_records, measurer, verdicts
+from . import __version__, _copy_records, verdicts
 from ._warn import failure
 from .engine import Engine, PatchStatus, State, import_target_modules
-from .gate import Action
+from .gate import Action, misplaced
 from .record import Bug, Finding, Patch
 from .settle import settle as settle_outcomes
-from .verdicts import Outcome
+from .states import AWAITING, EXPLAINED, MEANINGS, Check, Meaning, Outcome, Reason, found, verify_check
+from .verifier import Verifier
 
 __all__ = ["Report", "build_report", "format_text"]
 
@@ -24,10 +27,14 @@ __all__ = ["Report", "build_report", "format_text"]
 class Report(NamedTuple):
     data: dict[str, Any]
     outcomes: dict[str, Outcome]  # patch id -> the ``--verify`` outcome (``data`` says it in words)
+    #: patch id -> how far its verdict's sizes are from the rounding (:func:`kvpatch.verdicts.margin`), from this
+    #: run's measurement or the stored verdict; only reproductions that compare computed numbers have one
+    margins: dict[str, str] | None = None
+    stored: dict[str, Outcome] | None = None  # patch id -> its stored verdict's outcome (``data`` says it in words)
 
 
-#: States that are facts about this environment needing attention: ``--check`` exits 2 on these, 1 on the others.
-_FAILING, _ATTENTION = {State.FAILED.value, State.TARGET_MISSING.value}, {State.DRIFTED.value, State.OVERRIDDEN.value}
+#: Each state's meaning by the name ``status --json`` gives it.
+_MEANING = {state.value: meaning for state, meaning in MEANINGS.items()}
 
 
 def _finding(f: Finding | None) -> dict[str, Any] | None:
@@ -35,41 +42,32 @@ def _finding(f: Finding | None) -> dict[str, Any] | None:
     return None if f is None else {"present": f.present, "verdict": f.bug.value} | {k: getattr(f, k) for k in keys}
 
 
-def _verify(engine: Engine, st: PatchStatus, check: dict[int, list[str]]) -> tuple[Outcome, dict[str, Any]]:
-    """The patch's measurement (the engine's own when it settled a verdict here: each side runs once), how the report
-    says it, and its check reasons (only a conclusive finding on upstream's own code says the record is wrong)."""
+def _verify(
+    engine: Engine, st: PatchStatus, check: dict[Check, list[Reason]], margins: dict[str, str]
+) -> tuple[Outcome, dict[str, Any]]:
+    """The patch's measurement (the verifier's, where it settled a verdict here: each side runs once), how the report
+    says it, its margin and what it gives the check (only a conclusive finding on upstream's own code says the record
+    is wrong, and which field)."""
+    found_: dict[str, Any] = {"without_patch": None, "with_patch": None, "foreign": []}
     try:
-        m = st.measurement or engine.measure(engine.record_of(st), install=False)
+        m = st.measurement or engine.measure(st.record, install=False)
     except Exception as exc:
-        outcome, text = Outcome.COULD_NOT_RUN, f"{Outcome.COULD_NOT_RUN.value}: {failure(exc)}"
-        found: dict[str, Any] = {"without_patch": None, "with_patch": None, "foreign": []}
+        outcome, said = Outcome.COULD_NOT_RUN, found(Outcome.COULD_NOT_RUN, failure(exc))
     else:
         applied = st.state is State.APPLIED
         outcome, detail = m.outcome(applied)
-        text = {
-            Outcome.SKIPPED: f"skipped: {detail}",
-            Outcome.ELSEWHERE: f"{outcome.value} ({detail})",
-            Outcome.UNPATCHED: f"{outcome.value} ({st.state.value})",
-        }.get(outcome, outcome.value)
-        if outcome is Outcome.INCONCLUSIVE:  # the patch was tried unless the run without it was inconclusive
-            tried = m.after if m.before.bug is not Bug.INCONCLUSIVE else None
-            text += f" with the patch: {tried.inconclusive or tried.skipped}" if tried else f" {detail}"
-        found = {"without_patch": _finding(m.before), "with_patch": _finding(m.after if applied else None)}
-        found["foreign"] = list(m.foreign)
-    pid = st.patch.id
-    if outcome is Outcome.NOT_FIXED:
-        check[2].append(f"{pid}: {text}")
-    elif outcome is Outcome.COULD_NOT_RUN:
-        check[1].append(f"{pid}: verify {text} (this environment needs attention; not a record error)")
-    elif outcome is Outcome.INCONCLUSIVE:
-        check[1].append(f"{pid}: verify {text} (an error that is not the bug: this environment needs attention)")
-    elif outcome is Outcome.UNPATCHED and st.state in (State.NOT_NEEDED, State.OUT_OF_RANGE):
-        check[1].append(f"{pid}: {text}: the record says otherwise; update it")
-    elif outcome is Outcome.UNPATCHED and st.state is State.UNVERIFIED:
-        check[1].append(f"{pid}: {text}: no verdict in this process; run `python -m kvpatch verify`")
-    elif outcome is Outcome.ABSENT and st.state is State.APPLIED:
-        check[1].append(f"{pid}: applied, but the bug is absent upstream: update the record")
-    return outcome, {"outcome": text, **found}
+        tried = m.after if m.before.bug is not Bug.INCONCLUSIVE else None  # the patch was tried: what it hit
+        said = found(outcome, detail, state=st.state, tried=(tried.inconclusive or tried.skipped) if tried else None)
+        found_ = {"without_patch": _finding(m.before), "with_patch": _finding(m.after if applied else None)}
+        found_["foreign"] = list(m.foreign)
+        if size := verdicts.margin(verdicts.sizes_of(m.before, m.after if applied else None)):
+            margins[st.patch.id] = size
+    up = engine.upstream[st.patch.distribution]
+    field = misplaced(st.record, up.version, up.source.commit, st.decision.action)
+    level, why = verify_check(st.patch.id, outcome, said, st.state, field)
+    if why is not None:
+        check[level].append(why)
+    return outcome, {"outcome": str(said), **found_}
 
 
 def auto_activation() -> str | None:
@@ -97,63 +95,59 @@ def _entry(p: Patch, st: PatchStatus) -> dict[str, Any]:
 
 
 def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, fresh: bool = False) -> Report:
-    """The audit. ``settle`` (default): outcomes, not predictions (see :mod:`kvpatch.settle`)."""
-    with measurer.measuring_as("status --verify", remeasure=True) if verify else contextlib.nullcontext():
-        records = engine.materialise()  # the report shows every record
-        settled = settle_outcomes(engine, fresh=fresh) if settle and not verify else None
-        if settled is None:
-            engine.refresh()
-        skip = (State.OUT_OF_RANGE, State.NOT_INSTALLED)
-        relevant = {pid for pid, st in engine.status.items() if st.state not in skip}
-        if verify:  # the hooks install what applies (and settle the verdict of what the reproduction decides)
-            for pid in relevant:
-                with contextlib.suppress(Exception):  # reported per patch by _verify
-                    import_target_modules(engine.record_of(engine.status[pid]))
-        patches: list[dict[str, Any]] = []
-        check: dict[int, list[str]] = {2: [], 1: []}  # the check's reasons: 2 a patch failed, 1 attention
-        outcomes: dict[str, Outcome] = {}
-        for p in records:
-            st = engine.status[p.id]
-            entry = _entry(p, st)
-            if st.decision.action is Action.VERIFY:  # the stored verdict, read without importing upstream
-                stored = verdicts.lookup(verdicts.key(p, engine.upstream))
-                if stored is not None:
-                    entry["verdict"], entry["verdict_file"] = stored.describe(), stored.source or None
-            if settled is not None and settled.how == "cache" and p.id in settled.outcomes:
-                entry |= {k: settled.outcomes[p.id].get(k, entry[k]) for k in ("state", "reason", "error", "notes")}
-            if verify and p.id in relevant:
-                outcomes[p.id], entry["verify"] = _verify(engine, st, check)
-                entry["state"], entry["reason"] = st.state.value, st.reason
-            state = entry["state"]
-            unsettled = state == State.PENDING.value and st.decision.action is Action.VERIFY and not entry["verdict"]
-            if state in _FAILING:
-                check[2].append(f"{p.id}: {entry['reason']}")
-            elif state in _ATTENTION:
-                check[1].append(f"{p.id}: {state}: {entry['reason']}")
-            elif state == State.INCONCLUSIVE.value:
-                check[1].append(f"{p.id}: inconclusive here, not applied (not a record error): {entry['error']}")
-            elif state == State.UNVERIFIED.value or unsettled:
-                check[1].append(f"{p.id}: pending verification (no verdict for this environment): run `kvpatch verify`")
-            elif st.drift and st.state is State.APPLIED:
-                check[1].append(f"{p.id}: applied to drifted code (reproduction confirmed); validate and record it")
-            patches.append(entry)
-        check[2].extend(f"{module}: could not be loaded: {error}" for module, error in engine.broken.items())
-        copies = []  # one entry per (patch, vendored copy a server registered)
-        for c in _copy_records():
-            who, state = f"{c.patch.id} in {c.copy}", c.state.value
-            copies.append({"id": c.patch.id, "copy": c.copy, "state": state, "reason": c.reason, "error": c.error})
-            if state in _FAILING:
-                check[2].append(f"{who}: {c.reason}")
-            elif state in _ATTENTION or c.state is State.UNVERIFIED:
-                check[1].append(f"{who}: {state}: {c.reason}")
+    """The audit. ``settle`` (default): outcomes, not predictions (see :mod:`kvpatch.settle`). ``verify``: each
+    relevant patch's reproduction measured too, a :class:`~kvpatch.verifier.Verifier` settling first those it
+    decides here."""
+    records = engine.materialise()  # the report shows every record
+    settled = settle_outcomes(engine, fresh=fresh) if settle and not verify else None
+    if settled is None:
+        engine.refresh()
+    skip = (State.OUT_OF_RANGE, State.NOT_INSTALLED)
+    relevant = [p for p in records if engine.status[p.id].state not in skip]
+    if verify:  # every relevant target imported (the hooks install what is decided), then verified
+        for p in relevant:
+            with contextlib.suppress(Exception):  # reported per patch by _verify
+                import_target_modules(p)
+        Verifier(engine, "status --verify").run(relevant)
+    patches: list[dict[str, Any]] = []
+    check: dict[Check, list[Reason]] = {Check.FAILURE: [], Check.ATTENTION: []}
+    outcomes: dict[str, Outcome] = {}
+    margins: dict[str, str] = {}
+    stored: dict[str, Outcome] = {}
+    for p in records:
+        st = engine.status[p.id]
+        entry = _entry(p, st)
+        if st.decision.action is Action.VERIFY:  # the stored verdict, read without importing upstream
+            verdict = verdicts.lookup(verdicts.key(p, engine.upstream))
+            if verdict is not None:
+                entry["verdict"], entry["verdict_file"] = verdict.describe(), verdict.source or None
+                stored[p.id] = verdict.outcome
+                if said := verdicts.margin(verdict.sizes):
+                    margins[p.id] = said
+        if settled is not None and settled.how == "cache" and p.id in settled.outcomes:
+            entry |= {k: settled.outcomes[p.id].get(k, entry[k]) for k in ("state", "reason", "error", "notes")}
+        if verify and p in relevant:
+            outcomes[p.id], entry["verify"] = _verify(engine, st, check, margins)
+            entry["state"], entry["reason"] = st.state.value, st.reason
+        meaning = _shown(entry, stored)[1]
+        if meaning.check:
+            facts = {k: entry[k] for k in ("id", "state", "reason", "error")}
+            check[meaning.check].append(Reason(meaning.line, **facts))
+        elif st.drift and st.state is State.APPLIED:
+            check[Check.ATTENTION].append(Reason("check-drift", id=p.id))
+        patches.append(entry)
+    check[Check.FAILURE] += [Reason("check-broken", module=m, error=e) for m, e in engine.broken.items()]
+    copies = []  # one entry per (patch, vendored copy a server registered)
+    for c in _copy_records():
+        copies.append({"id": c.patch.id, "copy": c.copy, "state": c.state.value, "reason": c.reason, "error": c.error})
+        if level := MEANINGS[c.state].check:
+            code = "check-failing" if level is Check.FAILURE else "check-state"
+            check[level].append(Reason(code, id=f"{c.patch.id} in {c.copy}", state=c.state.value, reason=c.reason))
     if engine.config.enforce:  # the project's own deadlines fail kvpatch's CI, never an operator's health check
-        check[1].extend(
-            f"{e['id']}: review-by date {e['expiry']['review_by']} has passed ({e['expiry']['condition']}): run "
-            "`python -m kvpatch upstream-check`, then retire the patch or set a new Expiry(review_by=...)"
-            for e in patches
-            if e["expiry"]["overdue"]
-        )
-    check[1].extend(engine.config.problems)
+        check[Check.ATTENTION] += [
+            Reason("check-overdue", id=e["id"], **e["expiry"]) for e in patches if e["expiry"]["overdue"]
+        ]
+    check[Check.ATTENTION] += [Reason("check-problem", problem=problem) for problem in engine.config.problems]
     data: dict[str, Any] = {
         "schema": "kvpatch.status/1",
         "kvpatch": __version__,
@@ -172,30 +166,12 @@ def build_report(engine: Engine, *, verify: bool = False, settle: bool = True, f
         "broken": dict(engine.broken),
         "problems": list(engine.config.problems),
         "summary": dict(Counter(e["state"] for e in patches)),
-        "check": {"exit": 2 if check[2] else 1 if check[1] else 0, "reasons": check[2] + check[1]},
+        "check": {
+            "exit": max((c for c, why in check.items() if why), default=Check.CLEAN).value,
+            "reasons": [str(why) for why in check[Check.FAILURE] + check[Check.ATTENTION]],
+        },
     }
-    return Report(data, outcomes)
-
-
-#: States shown in the compact view only as a count in the summary line.
-_QUIET_STATES = frozenset({State.NOT_NEEDED.value, State.OUT_OF_RANGE.value, State.NOT_INSTALLED.value})
-
-#: How the compact view groups what it shows, attention first: state as ``_state_text`` says it -> title.
-_GROUPS = {
-    "failed": "FAILED: not applied, the bug is live",
-    "target missing": "TARGET MISSING: upstream moved or removed what the patch replaces",
-    "drifted": "DRIFTED: the target's code is not what the patch was validated on",
-    "inconclusive": "INCONCLUSIVE: the reproduction could not tell",
-    "pending verification": "pending verification: the reproduction decides",
-    "overridden": "overridden",
-    "opt-in": "opt-in available: off unless KVPATCH_ENABLE names it",
-    "disabled": "disabled",
-    "applied": "applied",
-    "pending": "will apply when its module is imported",
-}
-_RANK = {state: i for i, state in enumerate(_GROUPS)}
-#: Groups up to inconclusive give each patch's reason; a state missing from _GROUPS joins them, under its own name.
-_EXPLAINED = _RANK["inconclusive"] + 0.5
+    return Report(data, outcomes, margins, stored)
 
 
 def cut(text: str, width: int | None) -> str:
@@ -215,16 +191,23 @@ def wrapped(text: str, indent: str, width: int | None, hang: str = "  ") -> list
     ) or [indent.rstrip()]
 
 
-def _state_text(entry: dict[str, Any]) -> str:
-    if entry["state"] != State.PENDING.value or entry["action"] == "apply":
-        return str(entry["state"])
-    return f"pending ({entry['verdict'].split(' (')[0]})" if entry["verdict"] else "pending verification"
+def _shown(entry: dict[str, Any], stored: dict[str, Outcome]) -> tuple[str, Meaning]:
+    """How the views name a patch's state, with its meaning: a pending patch its reproduction decides is shown by its
+    stored verdict, and without one as pending verification (``--no-settle``: a prediction)."""
+    state = entry["state"]
+    if state != State.PENDING.value or entry["action"] == Action.APPLY.value:
+        # a state this kvpatch does not know (a settled outcome's): shown by its name, with the explained ones
+        return state, _MEANING.get(state) or Meaning(EXPLAINED, state, "")
+    if entry["id"] in stored:
+        awaiting = replace(AWAITING, title=AWAITING.title.format(outcome=stored[entry["id"]].value))
+        return awaiting.title, awaiting
+    return State.UNVERIFIED.value, MEANINGS[State.UNVERIFIED]
 
 
 def format_text(report: Report, *, verbose: bool = False, width: int | None = None, check: bool = False) -> str:
     """The text of ``kvpatch status``: compact, or every patch with ``verbose``. ``width`` cuts summaries to a terminal
     (``None``: never); ``verbose`` wraps every line to it (default 80). ``check``: the check line names the exit."""
-    d, outcomes = report
+    d, outcomes = report.data, report.outcomes
     absent = Counter(e["distribution"] for e in d["patches"] if e["state"] == State.NOT_INSTALLED.value)
     off = "" if d["enabled"] else ": OFF (KVPATCH=off), nothing is patched"
     lines = [f"kvpatch {d['kvpatch']} on Python {d['python']} ({d['platform']}){off}"]
@@ -262,29 +245,33 @@ def format_text(report: Report, *, verbose: bool = False, width: int | None = No
     if verbose or width is not None:  # each line wrapped under its own indentation
         lines = [w for ln in lines for w in wrapped(ln.lstrip(), ln[: len(ln) - len(ln.lstrip())], width or 80)]
     lines.append("")
-    lines.extend(_full_table(d, width or 80, absent) if verbose else _compact(d, outcomes, width))
+    lines.extend(_full_table(report, width or 80, absent) if verbose else _compact(report, width))
     reasons, code = d["check"]["reasons"], d["check"]["exit"]  # broken modules and config problems among them
     if not reasons:
         lines.append(f"check: clean (exit {code})" if check else "check: clean, nothing needs attention")
     else:  # the exit status is named only to a command that asked for one
         what = "attention needed" if code == 1 else "a patch failed or did not fix its bug"
         exits = f"exit {code}" if check else f"`kvpatch status --check` exits {code}"
-        lines += [f"check: {what} ({exits}):", *(f"  - {r}" for r in reasons)]
+        lines.append(f"check: {what} ({exits}):")
+        fit = verbose or width is not None  # wrapped as the lines above are
+        lines += [w for r in reasons for w in (wrapped(r, "  - ", width or 80, hang="") if fit else [f"  - {r}"])]
     if not verbose:
         lines.append("`kvpatch status -v` lists every patch with its targets and reason.")
     return "\n".join(lines)
 
 
-def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None) -> list[str]:
+def _compact(report: Report, width: int | None) -> list[str]:
+    d, outcomes, stored = report.data, report.outcomes, report.stored or {}
     notable = {  # the verify outcomes that say something new about a patch's state
         e["id"]: e["verify"]["outcome"]
         for e in d["patches"]
         if e["verify"] and outcomes.get(e["id"]) not in (Outcome.FIXED, Outcome.ABSENT, Outcome.SKIPPED)
     }
     groups: dict[str, list[dict[str, Any]]] = {}
+    meanings: dict[str, Meaning] = {}
     for e in d["patches"]:
-        state = _state_text(e)
-        if state not in _QUIET_STATES or e["id"] in notable:
+        state, meanings[state] = _shown(e, stored)
+        if not meanings[state].quiet or e["id"] in notable:
             groups.setdefault(state, []).append(e)
     if not groups:
         if not any(d["upstream"][name]["installed"] for name in ("mlx-lm", "mlx-vlm") if name in d["upstream"]):
@@ -293,13 +280,13 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
     pad = max(len(e["id"]) for es in groups.values() for e in es)
     under = " " * (pad + 4)
     lines: list[str] = []
-    for state in sorted(groups, key=lambda s: _RANK.get(s, _EXPLAINED)):
-        entries = groups[state]
-        lines.append(f"{_GROUPS.get(state, state)} ({len(entries)}):")
-        if state == "disabled":
+    for state in sorted(groups, key=lambda s: meanings[s].rank):
+        entries, meaning = groups[state], meanings[state]
+        lines.append(f"{meaning.title} ({len(entries)}):")
+        if state == State.DISABLED.value:
             lines += [*wrapped(", ".join(e["id"] for e in entries), "  ", width), ""]
             continue
-        explained = _RANK.get(state, _EXPLAINED) <= _EXPLAINED
+        explained = meaning.explained
         shared = explained and len(entries) > 1 and len({e["reason"] for e in entries}) == 1
         if shared:  # one reason for the whole group: say it once
             lines.extend(wrapped(f"all {len(entries)}: {entries[0]['reason']}", "  ", width))
@@ -309,7 +296,7 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
                 lines.extend(wrapped(f"{state}: {e['reason']}", under, width))
                 if e["error"] and e["error"] not in e["reason"]:
                     lines.extend(wrapped(f"error: {e['error']}", under, width))
-            elif state == "opt-in":
+            elif state == State.OPT_IN.value:
                 lines.append(f"{under}turn it on: KVPATCH_ENABLE={e['id']}")
             if e["id"] in notable:
                 lines.extend(wrapped(f"verify: {notable[e['id']]}", under, width))
@@ -317,20 +304,22 @@ def _compact(d: dict[str, Any], outcomes: dict[str, Outcome], width: int | None)
     return lines
 
 
-def _full_table(d: dict[str, Any], width: int, absent: Counter[str]) -> list[str]:
+def _full_table(report: Report, width: int, absent: Counter[str]) -> list[str]:
     """Every present patch with its details; a distribution that is not installed is one line, not one per patch."""
+    d, margins, stored = report.data, report.margins or {}, report.stored or {}
     present = [e for e in d["patches"] if e["state"] != State.NOT_INSTALLED.value]
     lines: list[str] = []
     pad = max((len(e["id"]) for e in present), default=0)
     for e in present:
-        lines.append(f"{e['id']:<{pad}}  {_state_text(e)}")
+        lines.append(f"{e['id']:<{pad}}  {_shown(e, stored)[0]}")
         fixed = f"not fixed as of {e['checked_through']}" if e["checked_through"] else "not fixed"
         if e["fixed_in"]:
             fixed = e["fixed_in"] + (f" ({e['fixed_commit'][:8]})" if e["fixed_commit"] else "")
         details = [("affected", e["affected"]), ("fixed in", fixed), ("target", ", ".join(e["targets"]))]
         details += [("why", e["reason"]), ("verdict", e["verdict_file"])]
         details += [("error", e["error"] if e["error"] and e["error"] not in e["reason"] else None)]
-        details += [("verify", e["verify"] and str(e["verify"]["outcome"])), ("reference", e["reference"])]
+        details += [("verify", e["verify"] and str(e["verify"]["outcome"])), ("margin", margins.get(e["id"]))]
+        details += [("reference", e["reference"])]
         for label, text in details:
             if text is not None:
                 lines.extend(wrapped(text, f"    {label + ':':<11}", width, hang=""))

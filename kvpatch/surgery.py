@@ -186,9 +186,12 @@ def install(
     check: Callable[[Any], None] | None = None,
     lock: contextlib.AbstractContextManager[Any] | None = None,
     record: Callable[[Change], None] | None = None,
+    under: Any = None,
 ) -> Change | None:
     """Install ``target``'s replacement on ``owner`` (a vendored copy's: recorded as ``at``); ``None``: nothing to do.
-    The attribute is read again under ``lock`` before it is set (``record(change)`` runs there): changed, rebuilt."""
+    The attribute is read again under ``lock`` before it is set (``record(change)`` runs there): changed, rebuilt.
+    ``under``: the foreign wrapt proxy that is the attribute, which a restore spliced the original in under: the
+    replacement goes in under it, on top of what it wraps now (the original, or a patch below on the attribute)."""
     at = at or target
     name = target.attribute
     if owner is MISSING:
@@ -200,7 +203,7 @@ def install(
         present = inspect.getattr_static(owner, name, MISSING)
         if present is not MISSING and carries(present, patch.id):
             return None
-        wrapper = type(present) if isinstance(present, (classmethod, staticmethod)) else None
+        wrapper = type(present) if under is None and isinstance(present, (classmethod, staticmethod)) else None
         if target.kind is Kind.ADD:
             if present is not MISSING:
                 raise TargetMissing(
@@ -213,7 +216,8 @@ def install(
                 return None
             raise TargetMissing(f"{at.path} not found (moved or removed upstream?)")
         else:
-            original = present.__func__ if wrapper else getattr(owner, name)
+            held = _plain(under.__wrapped__) if under is not None else None
+            original = held or (present.__func__ if wrapper else getattr(owner, name))
             if check is not None:
                 check(original)
         built = make(original) if make is not None else build(patch, owner, original, patch.builders[target])
@@ -221,9 +225,14 @@ def install(
             return None
         function = mark(patch, at, owner, original, built)
         with lock if lock is not None else contextlib.nullcontext():
-            if vars(owner).get(name, MISSING) is not raw:
+            if under is not None:  # the proxy stays the attribute
+                if not splice_under(under, original, function):
+                    return None
+                raw = original
+            elif vars(owner).get(name, MISSING) is not raw:
                 continue  # someone changed the attribute while it was built: look again
-            setattr(owner, name, wrapper(function) if wrapper is not None else function)
+            else:
+                setattr(owner, name, wrapper(function) if wrapper is not None else function)
             change = Change(patch.id, at, owner, name, raw, original, function)
             if record is not None:
                 record(change)
@@ -272,11 +281,13 @@ def restore(change: Change) -> str | None:
 
 
 def splice_under(proxy: Any, old: Any, new: Any) -> bool:
-    """Replace ``old`` by ``new`` as what the wrapt ``proxy`` wraps; True if it now wraps ``new``."""
+    """Replace ``old`` by ``new`` as what the wrapt ``proxy`` wraps (as a classmethod or staticmethod where ``old``
+    was one); True if it now wraps ``new``."""
     try:
-        if _plain(proxy.__wrapped__) is not old:
+        current = proxy.__wrapped__
+        if _plain(current) is not old:
             return False
-        proxy.__wrapped__ = new
+        proxy.__wrapped__ = type(current)(new) if type(current) in (classmethod, staticmethod) else new
         return _plain(proxy.__wrapped__) is new
     except Exception:  # a proxy whose __wrapped__ raises or cannot be set
         return False

@@ -17,25 +17,32 @@ from .detect import Upstream
 from .engine import import_target_modules, run_reproduction
 from .gate import Decision, decide
 
-# The reproductions' own helpers (they run at run time), re-exported for the tests.
-from .patches._reproduce import matmul_precision, tiny_llama, tiny_pixtral_language_model, tolerance  # noqa: F401
+# How numbers are compared and the test models: the reproductions' own (they run at run time), re-exported for the
+# tests.
+from .patches._numbers import Difference, arithmetic, difference, exact, rounding, worst
+from .patches._reproduce import tiny_llama, tiny_pixtral_language_model
 from .record import Finding, Patch
 from .registry import Stub
 
 __all__ = [
+    "Difference",
     "agreeing_steps",
+    "arithmetic",
     "backend_gap",
-    "error_and_tolerance",
+    "difference",
+    "exact",
     "import_targets",
     "natural_decision",
     "quantization_gap",
     "reproduce",
-    "reproduce_without",
+    "rounding",
     "same_greedy",
     "skip_on_gap",
-    "tolerance",
+    "tiny_llama",
+    "tiny_pixtral_language_model",
     "with_and_without",
     "without",
+    "worst",
 ]
 
 _T = TypeVar("_T")
@@ -68,11 +75,6 @@ def with_and_without(patch_id: str, run: Callable[[], _T]) -> tuple[_T, _T]:
 def reproduce(patch: Patch) -> Finding:
     """``run_reproduction`` for tests: a reproduction stopped by a kernel this backend lacks skips the test."""
     return skip_on_gap(run_reproduction(patch))
-
-
-def reproduce_without(patch: Patch) -> Finding:
-    with without(patch.id):
-        return skip_on_gap(run_reproduction(patch))
 
 
 # -- what the backend computes, and how exactly ----------------------------------------------------------------
@@ -112,25 +114,24 @@ def _backend() -> str:
     return "CUDA" if cuda is not None and cuda.is_available() else "Metal"
 
 
-#: Unit roundoff (half an ulp at 1) of the arithmetic a matmul uses, by name.
 def quantization_gap(dtype: object = None) -> str | None:
-    """Why a row decoded through a quantized KV cache cannot be held to :func:`tolerance` against the same row
-    decoded another way (batched vs alone) here; None where it can.
+    """Why a row decoded through a quantized KV cache cannot be held to the rounding (:func:`difference`) against the
+    same row decoded another way (batched vs alone) here; None where it can.
 
-    :func:`tolerance` bounds rounding, a continuous effect. A quantized cache maps each key and value to a code,
-    a discontinuous step: mlx-lm / mlx-vlm's affine caches (``mx.quantize``: groups of 32 or 64 values, 4 or 8
-    bits) round each value to the nearest of 2^bits levels of its group, mlx-vlm's TurboQuant maps each rotated
-    coordinate to the nearest codebook entry. Inputs that differ by a rounding error (the k/v projections of one
-    row computed in a batch and alone) land in different codes wherever a value lies that close to a midpoint,
-    and each such value moves by a whole code step. With float32 matmuls in TF32 (a GPU, unless
-    ``MLX_ENABLE_TF32=0``) that happens on the test models. TurboQuant, on the CPU: keys and values perturbed by
-    2^-13 to 2^-11 relative before they reach the cache moved the logits by 0.009 to 0.04, against 7e-7
-    unperturbed; the H100 measured 0.021 to 0.029 (tolerance 0.0055 to 0.007). Affine, on the H100: 0.026 to
-    0.029 (4 bits) and 0.0088 (8 bits) against tolerances of 0.0059 and 0.0068, where the same tests pass with
-    ``MLX_ENABLE_TF32=0``. With float32 matmuls the rows quantize identical inputs (the CPU: equal within 1e-6).
-    bfloat16 runs are compared at bfloat16's own, coarser tolerances, which such a step stays within.
+    The rounding bounds a continuous effect. A quantized cache maps each key and value to a code, a discontinuous
+    step: mlx-lm / mlx-vlm's affine caches (``mx.quantize``: groups of 32 or 64 values, 4 or 8 bits) round each value
+    to the nearest of 2^bits levels of its group, mlx-vlm's TurboQuant maps each rotated coordinate to the nearest
+    codebook entry. Inputs that differ by a rounding error (the k/v projections of one row computed in a batch and
+    alone) land in different codes wherever a value lies that close to a midpoint, and each such value moves by a
+    whole code step. With float32 matmuls in TF32 (:func:`arithmetic`: a GPU, unless ``MLX_ENABLE_TF32=0``) that
+    happens on the test models. TurboQuant, on the CPU: keys and values perturbed by 2^-13 to 2^-11 relative before
+    they reach the cache moved the logits by 0.009 to 0.04, against 7e-7 unperturbed; the H100 measured 0.021 to
+    0.029 (rounding 0.0055 to 0.007). Affine, on the H100: 0.026 to 0.029 (4 bits) and 0.0088 (8 bits) against
+    roundings of 0.0059 and 0.0068, where the same tests pass with ``MLX_ENABLE_TF32=0``. With float32 matmuls the
+    rows quantize identical inputs. bfloat16 runs are compared at bfloat16's own, coarser rounding, which such a step
+    stays within.
     """
-    if matmul_precision(dtype) != "tf32":
+    if arithmetic(dtype) != "tf32":
         return None
     return (
         "float32 matmuls run in TF32 on this backend (MLX_ENABLE_TF32=0 turns that off): a quantized cache "
@@ -140,45 +141,26 @@ def quantization_gap(dtype: object = None) -> str | None:
     )
 
 
-def error_and_tolerance(
-    got: object, want: object, dtype: object = None, *, shift_free: bool = False
-) -> tuple[float, float]:
-    """(max absolute difference, :func:`tolerance` for the magnitude of ``want``) of two mlx arrays.
-
-    ``shift_free``: the magnitude of ``want`` less its mean along the last axis, for log-probabilities (logits
-    less their logsumexp: the shift makes them large, of order log(vocabulary), while their rounding errors
-    are the logits'), as :func:`same_greedy` measures scores.
-    """
-    import mlx.core as mx
-
-    err = mx.abs(got - want).max().item()  # type: ignore[operator]
-    if shift_free:
-        want = want - mx.mean(want, axis=-1, keepdims=True)
-    return err, tolerance(dtype, mx.abs(want).max().item())
-
-
-def same_greedy(
-    got: list[int], expected: list[int], scores: list[object], dtype: object = None, tol: float | None = None
-) -> str | None:
+def same_greedy(got: list[int], expected: list[int], scores: list[object], dtype: object = None) -> str | None:
     """None when greedy tokens ``got`` agree with ``expected``, allowing a split at a near tie; else why not.
 
     ``scores[i]`` is the reference's logits or log-probability vector at step ``i`` (what ``generate_step``
-    yields with each token; only differences within one step are used). Two correct computations of the same
-    logits differ by up to :func:`tolerance`, so where the reference's two best tokens are that close, either
-    may be picked, and after that the sequences may part: the tokens must be equal up to the first difference,
-    and there the token ``got`` picked must be within the tolerance of the reference's best. On the CPU
-    (tolerance 1e-4) this is plain equality but for exact ties.
+    yields with each token; only differences within one step are used), computed in ``dtype`` (default float32).
+    Two correct computations of the same logits differ by up to :func:`rounding` at their magnitude (shift-free:
+    logits and log-probabilities alike), so where the reference's two best tokens are that close, either may be
+    picked, and after that the sequences may part: the tokens must be equal up to the first difference, and there
+    the token ``got`` picked must be within the rounding of the reference's best. On the CPU this is plain equality
+    but for ties closer than float32's rounding.
     """
     for i, (a, b) in enumerate(zip(got, expected, strict=False)):
         if a == b:
             continue
         row = scores[i]
         gap = float(row[b].item() - row[a].item())  # type: ignore[index]
-        if tol is None:  # the magnitude of the logits (shift-free: logits and log-probabilities alike)
-            tol = tolerance(dtype, float((row - row.mean()).abs().max().item()))  # type: ignore[attr-defined]
-        if gap <= tol:
+        allowed = rounding(dtype, float((row - row.mean()).abs().max().item()))  # type: ignore[attr-defined]
+        if gap <= allowed:
             return None
-        return f"step {i}: {a} instead of {b}, whose score is higher by {gap:.3g} (> tolerance {tol:.3g})"
+        return f"step {i}: {a} instead of {b}, whose score is higher by {gap:.3g} (> rounding {allowed:.3g})"
     if len(got) != len(expected):
         return f"{len(got)} tokens instead of {len(expected)}"
     return None
@@ -218,8 +200,8 @@ def require_applies(patch: Patch) -> Decision:
     """
     import pytest
 
-    from .engine import State
     from .gate import Action
+    from .states import State
 
     decision = natural_decision(patch)
     if decision.action not in (Action.APPLY, Action.VERIFY):

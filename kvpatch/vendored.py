@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import itertools
+import os
 import re
 import sys
 import threading
@@ -19,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 from . import config, get_engine, store, surgery
 from ._warn import emit, failure
 from .detect import Upstream
-from .engine import FROM_ACTION, PatchStatus, State, executing, hook_registry, refresh_status, set_state
+from .engine import PatchStatus, executing, hook_registry, reached
 from .fingerprints import fingerprint, fingerprint_source, validated
 from .gate import Action, Decision, decide
 from .locate import module_file
 from .record import DISTRIBUTIONS, Expiry, Kind, Patch, Target
-from .surgery import TargetMissing
+from .states import OF_ACTION, Reason, State
+from .surgery import MISSING, TargetMissing
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -54,6 +56,7 @@ class Copy:
 
 @dataclass
 class _Registered:
+    engine: Engine
     module: str
     of: str
     scanned: bool  # found by the scan: the installed release's code (else: code the patch was validated on)
@@ -67,6 +70,16 @@ class _Kept(Exception):
 
 _lock = threading.RLock()
 _registered: dict[tuple[str, str], _Registered] = {}  # (module, of) -> registration
+
+
+def _after_fork() -> None:
+    """In a child of ``os.fork``: a lock another thread of the parent held would be held forever."""
+    global _lock
+    _lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _definitions(source: str, names: frozenset[str]) -> dict[str, tuple[str, str, int]]:
@@ -186,7 +199,7 @@ def scan(engine: Engine, *, modules: Iterable[str] | None = None, installed: boo
 
 def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None, force: bool = False) -> None:
     """Register the copies :func:`scan` finds (with ``KVPATCH_VENDORED`` on or ``force``). Never raises."""
-    if not (force or setting() is not None):
+    if not (force or config.vendored_modules() is not None):
         return
     try:
         engine = engine or get_engine()
@@ -213,17 +226,9 @@ def apply(engine: Engine | None = None, *, modules: Iterable[str] | None = None,
         emit(f"kvpatch: patching vendored copies failed: {failure(exc)}")
 
 
-def setting() -> list[str] | None:
-    """The modules ``KVPATCH_VENDORED`` names besides :data:`KNOWN` (``None``: off)."""
-    raw = config.vendored()
-    if not raw or raw.lower() in config.OFF_VALUES:
-        return None
-    return [n.strip() for n in raw.split(",") if n.strip().lower() not in {*config.ON_VALUES, "all"}]
-
-
 def hook(engine: Engine) -> None:
     """With ``KVPATCH_VENDORED`` on: :func:`apply` to :data:`KNOWN` and the modules it names as they are imported."""
-    names = setting()
+    names = config.vendored_modules()
     try:
         for name in dict.fromkeys([*KNOWN, *names]) if names is not None else ():
             if executing(sys.modules.get(name)):  # activated inside its own import: no hook will come
@@ -249,19 +254,20 @@ def register_copy(
         if patch.distribution != dist or of not in patch.modules or (wanted is not None and patch.id not in wanted):
             continue
         decision = decide(patch, Upstream(dist, version), engine.config)
-        state, reason = FROM_ACTION[decision.action], f"copy of {dist} {version}'s {of}: {decision.reason}"
+        why = Reason("copy", distribution=dist, version=version, of=of, decision=decision.reason)
+        state = OF_ACTION[decision.action]
         mine = engine.status[patch.id]
         if decision.action is Action.VERIFY and scanned and mine.verified and mine.installed:
-            state, reason = State.PENDING, f"{reason}; the installed release's verdict: {mine.verified}"
+            state, why = State.PENDING, Reason("copy-verdict", copy=why, verdict=mine.verified)
         elif decision.action is Action.VERIFY:
-            state, reason = State.UNVERIFIED, f"{reason}; the reproduction runs on upstream, not on a copy: not applied"
-        statuses[patch.id] = PatchStatus(patch, decision, state, reason, copy=module)
+            state, why = State.UNVERIFIED, Reason("copy-unverified", copy=why)
+        statuses[patch.id] = PatchStatus(patch, decision, state, why, copy=module)
     for pid in (p for p in wanted or () if p not in statuses):
-        why = "no such patch" if pid not in known else f"it does not change {of}"
+        said = "no such patch" if pid not in known else f"it does not change {of}"
         record = known.get(pid) or Patch(pid, "unknown patch", dist, "<0", "", Expiry("unknown"), fixed_in="0")
-        decision, reason = Decision(Action.DISABLED, why), f"{pid} cannot patch {module}: {why}"
-        statuses[pid] = PatchStatus(record, decision, State.FAILED, reason, error=why, copy=module)
-    reg = _Registered(module, of, scanned, statuses)
+        why = Reason("copy-refused", patch=pid, module=module, why=said)
+        statuses[pid] = PatchStatus(record, Decision(Action.DISABLED, said), State.FAILED, why, error=said, copy=module)
+    reg = _Registered(engine, module, of, scanned, statuses)
     with _lock:
         earlier = _registered.get((module, of))
         _registered[(module, of)] = reg
@@ -291,15 +297,18 @@ def _patch(reg: _Registered) -> None:
             kept = isinstance(exc, _Kept)
             state = State.DRIFTED if kept else State.TARGET_MISSING if isinstance(exc, TargetMissing) else State.FAILED
             why = str(exc) if kept else failure(exc)
-            set_state(st, state, f"{st.reason}; not applied: {why}", error=None if kept else why)
+            reg.engine.set_state(
+                st, state, Reason("copy-not-applied", copy=st.reason, why=why), error=None if kept else why
+            )
             if state is State.FAILED:
                 emit(f"kvpatch: vendored copy {reg.module}: {st.reason}", key=f"vendored:{pid}:{reg.module}")
             continue
         with _lock:
             reg.changes[pid] = done
+        with reg.engine.lock:
             st.installed = [c.target for c in done]
-            declined = f"{st.reason}; nothing to change in the copy (the builders declined)"
-            set_state(st, State.APPLIED if done else State.NOT_NEEDED, None if done else declined)
+            declined = Reason("copy-declined", copy=st.reason)
+            reg.engine.set_state(st, State.APPLIED if done else State.NOT_NEEDED, MISSING if done else declined)
 
 
 def _install(patch: Patch, target: Target, module: str, known: frozenset[str] | None) -> surgery.Change | None:
@@ -324,9 +333,10 @@ def _restore(reg: _Registered) -> None:
         for note in filter(None, (surgery.restore(change) for change in reversed(done))):
             emit(f"kvpatch: vendored copy: {note}")
         st = reg.statuses[pid]
-        st.installed = []
-        if st.state in (State.APPLIED, State.OVERRIDDEN):
-            set_state(st, State.PENDING, st.decision.reason)
+        with reg.engine.lock:
+            st.installed = []
+            if st.state in (State.APPLIED, State.OVERRIDDEN):
+                reg.engine.set_state(st, State.PENDING, None)
 
 
 def restore() -> None:
@@ -341,10 +351,14 @@ def restore() -> None:
 
 def copy_records() -> list[PatchStatus]:
     with _lock:
-        pairs = [(st, reg.changes.get(pid, [])) for reg in _registered.values() for pid, st in reg.statuses.items()]
-    for st, changes in pairs:
-        refresh_status(st, changes, _lock)
-    return [st for st, _ in pairs]
+        held = [
+            (reg.engine, st, reg.changes.get(pid, []))
+            for reg in _registered.values()
+            for pid, st in reg.statuses.items()
+        ]
+    for engine, st, changes in held:
+        reached(engine, st, changes)
+    return [st for _, st, _ in held]
 
 
 def format_copies(copies: list[Copy]) -> str:

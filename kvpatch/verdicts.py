@@ -1,11 +1,11 @@
 """Verdicts: what a patch's reproduction found in this environment, measured only in a verification process
-(:mod:`kvpatch.measurer`), read by every other from ``verdicts.json`` (with the verifier's attempts and the fingerprint
-cache) in each of :func:`kvpatch.store.verdict_places` (one stored at image build time serves every user)."""
+(:class:`kvpatch.verifier.Verifier`), read by every other from ``verdicts.json`` (with the verifier's attempts and
+the fingerprint cache) in each of :func:`kvpatch.store.verdict_places` (one stored at image build time serves every
+user)."""
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import hashlib
 import json
 import sys
@@ -14,9 +14,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import store as _store
-from ._warn import emit, failure
+from ._warn import emit, failure, quoted
 from .locate import module_file, stamp
 from .record import Bug
+from .states import Outcome
 
 if TYPE_CHECKING:
     from .detect import Upstream
@@ -28,30 +29,25 @@ MAX_ENTRIES = 512
 _TABLES = ("verdicts", "attempts", "fingerprints")
 
 
-class Outcome(str, enum.Enum):
-    """What runs without and with a patch say (:func:`judge`; the :data:`STORED` ones are verdicts); never changed."""
-
-    FIXED = "bug present, fixed by patch"
-    ABSENT = "bug absent upstream"
-    NOT_FIXED = "bug present, NOT fixed by patch"
-    INCONCLUSIVE = "inconclusive"
-    SKIPPED = "skipped"
-    ELSEWHERE = "bug absent in this process, fixed by something else in this process"
-    UNPATCHED = "bug present, patch not applied"
-    COULD_NOT_RUN = "could not run"
-
-
+#: The outcomes (:class:`kvpatch.states.Outcome`) a verdict file keeps.
 STORED = frozenset({Outcome.FIXED, Outcome.ABSENT, Outcome.NOT_FIXED, Outcome.INCONCLUSIVE, Outcome.SKIPPED})
 
 
+#: The sizes a verdict was judged on (:func:`sizes_of`): per side (``"without"``, ``"with"`` the patch) the computed
+#: difference's ``error`` and the ``rounding`` it was held to; a side whose symptom is structural has none.
+Sizes = dict[str, dict[str, float]]
+
+
 class Verdict(NamedTuple):
-    """An outcome, when and by what it was measured, and the file it was read from (``""``: none, it is in memory)."""
+    """An outcome, when and by what it was measured, the file it was read from (``""``: none, it is in memory) and the
+    sizes it was judged on (``None``: a reproduction that compares no computed numbers)."""
 
     outcome: Outcome
     detail: str = ""
     at: float = 0.0
     by: str = ""
     source: str = ""
+    sizes: Sizes | None = None
 
     def describe(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.at)) if self.at else "?"
@@ -80,12 +76,37 @@ def judge(before: Finding, after: Finding | None, foreign: Sequence[str] = ()) -
     return Outcome.FIXED, before.detail
 
 
+def sizes_of(before: Finding | None, after: Finding | None) -> Sizes | None:
+    """The sizes of runs without and with a patch (:func:`kvpatch.patches._numbers.judge` keeps them on a finding)."""
+    sides = {
+        side: {"error": f.error, "rounding": f.rounding}
+        for side, f in (("without", before), ("with", after))
+        if f is not None and f.error is not None and f.rounding
+    }
+    return sides or None
+
+
+def margin(sizes: Sizes | None) -> str | None:
+    """How far the measured sizes are from the rounding, in words (``None``: no computed difference was measured)."""
+    if not sizes:
+        return None
+
+    def said(side: dict[str, float]) -> str:
+        error, rounding = side["error"], side["rounding"]
+        return f"{error:.2g} = {error / rounding:.3g}x the rounding ({rounding:.2g})"
+
+    parts = [f"without the patch {said(sizes['without'])}" if "without" in sizes else "without the patch: no size"]
+    if "with" in sizes:
+        parts.append(f"with it {said(sizes['with'])}")
+    return "; ".join(parts)
+
+
 def verdict_of(before: Finding, after: Finding | None, *, by: str = "") -> Verdict:
     """The verdict to store: it is about upstream's code (no foreign credit); an untried patch is inconclusive."""
     outcome, detail = judge(before, after)
     if outcome is Outcome.UNPATCHED:
         outcome, detail = Outcome.INCONCLUSIVE, "bug present; the patch could not be tried"
-    return Verdict(outcome, detail, time.time(), by)
+    return Verdict(outcome, detail, time.time(), by, sizes=sizes_of(before, after))
 
 
 def write_place() -> _store.Place | None:
@@ -110,19 +131,23 @@ def update(change: Callable[[dict[str, Any]], None], *, wait: bool = True) -> st
     """Apply ``change`` to the writable file's tables, read afresh under its lock; never raises. Returns why it was
     not written (``None``: written): ``change`` then went to memory, with one warning, unless the lock was taken."""
     global _loaded
-    why = "no usable directory (" + ", ".join(str(p.path) for p in _store.verdict_places()) + ")"
+    why = "no usable directory (" + ", ".join(quoted(p.path) for p in _store.verdict_places()) + ")"
     try:
         place = write_place()
         if place is not None:
-            with _store.locked(place, "verdicts.lock", wait=wait, what="verdicts") as held:
+            # read and written through one opened directory: what is read is what the write replaces
+            with (
+                _store.opened(place, "verdicts", create=True) as directory,
+                directory.locked("verdicts.lock", wait=wait) as held,
+            ):
                 if held is None:
                     return "another process held the lock"  # this change waits for a later process
-                data = _parse(_store.read_json(place, FILE, "verdicts"))
+                data = _parse(directory.read_json(FILE))
                 change(data)
                 for t in _TABLES:  # the newest MAX_ENTRIES of each table
                     by_age = sorted(data[t].items(), key=lambda e: e[1].get("at", 0) if isinstance(e[1], dict) else 0)
                     data[t] = dict(by_age[-MAX_ENTRIES:])
-                _store.write_json(place, FILE, data, "verdicts")
+                directory.write_json(FILE, data)
             _loaded = None
             return None
     except Exception as exc:  # a cache must never break anything
@@ -176,8 +201,24 @@ def lookup(verdict_key: str) -> Verdict | None:
         entry = tables()["verdicts"][verdict_key]
         if entry["outcome"] in STORED and entry["kvpatch"] == _kvpatch_version():
             detail, by, source = (str(entry.get(k, "")) for k in ("detail", "by", "source"))
-            return Verdict(Outcome(entry["outcome"]), detail, float(entry.get("at", 0)), by, source)
+            sizes = _sizes(entry.get("sizes"))
+            return Verdict(Outcome(entry["outcome"]), detail, float(entry.get("at", 0)), by, source, sizes)
     return None
+
+
+def _sizes(data: Any) -> Sizes | None:
+    """Sizes as a verdict file holds them, or None where they are absent or malformed (a file is never trusted)."""
+    if not isinstance(data, dict):
+        return None
+    sides = {
+        side: {"error": float(v["error"]), "rounding": float(v["rounding"])}
+        for side, v in data.items()
+        if side in ("without", "with")
+        and isinstance(v, dict)
+        and all(isinstance(v.get(k), (int, float)) and not isinstance(v.get(k), bool) for k in ("error", "rounding"))
+        and v["rounding"] > 0
+    }
+    return sides or None
 
 
 def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[str, Upstream]) -> bool:
@@ -191,6 +232,7 @@ def store(verdict_key: str, patch: Patch, verdict: Verdict, upstream: Mapping[st
         "by": verdict.by,
         "upstream": f"{patch.distribution} {up.version if up else None} ({up.source.kind if up else '?'})",
         "kvpatch": _kvpatch_version(),
+        **({"sizes": verdict.sizes} if verdict.sizes else {}),
     }
 
     def change(data: dict[str, Any]) -> None:

@@ -57,6 +57,7 @@ from matrix import BUCKETS  # noqa: E402
 from kvpatch.fingerprints import fingerprint_source  # noqa: E402
 from kvpatch.maint import envs  # noqa: E402
 from kvpatch.maint.envs import Bucket  # noqa: E402
+from kvpatch.maint.sources import definition, module_file  # noqa: E402
 from kvpatch.record import DISTRIBUTIONS, Kind, Patch  # noqa: E402
 from kvpatch.registry import load  # noqa: E402
 
@@ -69,56 +70,14 @@ MIRRORS = {
 _MARK = "@@fp@@"
 
 
-def _defs(body: list[ast.stmt]) -> dict[str, ast.AST]:
-    out: dict[str, ast.AST] = {}
-    for node in body:  # the last definition wins, as when the module runs
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            out[node.name] = node
-    return out
-
-
 def ast_fingerprint(source: str, qualname: str) -> str | None:
     """The fingerprint of ``qualname`` defined in ``source`` (methods looked up through same-module bases)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return None
-    lines = source.splitlines()
-    top = _defs(tree.body)
-    parts = qualname.split(".")
-
-    def find(scope: dict[str, ast.AST], names: list[str], seen: set[str]) -> ast.AST | None:
-        node = scope.get(names[0])
-        if node is None:
-            return None
-        if len(names) == 1:
-            return node
-        if not isinstance(node, ast.ClassDef) or node.name in seen:
-            return None
-        found = find(_defs(node.body), names[1:], seen | {node.name})
-        if found is not None:
-            return found
-        for base in node.bases:  # inherited from a class of the same module
-            if isinstance(base, ast.Name):
-                found = find(top, [base.id, *names[1:]], seen | {node.name})
-                if found is not None:
-                    return found
-        return None
-
-    node = find(top, parts, set())
+    node = definition(source, qualname)
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
     first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
     end = node.end_lineno or node.lineno
-    return fingerprint_source("\n".join(lines[first - 1 : end]))
-
-
-def module_path(root: Path, module: str) -> Path | None:
-    base = root.joinpath(*module.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
+    return fingerprint_source("\n".join(source.splitlines()[first - 1 : end]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,7 +167,7 @@ def measure_release(distribution: str, release: str, targets: list[tuple[str, st
     # The same targets from the layer's source text: cross-check, and fallback where the import failed.
     root = layers[next(i for i, p in enumerate(bucket.pins) if p.startswith(distribution + "=="))]
     for path, module, qualname in targets:
-        file = module_path(root, module)
+        file = module_file(root, module)
         by_ast = ast_fingerprint(file.read_text(encoding="utf-8"), qualname) if file else None
         entry = result.setdefault(path, {})
         entry["ast"] = by_ast
@@ -315,15 +274,83 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def known_versions(distribution: str, recorded: dict[str, Any]) -> list[Version]:
+    """Without the package index (``--offline``): the releases the matrix runs, those with a cached layer and those
+    ``fingerprints.json`` already names. A release none of them knows is not measured (the plan says so)."""
+    from kvpatch.maint.matrix import TESTED
+
+    labels = {
+        label
+        for entry in recorded.values()
+        for fps in entry.values()
+        for labels in fps.values()
+        for label in labels
+        if not label.startswith("git:")
+    }
+    found = {*TESTED.get(distribution, ()), *envs.cached_versions(distribution)}
+    return sorted({Version(v) for v in found | labels if not Version(v).is_prerelease})
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.0f} MB" if size >= 1e6 else f"{size / 1e3:.0f} kB"
+
+
+def plan(wanted: dict[tuple[str, str], Any], *, offline: bool) -> set[tuple[str, str]]:
+    """Say which releases will be measured and which layers that downloads (roughly how much), before doing it.
+    Returns the releases that cannot be measured: with ``offline``, those whose layers are not all cached."""
+    if not wanted:
+        print("fingerprints: no release to measure", file=sys.stderr)
+        return set()
+    by_dist: dict[str, list[str]] = defaultdict(list)
+    for dist, release in sorted(wanted, key=lambda k: (k[0], Version(k[1]))):
+        by_dist[dist].append(release)
+    releases = "; ".join(f"{dist} {', '.join(rels)}" for dist, rels in by_dist.items())
+    print(f"fingerprints: measuring {len(wanted)} releases ({releases})", file=sys.stderr)
+    needs = {key: bucket_for(*key).requirements for key in wanted}
+    missing, size, unknown = envs.missing_layers(req for reqs in needs.values() for req in reqs)
+    if not missing:
+        print("fingerprints: every layer they need is cached: nothing to download", file=sys.stderr)
+        return set()
+    amount = f"about {_megabytes(size)}" + (f" plus {', '.join(unknown)} (size unknown)" if unknown else "")
+    layers = f"{len(missing)} layers not cached ({', '.join(missing)}; {amount} under {envs.cache_dir() / 'layers'})"
+    if not offline:
+        print(
+            f"fingerprints: downloading and installing {layers}; --offline measures the cached ones only",
+            file=sys.stderr,
+        )
+        return set()
+    absent = {key for key, reqs in needs.items() if set(reqs) & set(missing)}
+    skipped = ", ".join(f"{dist} {release}" for dist, release in sorted(absent))
+    print(f"fingerprints: offline: {layers}, so {skipped} are not measured: run without --offline", file=sys.stderr)
+    return absent
+
+
 def _label_order(label: str) -> tuple[bool, Version]:
     return (label.startswith("git:"), Version("0") if label.startswith("git:") else Version(label))
+
+
+def _keep(table: dict[str, Any], old: dict[str, Any], pid: str, keep: Any) -> None:
+    """Carry ``old``'s labels of patch ``pid`` for which ``keep(label)`` holds into ``table``; a commit's label only
+    where no release has that fingerprint (as :func:`git_fingerprints` records them)."""
+    for path, fps in old.get(pid, {}).items():
+        mine = table.setdefault(pid, {}).setdefault(path, {})
+        for fp, labels in fps.items():
+            for label in labels:
+                released = any(not x.startswith("git:") for x in mine.get(fp, []))
+                if keep(label) and not (label.startswith("git:") and released) and label not in mine.get(fp, []):
+                    mine.setdefault(fp, []).append(label)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="comma-separated patch ids (others are kept as they are)")
-    parser.add_argument("--no-git", action="store_true", help="do not fingerprint git commits")
+    parser.add_argument("--no-git", action="store_true", help="do not fingerprint git commits (keep the recorded ones)")
     parser.add_argument("--check", action="store_true", help="exit 1 when the file would change; write nothing")
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="ask no package index and download nothing: measure the releases whose layers are cached, name the rest",
+    )
     parser.add_argument(
         "--git-only", action="store_true", help="keep the recorded releases; only (re)add the git commits' fingerprints"
     )
@@ -332,24 +359,34 @@ def main(argv: list[str]) -> int:
     reg = load()
     by_id = {p.id: p for p in reg.patches}
     only = {i.strip() for i in args.only.split(",") if i.strip()}
+    unknown_ids = sorted(only - set(by_id))
+    if unknown_ids:
+        print(f"--only names no patch: {', '.join(unknown_ids)} (`kvpatch list` shows the ids)", file=sys.stderr)
+        return 2
     patches = [p for p in reg.patches if (not only or p.id in only) and any(t.kind is Kind.REPLACE for t in p.targets)]
     old = json.loads(OUT.read_text()) if OUT.exists() else {"schema": SCHEMA, "patches": {}}
+    recorded: dict[str, Any] = old.get("patches", {})
     table: dict[str, dict[str, dict[str, list[str]]]] = {
-        pid: entry
-        for pid, entry in old.get("patches", {}).items()
-        if pid in by_id and pid not in {p.id for p in patches}
+        pid: entry for pid, entry in recorded.items() if pid in by_id and pid not in {p.id for p in patches}
     }
 
-    versions = {d: index_versions(d) for d in DISTRIBUTIONS}
+    dists = {p.distribution for p in (patches or reg.patches)}
+    versions = {d: known_versions(d, recorded) if args.offline else index_versions(d) for d in dists}
+    if args.offline:
+        print(
+            "fingerprints: offline: the releases are the matrix's, the cached layers' and fingerprints.json's "
+            "(no package index is asked)",
+            file=sys.stderr,
+        )
     wanted: dict[tuple[str, str], list[tuple[Patch, Any]]] = defaultdict(list)
     if args.git_only:
+        table = {pid: e for pid, e in recorded.items() if pid in by_id}
         table = {
             pid: {
                 t: {fp: [x for x in labels if not x.startswith("git:")] for fp, labels in fps.items()}
                 for t, fps in e.items()
             }
-            for pid, e in old.get("patches", {}).items()
-            if pid in by_id
+            for pid, e in table.items()
         }
         table = {pid: {t: {fp: x for fp, x in fps.items() if x} for t, fps in e.items()} for pid, e in table.items()}
         patches = []
@@ -358,10 +395,13 @@ def main(argv: list[str]) -> int:
             for t in p.targets:
                 if t.kind is Kind.REPLACE:
                     wanted[(p.distribution, release)].append((p, t))
+    unmeasured = plan(wanted, offline=args.offline)
     disagreements: list[str] = []
     failures: list[str] = []
     methods: dict[str, int] = defaultdict(int)
     for (dist, release), items in sorted(wanted.items(), key=lambda kv: (kv[0][0], Version(kv[0][1]))):
+        if (dist, release) in unmeasured:
+            continue
         targets = sorted({(t.path, t.module, t.qualname) for _, t in items})
         print(f"{dist} {release}: {len(targets)} targets", file=sys.stderr, flush=True)
         try:
@@ -389,19 +429,26 @@ def main(argv: list[str]) -> int:
             table.setdefault(p.id, {}).setdefault(t.path, {}).setdefault(fp, [])
             if release not in table[p.id][t.path][fp]:
                 table[p.id][t.path][fp].append(release)
+    for p in patches:  # offline: the releases not measured keep what was recorded for them
+        _keep(table, recorded, p.id, lambda label, d=p.distribution: (d, label) in unmeasured)
     git_counts: dict[str, dict[str, int]] = {}
-    if not args.no_git:
-        for p in patches or [by_id[pid] for pid in table]:
-            rels = releases_in(p, versions[p.distribution])
-            if rels:
-                git_counts[p.id] = git_fingerprints(p, rels[0], table.setdefault(p.id, {}))
+    for p in patches or [by_id[pid] for pid in table]:
+        mirror = MIRRORS.get(p.distribution)
+        if args.no_git or args.offline or mirror is None or not mirror.exists():
+            # no git history to read: the commits' fingerprints recorded so far stay as they are
+            _keep(table, recorded, p.id, lambda label: label.startswith("git:"))
+            continue
+        rels = releases_in(p, versions[p.distribution])
+        if rels:
+            git_counts[p.id] = git_fingerprints(p, rels[0], table.setdefault(p.id, {}))
     for entry in table.values():
-        for fps in entry.values():
+        for path, fps in entry.items():
             for labels in fps.values():
-                labels.sort(
-                    key=lambda r: (r.startswith("git:"), Version(r) if not r.startswith("git:") else Version("0"))
-                )
-    data = {"schema": SCHEMA, "patches": {pid: table[pid] for pid in sorted(table)}}
+                labels.sort(key=_label_order)
+            # the order a measurement over ascending releases finds them in, whichever were measured now
+            entry[path] = dict(sorted(fps.items(), key=lambda item: _label_order(item[1][0])))
+    table = {pid: {t: fps for t, fps in e.items() if fps} for pid, e in table.items()}
+    data = {"schema": SCHEMA, "patches": {pid: table[pid] for pid in sorted(table) if table[pid]}}
     text = render(data)
     print(
         f"methods: {dict(methods)}; import/ast disagreements: {len(disagreements)}; failures: {len(failures)}; "
@@ -413,14 +460,19 @@ def main(argv: list[str]) -> int:
     if disagreements:
         print("the ast method disagrees with the engine's fingerprint: fix ast_fingerprint first", file=sys.stderr)
         return 1
+    name = OUT.relative_to(REPO)
+    left = f"; not measured (not cached, --offline): {', '.join(f'{d} {r}' for d, r in sorted(unmeasured))}"
     if args.check:
         current = OUT.read_text() if OUT.exists() else ""
         if current != text:
-            print(f"{OUT} is stale: run scripts/record_fingerprints.py", file=sys.stderr)
+            now = json.loads(text)["patches"]
+            differ = sorted(pid for pid in set(now) | set(recorded) if now.get(pid) != recorded.get(pid))
+            print(f"{name} is stale for: {', '.join(differ)}", file=sys.stderr)
             return 1
+        print(f"{name}: up to date" + (left if unmeasured else ""), file=sys.stderr)
         return 0
     OUT.write_text(text)
-    print(f"wrote {OUT}", file=sys.stderr)
+    print(f"wrote {name}" + (left + ": their recorded fingerprints are kept" if unmeasured else ""), file=sys.stderr)
     return 1 if failures else 0
 
 

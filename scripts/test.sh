@@ -12,11 +12,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${KVPATCH_VENV:-.venv}
+# What runs, as tests/test_matrix.py and tests/tiers.py pick it (KVPATCH_MATRIX names buckets in both tiers).
+RUNS="every tier; matrix buckets: ${KVPATCH_MATRIX:-all}"
 if [ "${1:-}" = "--quick" ] || [ "${1:-}" = "quick" ]; then
   shift
   export KVPATCH_TIER=quick
+  RUNS="tiers: unit, patch (matrix buckets: ${KVPATCH_MATRIX:-newest})"
   if [ -x "$VENV/bin/pytest" ]; then
-    printf '== [quick] kvpatch from this checkout into %s; tiers: unit, patch (buckets: %s)\n' "$VENV" "${KVPATCH_MATRIX:-newest}"
+    printf '== [quick] kvpatch from this checkout into %s; %s\n' "$VENV" "$RUNS"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps .
     PATH="$(cd "$VENV/bin" && pwd):$PATH"
     export PATH
@@ -41,5 +44,5 @@ pip_install --force-reinstall --no-deps .
 pip_install . --group test  # PEP 735 dependency group: pip >= 25.1 (step 2 upgrades it)
 PATH="$(cd "$VENV/bin" && pwd):$PATH"
 export PATH
-step 4/4 "pytest $* (matrix buckets: ${KVPATCH_MATRIX:-all}; upstream layers cached under ${KVPATCH_CACHE:-~/.cache/kvpatch})"
+step 4/4 "pytest $* ($RUNS; upstream layers cached under ${KVPATCH_CACHE:-~/.cache/kvpatch})"
 exec "$VENV/bin/pytest" "$@"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI step "upstream check": every patch's reproduction, with kvpatch off, on the newest mlx-lm and mlx-vlm
+# CI step "upstream check": every patch's reproduction, without the patch, on the newest mlx-lm and mlx-vlm
 # on PyPI (releases younger than 48 hours are ignored), layered over a virtualenv like scripts/test.sh's.
 # Fails (exit 1) when a patch record disagrees with what was measured, and says which record, which field
 # and what value to set. Arguments go to `kvpatch upstream-check` (e.g. --mlx-lm 0.32.2).
@@ -12,7 +12,7 @@ VENV=${KVPATCH_VENV:-.venv}
 "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps .
 "$VENV/bin/python" -m pip install -q . --group test
 
-echo "== upstream check: reproductions (KVPATCH=off) on the newest upstream releases =="
+echo "== upstream check: reproductions (without and with each patch) on the newest upstream releases =="
 set +e
 "$VENV/bin/kvpatch" upstream-check "$@"  # the console script: the checkout's kvpatch/ never shadows the install
 status=$?

@@ -4,9 +4,13 @@ tests/upstream has a conftest of its own)."""
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -48,12 +52,13 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def arrays_state_error(
-    model, arrays_cache: type, batch: list[list[int]], left_padding, lengths, row: int, alone
-) -> float:
-    """Largest difference between row ``row``'s recurrent state after a padded batch prefill and ``alone``'s
-    state prefilled by itself (every ``arrays_cache`` of ``model``'s cache, every array it holds)."""
+def arrays_state_difference(model, arrays_cache: type, batch: list[list[int]], left_padding, lengths, row: int, alone):
+    """The largest difference (:func:`kvpatch.testing.difference`, the worst) between row ``row``'s recurrent state
+    after a padded batch prefill and ``alone``'s state prefilled by itself (every ``arrays_cache`` of ``model``'s
+    cache, every array it holds)."""
     import mlx.core as mx
+
+    from kvpatch.testing import difference, worst
 
     def prefill(tokens, left_padding, lengths):
         cache = model.make_cache()
@@ -68,10 +73,10 @@ def arrays_state_error(
 
     batched = prefill(batch, left_padding, lengths)
     single = prefill([alone], None, None)
-    return max(
-        mx.abs(b[row] - a[0]).max().item()
+    return worst(
+        difference(b[row], a[0], where=f"state {i}")
         for cb, ca in zip(batched, single, strict=True)
-        for b, a in zip(cb.cache, ca.cache, strict=True)
+        for i, (b, a) in enumerate(zip(cb.cache, ca.cache, strict=True))
     )
 
 
@@ -137,11 +142,77 @@ def skip_if_no_index(error: str, what: str) -> None:
 
 def fake_mlx_core(site) -> None:
     """Write, under ``site``, the little of ``mlx.core`` that ``run_reproduction`` touches (it keeps the default
-    device, stream and random state), for engine tests that run a reproduction without mlx."""
+    device, stream and random state, and runs a logic bug's reproduction on the CPU stream), for engine tests that
+    run a reproduction without mlx."""
     (site / "mlx").mkdir()
     (site / "mlx" / "__init__.py").write_text("")
     (site / "mlx" / "core.py").write_text(
-        "import types\nrandom = types.SimpleNamespace(state=[0])\n"
+        "import contextlib, types\nrandom = types.SimpleNamespace(state=[0])\ncpu, gpu = 'cpu', 'gpu'\n"
         "def default_device(): return 'cpu'\ndef default_stream(device): return 's'\n"
         "def set_default_device(device): pass\ndef set_default_stream(stream): pass\n"
+        "def stream(s): return contextlib.nullcontext()\ndef is_available(device): return device == cpu\n"
     )
+
+
+#: Python code defining ``patch(pid, affected, symptom="buggy", **record_fields)``: a patch of the fake upstream's
+#: ``mlx_lm.models.cache.C.f`` (:func:`fake_upstream`) that makes it say "fixed", whose reproduction finds the bug where
+#: ``C().f()`` says ``symptom``. ``BUILDS`` counts its builds; ``INSIDE_IMPORTS`` says, for each run of a
+#: reproduction, whether it ran inside an import statement.
+DEMO_PATCH = """
+import inspect, json, sys
+from kvpatch.config import Config
+from kvpatch.engine import Engine
+from kvpatch.record import Expiry, Finding, Patch
+BUILDS, INSIDE_IMPORTS = [], []
+
+def patch(pid, affected, symptom="buggy", **kw):
+    p = Patch(id=pid, summary="demo", distribution="mlx-lm", affected=affected, reference="none",
+              expiry=Expiry("never"), **kw)
+    p.module = "kvpatch"
+
+    @p.replace("mlx_lm.models.cache", "C.f")
+    def build(original):
+        BUILDS.append(1)
+        def f(self):
+            return "fixed"
+        return f
+
+    @p.reproduce
+    def reproduce():
+        INSIDE_IMPORTS.append(any("importlib._bootstrap" in f.filename for f in inspect.stack()))
+        import mlx_lm.models.cache as c
+        return Finding(c.C().f() == symptom, "f() said " + c.C().f())
+    return p
+"""
+
+
+def fake_upstream(tmp_path: Path, version: str) -> str:
+    """A site folder under ``tmp_path`` with a small mlx-lm ``version`` (one class, ``mlx_lm.models.cache.C``, whose
+    ``f()`` says "buggy"), a vendored copy of that module (``copied_cache``) and the little of mlx.core a reproduction
+    run touches; the ``PYTHONPATH`` that puts it first."""
+    site = tmp_path / "site"
+    (site / "mlx_lm" / "models").mkdir(parents=True)
+    (site / "mlx_lm" / "__init__.py").write_text("")
+    (site / "mlx_lm" / "models" / "__init__.py").write_text("")
+    for module in (site / "mlx_lm" / "models" / "cache.py", site / "copied_cache.py"):
+        module.write_text("class C:\n    def f(self):\n        return 'buggy'\n")
+    fake_mlx_core(site)
+    info = site / f"mlx_lm-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: mlx-lm\nVersion: {version}\n")
+    return os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
+
+
+def run_child(code: str, tmp_path: Path, **env: str) -> dict:
+    """Run ``code`` (dedented) in a fresh interpreter from ``tmp_path`` with :func:`child_env` and ``env``; the JSON of
+    the line it prints after ``@@``."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=child_env(env),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("@@"))[2:])

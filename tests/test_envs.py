@@ -178,6 +178,25 @@ def test_companions_are_exact_same_version_pins(tmp_path, requirement, system, e
 BUCKET = Bucket("lm-0.23.2", ("mlx[cpu]==0.26.5", "mlx-lm==0.23.2"), ("transformers==4.57.6",))
 
 
+def test_cached_versions_are_the_built_plain_layers_of_one_distribution(cache):
+    for requirement in ("mlx-lm==0.32.2", "mlx-lm==0.28.0", "mlx[cpu]==0.32.4", "mlx-vlm==0.7.10"):
+        fake_layer(cache, requirement)
+    (cache / "layers" / layer_key("mlx-lm==0.31.3")).mkdir()  # unfinished: no marker
+    assert envs.cached_versions("mlx-lm") == ["0.28.0", "0.32.2"]
+    assert envs.cached_versions("mlx") == []  # mlx[cpu] is another layer; mlx-lm's do not start "mlx-<version>"
+
+
+def test_missing_layers_says_what_a_build_would_download_and_roughly_how_much(cache):
+    (fake_layer(cache, "mlx-lm==0.32.2") / "blob").write_bytes(b"x" * 3000)
+    (fake_layer(cache, "mlx-lm==0.28.0") / "blob").write_bytes(b"x" * 1000)
+    (fake_layer(cache, "mlx-lm==0.30.2") / "blob").write_bytes(b"x" * 2000)
+    missing, size, unknown = envs.missing_layers(["mlx-lm==0.32.2", "mlx-lm==0.32.1", "mlx[cpu]==0.32.4"])
+    assert missing == ["mlx-lm==0.32.1", "mlx[cpu]==0.32.4"]
+    assert unknown == ["mlx[cpu]==0.32.4"]  # no mlx[cpu] layer cached to guess from
+    assert 2000 <= size < 2200  # the median mlx-lm layer (and its marker file)
+    assert envs.missing_layers(["mlx-lm==0.32.2"]) == ([], 0, [])
+
+
 def test_bucket_requirements_and_versions():
     assert BUCKET.requirements == ("mlx[cpu]==0.26.5", "mlx-lm==0.23.2", "transformers==4.57.6")
     assert BUCKET.version("mlx") == "0.26.5"

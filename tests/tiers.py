@@ -59,6 +59,7 @@ INTEGRATION: dict[str, tuple[str, ...]] = {
     "test_serving.py": NEWEST,
     # the fault suite's cases that need upstream (the rest of it is tests/faults, unit tier)
     "test_store_faults.py": (LM_BUCKETS[-1].name,),
+    "test_faults_process.py": (LM_BUCKETS[-1].name,),
     # oldest and newest supported mlx-lm; mlx-vlm 0.5.0 (its first batch caches) and the newest
     "test_e2e_lm.py": (LM_BUCKETS[0].name, LM_BUCKETS[-1].name),
     "test_e2e_vlm.py": (BY_NAME["vlm-0.5.0"].name, VLM_BUCKETS[-1].name),

@@ -10,6 +10,10 @@ import sys
 from types import ModuleType
 
 
+class BrokenInstall(ImportError):
+    """A file of kvpatch's own install is missing or cannot be loaded: only reinstalling mends it."""
+
+
 def hooks() -> ModuleType | None:
     """The process's post-import hook registry (``_kvpatch_hooks``); ``None`` if it cannot load."""
     try:
@@ -19,8 +23,8 @@ def hooks() -> ModuleType | None:
 
 
 def boot() -> ModuleType:
-    """The bootstrap module (``_kvpatch_boot``), loaded for a process that did not start through it (ImportError
-    when the install lacks it)."""
+    """The bootstrap module (``_kvpatch_boot``), loaded for a process that did not start through it
+    (:class:`BrokenInstall` when the install lacks it)."""
     module = sys.modules.get("_kvpatch_boot")
     if module is not None:
         return module
@@ -35,4 +39,4 @@ def boot() -> ModuleType:
             with contextlib.suppress(Exception):
                 spec.loader.exec_module(module)
                 return sys.modules.setdefault("_kvpatch_boot", module)  # a thread that lost the race uses the winner's
-    raise ImportError("kvpatch's bootstrap (_kvpatch_boot.py) cannot be loaded: reinstall kvpatch")
+    raise BrokenInstall("kvpatch's bootstrap (_kvpatch_boot.py) cannot be loaded: reinstall kvpatch")

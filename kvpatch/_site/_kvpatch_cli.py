@@ -5,9 +5,12 @@ import sys
 import traceback
 
 EXIT_INTERNAL = 70  # = kvpatch.cli.EXIT_INTERNAL (a test keeps them equal)
+starting = False  # kvpatch, imported for the command line, activates after it has parsed its arguments
 
 
 def main():
+    global starting
+    starting = True
     try:
         from kvpatch.cli import main as cli_main
     except KeyboardInterrupt:

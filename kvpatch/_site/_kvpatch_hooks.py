@@ -23,6 +23,16 @@ _activated = False
 _finder = _first = _startup_path = _site_dir = _is_off = None
 
 
+def _after_fork():
+    """In a child of os.fork: a lock another thread of the parent held would be held forever."""
+    global _lock
+    _lock = _thread.allocate_lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
 def register_post_import_hook(hook, name):
     """Call ``hook(module)`` once module ``name`` is imported (now, if it is already), in the importing thread,
     after the module's code, no lock held: wrapt's ``register_post_import_hook`` without its finder."""

@@ -10,4 +10,7 @@ maintainer commands only:
 - :mod:`.compat`: COMPAT.md and target fingerprints (``kvpatch compat``, ``kvpatch fingerprints``).
 - :mod:`.expiry` and :mod:`.retired`: when a patch must go, and the list of those gone.
 - :mod:`.upstream_check`: reproductions on the newest upstream (``kvpatch upstream-check``).
+- :mod:`.sources`: upstream source read from a layer without importing it.
+- :mod:`.new` and :mod:`.regenerate`: a new patch unit (``python -m kvpatch.maint.new``) and the one command that
+  rewrites the files derived from the units (``python -m kvpatch.maint.regenerate``).
 """

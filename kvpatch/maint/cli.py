@@ -22,8 +22,9 @@ _DESCRIPTIONS = {
     ),
     "upstream-check": (
         "For maintainers: install the newest mlx-lm / mlx-vlm releases (or the ones named) into throwaway "
-        "environments, run every patch's reproduction there with kvpatch off, and compare each outcome with what "
-        "the patch's record says (still affected, fixed upstream, first fixed release). Needs the package index."
+        "environments, run every patch's reproduction there without and with the patch, and compare each outcome "
+        "with what the patch's record says (still affected, fixed upstream, first fixed release). Needs the package "
+        "index."
     ),
 }
 

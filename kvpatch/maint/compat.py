@@ -121,6 +121,7 @@ def target_fingerprints() -> dict[str, dict[str, Any]]:
     """Fingerprint every REPLACE target of every patch in the installed upstream (imports it)."""
     from .. import get_engine
     from ..fingerprints import fingerprint
+    from ..installer import upstream_original
     from ..surgery import MISSING
 
     engine = get_engine()
@@ -135,7 +136,7 @@ def target_fingerprints() -> dict[str, dict[str, Any]]:
             except Exception as exc:
                 entry[t.path] = f"missing ({type(exc).__name__})"
                 continue
-            original = engine.upstream_original(t, module)  # looks through kvpatch's own changes
+            original = upstream_original(engine.installer.changes, t, module)  # looks through kvpatch's own changes
             entry[t.path] = "missing" if original is MISSING else fingerprint(original)
         result[p.id] = entry
     return result

@@ -36,6 +36,7 @@ from packaging.utils import (
     canonicalize_name,
     parse_wheel_filename,
 )
+from packaging.version import InvalidVersion, Version
 
 from .. import config
 from ..store import Place, cache_root, locked
@@ -49,10 +50,12 @@ __all__ = [
     "build",
     "build_all",
     "cache_dir",
+    "cached_versions",
     "check_base",
     "is_cached",
     "layer",
     "layer_key",
+    "missing_layers",
 ]
 
 log = logging.getLogger(__name__)
@@ -244,6 +247,52 @@ def is_cached(requirement: str, python: str | None = None) -> bool:
         return _is_built(cache_dir() / "layers" / layer_key(requirement, python))
     except Exception:  # an unusual requirement: layer() will say what is wrong with it
         return False
+
+
+def cached_versions(distribution: str, python: str | None = None) -> list[str]:
+    """The versions of ``distribution`` whose plain layer (``name==version``) is built in the cache, oldest first."""
+    name = canonicalize_name(distribution)
+    tag = _interpreter(python).tag
+    found = []
+    for path in (cache_dir() / "layers").glob(f"{name}-*-py{tag}"):
+        version = path.name[len(name) + 1 : -len(f"-py{tag}")]
+        try:
+            parsed = Version(version)
+        except InvalidVersion:  # another distribution whose name starts the same (mlx / mlx-lm)
+            continue
+        if _is_built(path) and layer_key(f"{name}=={version}", python) == path.name:
+            found.append(parsed)
+    return [str(v) for v in sorted(found)]
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def missing_layers(requirements: Iterable[str], python: str | None = None) -> tuple[list[str], int, list[str]]:
+    """What :func:`layer` would have to download for ``requirements``: (the requirements not cached, roughly how many
+    bytes they take once installed, the ones whose size cannot be guessed). The guess for one is the median size of
+    the cached layers of the same package (other versions), which is what a release of it usually weighs."""
+    interp = _interpreter(python)
+    missing = [r for r in dict.fromkeys(requirements) if not is_cached(r, python)]
+    sizes: dict[str, list[int]] = {}
+    total, unknown = 0, []
+    for requirement in missing:
+        try:
+            spec = _spec(requirement, interp)
+        except EnvBuildError:
+            unknown.append(requirement)
+            continue
+        label = spec.key.removesuffix(f"-{spec.version}-py{interp.tag}") if spec.version else ""
+        if label not in sizes:
+            built = (cache_dir() / "layers").glob(f"{label}-*-py{interp.tag}")
+            sizes[label] = sorted(_size(p) for p in built if _is_built(p) and p.name.count("-") == spec.key.count("-"))
+        known = sizes[label]
+        if spec.kind != "pin" or not known:
+            unknown.append(requirement)
+            continue
+        total += known[len(known) // 2]
+    return missing, total, unknown
 
 
 # --------------------------------------------------------------------------------------------

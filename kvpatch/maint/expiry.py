@@ -93,8 +93,9 @@ def evaluate(patch: Patch, today: _dt.date | None = None, floor: Mapping[str, st
                 where,
                 Reason.REVIEW_BY,
                 f"{patch.id}: review-by date {review_by.isoformat()} has passed ({patch.expiry.condition}): run "
-                f"`python -m kvpatch upstream-check`, then retire it (delete {where}) or set a new "
-                f"Expiry(review_by=...) in {where}",
+                f"`python -m kvpatch upstream-check` and do what it names (set fixed_in, or bump checked_through and "
+                f"affected), then set a later Expiry(review_by=...) in {where} and run "
+                "`python -m kvpatch.maint.regenerate` (COMPAT.md shows the date)",
             )
         )
     return out

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     current = path.read_text(encoding="utf-8") if path.is_file() else ""
     if current != text:
-        print(f"{path} is stale: run python -m kvpatch.maint.units --write", file=sys.stderr)
+        print(f"{path} is stale: run `python -m kvpatch.maint.regenerate`", file=sys.stderr)
         return 1
     print(f"{path}: up to date")
     return 0

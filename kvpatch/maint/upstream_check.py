@@ -3,14 +3,14 @@
 The check installs the upstream releases it is given (default: the newest mlx-lm and mlx-vlm on the
 package index, ignoring releases younger than 48 hours) as cached *layers* (:mod:`kvpatch.maint.envs`)
 over the *current* interpreter, pairs them with the newest mlx their ``Requires-Dist`` accepts, and
-runs every relevant patch's reproduction in a child process with ``KVPATCH=off``. The user's own
-environment is never modified: layers live under :func:`kvpatch.maint.envs.cache_dir` and are put first on
-the child's ``PYTHONPATH`` only.
+measures every relevant patch in a child process, as ``kvpatch verify`` does: its reproduction without the
+patch and with it (:meth:`kvpatch.engine.Engine.measure`). The user's own environment is never modified: layers
+live under :func:`kvpatch.maint.envs.cache_dir` and are put first on the child's ``PYTHONPATH`` only.
 
 Per patch it reports what was measured:
 
-``still needed``             the bug reproduces (a second child, kvpatch active, shows whether the
-                             patch still fixes it);
+``still needed``             the bug reproduces (the run with the patch shows whether the patch still
+                             fixes it);
 ``fixed upstream in <X>``    the bug is absent; ``<X>`` is the first fixed release, found by bisecting
                              the releases after the record's ``checked_through``;
 ``target moved or gone``     a target the patch changes is missing (retarget or retire the patch);
@@ -29,7 +29,6 @@ The gate never asks the package index anything; only this maintainer command doe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import email.parser
 import enum
@@ -38,6 +37,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import urllib.request
@@ -58,7 +58,8 @@ from packaging.utils import (
 )
 from packaging.version import InvalidVersion, Version
 
-from ..record import DISTRIBUTIONS, Kind, Patch
+from ..gate import LOWER_BOUND, PINNED, Action, misplaced
+from ..record import DISTRIBUTIONS, Finding, Kind, Patch
 from . import envs
 from .expiry import patch_file
 
@@ -69,6 +70,7 @@ __all__ = [
     "Expect",
     "Measured",
     "Release",
+    "absent_advice",
     "expectation",
     "index_releases",
     "judge",
@@ -235,7 +237,10 @@ def judge(
             return Agreement(
                 False,
                 expect.value,
-                (f"{where}: bug still there on {dist} {release}, but the patch does not fix it{state}: rework it",),
+                (
+                    f"{where}: bug still there on {dist} {release}, but the patch does not fix it{state}: rework its "
+                    "builders (the fix), or the reproduction if it measures something the fix does not touch",
+                ),
             )
         if expect is Expect.NEWER and not local:
             return Agreement(
@@ -273,6 +278,43 @@ def judge(
     if expect is Expect.NEEDED:
         advice.insert(0, f"{where}: the record says {dist} {release} is affected, but the bug is absent there")
     return Agreement(False, expect.value, tuple(advice))
+
+
+def absent_advice(patch: Patch, release: str, *, commit: str | None = None) -> list[str]:
+    """What to change when the bug is absent without the patch on ``release`` (installed from git ``commit``, if
+    given) although the record calls it affected, chosen by where the release sits in the record: the fields of
+    CONTRIBUTING.md, "The record". ``tests/upstream/test_regressions.py`` prints it."""
+    lines = _absent_advice(patch, release, commit)
+    return [*lines, f"after changing the record: `python -m kvpatch.maint.regenerate --only {patch.id}`"]
+
+
+def _absent_advice(patch: Patch, release: str, commit: str | None) -> list[str]:
+    where, dist = patch_file(patch), patch.distribution
+    measure = f"`python -m kvpatch upstream-check --{dist} {release}` measures it without the patch"
+    field = misplaced(patch, release, commit, Action.APPLY)  # the runtime's rule: status --verify names it too
+    if field == PINNED:
+        pin = (commit or "")[:8]
+        return [
+            f"{where}: {dist} is installed from git commit {pin}, which the commit index places inside the range:",
+            f"  if {pin} predates the bug, set introduced_commit to the commit that brought it in;",
+            f"  if {pin} has upstream's fix, set fixed_commit (and fixed_in) to the fixing commit (and its release)",
+        ]
+    if field == LOWER_BOUND:
+        return [
+            f"{where}: {dist} {release} is the lower bound of affected={patch.affected!r} but has no bug: if the bug "
+            f"came later, raise the lower bound to the first release that has it; if it is there, fix the "
+            f"reproduction ({measure})"
+        ]
+    if field == "fixed_in":
+        return [
+            f"{where}: {dist} {release} ends affected={patch.affected!r} but has no bug. If upstream fixed it there:",
+            *(f"  {line}" for line in judge(patch, release, Measured.FIXED).advice[1:]),
+            f"  otherwise fix the reproduction ({measure})",
+        ]
+    return [
+        f"{where}: {dist} {release} lies inside affected={patch.affected!r} but has no bug: the reproduction misses "
+        f"it here ({measure}), or the range has a gap (narrow affected, or add '!={release}' to it)"
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,18 +516,16 @@ def mlx_requirement(version: str) -> str:
 # The child process
 
 
-def _child_env(layers: Sequence[Path], *, off: bool) -> dict[str, str]:
+def _child_env(layers: Sequence[Path], verdicts: str) -> dict[str, str]:
+    """The child's environment: the layers first on its path, kvpatch's switches of this process dropped, every patch
+    enabled (``KVPATCH=off`` keeps the start-up hook out: the child builds its own engine), verdicts in ``verdicts``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPATCH") or k == envs.CACHE_VAR}
     here = str(Path(__file__).resolve().parent.parent)  # the directory that holds this kvpatch
     env["PYTHONPATH"] = os.pathsep.join([*(str(p) for p in layers), here])
     env.pop("PYTHONHOME", None)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["HF_HUB_OFFLINE"] = "1"
-    if off:
-        env["KVPATCH"] = "off"
-    else:
-        env["KVPATCH_ENABLE"] = "*"  # opt-in patches are measured too: does the patch fix what it claims to?
-    return env
+    return env | {"KVPATCH": "off", "KVPATCH_VERDICTS": verdicts}
 
 
 def _emit(record: dict[str, Any]) -> None:
@@ -528,11 +568,25 @@ def _missing_targets(patch: Patch) -> tuple[list[str], list[str], list[str]]:
     return missing, exists, sorted(set(deps))
 
 
+def _finding(finding: Finding | None) -> dict[str, Any] | None:
+    keys = ("present", "detail", "skipped", "inconclusive")
+    return None if finding is None else {k: getattr(finding, k) for k in keys}
+
+
 def child_main(argv: Sequence[str]) -> int:
-    """Run in the child: ``argv[0]`` is JSON ``{"ids": [...], "mode": "off" | "on"}``."""
-    spec = json.loads(argv[0])
+    """Run in the child: ``argv[0]`` is JSON ``{"ids": [...], "with": bool}``. Upstream's targets are looked up as
+    released; then, with an engine that has every patch enabled, kvpatch's one measurement runs each reproduction
+    without the patch and with it as kvpatch leaves it (:meth:`kvpatch.engine.Engine.measure`), after a
+    :class:`kvpatch.verifier.Verifier` settled (``with``) the patches whose reproduction decides them here."""
     from importlib import metadata
 
+    from ..config import Config
+    from ..engine import Engine
+    from ..registry import load
+    from ..verifier import Verifier
+
+    spec = json.loads(argv[0])
+    Verifier.begin()  # on the CPU from before upstream is imported, as kvpatch verify
     versions: dict[str, str | None] = {}
     for dist in ("mlx", "mlx-lm", "mlx-vlm"):
         try:
@@ -540,37 +594,27 @@ def child_main(argv: Sequence[str]) -> int:
         except metadata.PackageNotFoundError:
             versions[dist] = None
     _emit({"kind": "env", "versions": versions, "executable": sys.executable})
-    from .. import registry
-
-    reg = registry.load()
-    engine = None
-    if spec["mode"] == "on":
-        import kvpatch
-
-        engine = kvpatch.get_engine()
-    for pid in spec["ids"]:
-        out: dict[str, Any] = {"kind": "patch", "id": pid}
+    reg = load()
+    patches = [p for p in reg.patches if p.id in spec["ids"]]
+    looked = {p.id: _missing_targets(p) for p in patches}  # as released: before kvpatch changes anything
+    engine = Engine(reg.patches, config=Config(enable_all=True))
+    engine.activate()
+    if spec["with"]:
+        Verifier(engine, "upstream-check").run(patches)
+    for patch in patches:
+        out: dict[str, Any] = {"kind": "patch", "id": patch.id, "missing": [], "exists": [], "deps": []}
         started = time.monotonic()
         try:
-            patch = next(p for p in reg.patches if p.id == pid)
-            missing, exists, deps = _missing_targets(patch)
-            out["missing"], out["exists"], out["deps"] = missing, exists, deps
-            if engine is not None:
-                from ..testing import import_targets
-
-                with contextlib.suppress(ImportError):
-                    import_targets(patch)
-                st = engine.status[pid]
-                out["state"], out["reason"] = st.state.value, st.reason
-            from ..engine import run_reproduction
-
-            finding = run_reproduction(patch)
-            out["finding"] = {
-                "present": finding.present,
-                "detail": finding.detail,
-                "skipped": finding.skipped,
-                "inconclusive": finding.inconclusive,
-            }
+            out["missing"], out["exists"], out["deps"] = looked[patch.id]
+            st = engine.status[patch.id]
+            try:
+                measured = st.measurement or engine.measure(patch, install=False)
+                before, after = measured.before, measured.after
+            except ImportError as exc:  # a target module that does not import: as a reproduction importing it finds
+                before, after = Finding.from_error(exc), None
+            # with the patch as kvpatch leaves it here: where it is not installed, the run without it
+            out["finding"], out["with"] = _finding(before), _finding(after or before)
+            out["state"], out["reason"] = st.state.value, st.reason
         except BaseException as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"
             out["traceback"] = traceback.format_exc(limit=6)[-2000:]
@@ -589,15 +633,16 @@ class ChildRun:
     failure: str | None = None  # why the child did not report every patch
 
 
-def run_child(layers: Sequence[Path], ids: Sequence[str], *, off: bool, timeout: float) -> ChildRun:
+def run_child(layers: Sequence[Path], ids: Sequence[str], *, patched: bool = True, timeout: float) -> ChildRun:
+    """Measure ``ids`` in a child over ``layers``: each without its patch and, with ``patched``, with it."""
     run = ChildRun()
     cwd = envs.cache_dir()
     cwd.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-c", _CHILD_CODE, json.dumps({"ids": list(ids), "mode": "off" if off else "on"})]
+    cmd = [sys.executable, "-c", _CHILD_CODE, json.dumps({"ids": list(ids), "with": patched})]
     try:
-        proc = subprocess.run(
-            cmd, cwd=cwd, env=_child_env(layers, off=off), capture_output=True, text=True, timeout=timeout
-        )
+        with tempfile.TemporaryDirectory(prefix="kvpatch-upstream-check-") as verdicts:
+            env = _child_env(layers, verdicts)
+            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -830,13 +875,14 @@ def _measure_one(result: dict[str, Any] | None, failure: str | None) -> tuple[Me
 
 
 def _patched_text(result: dict[str, Any] | None, failure: str | None) -> tuple[str, bool | None]:
+    """What the run with the patch, as kvpatch leaves it, says: (text, whether the patch removed the bug)."""
     if result is None:
         return f"could not run: {failure or 'no result'}", None
     if result.get("deps"):
         return f"could not run: missing dependency: {'; '.join(result['deps'])}", None
     if "error" in result:
         return f"could not run: {result['error']}", None  # no finding: never advice to rework the patch
-    finding = result["finding"]
+    finding = result["with"]
     state = result.get("state", "?")
     if finding["skipped"]:
         return f"{state}; skipped: {finding['skipped']}", None
@@ -888,11 +934,11 @@ def check(patches: Sequence[Patch], options: Options) -> Outcome:
         mine = [p for p in patches if p.distribution in env.checks and p.id not in judged]
         judged.update(p.id for p in mine)
         relevant_ids = [p.id for p in mine if relevant(p, env.versions)]
-        off = run_child(env.layers, relevant_ids, off=True, timeout=options.timeout) if relevant_ids else ChildRun()
+        run = run_child(env.layers, relevant_ids, timeout=options.timeout) if relevant_ids else ChildRun()
         mismatch = [
-            f"{d} {off.versions.get(d)} (wanted {v})"
+            f"{d} {run.versions.get(d)} (wanted {v})"
             for d, v in env.versions.items()
-            if relevant_ids and off.versions and off.versions.get(d) != v
+            if relevant_ids and run.versions and run.versions.get(d) != v
         ]
         needed: list[str] = []
         for p in mine:
@@ -900,20 +946,19 @@ def check(patches: Sequence[Patch], options: Options) -> Outcome:
             if p.id not in relevant_ids:
                 rows.append(Row(p, release, env.describe(), Measured.NOT_RELEVANT, _why_not_relevant(p, release)))
                 continue
-            result = off.results.get(p.id)
+            result = run.results.get(p.id)
             if mismatch:
                 measured, detail, skipped = Measured.COULD_NOT_RUN, "child sees " + ", ".join(mismatch), False
             else:
-                measured, detail, skipped = _measure_one(result, off.failure)
+                measured, detail, skipped = _measure_one(result, run.failure)
             row = Row(p, release, env.describe(), measured, detail, seconds=(result or {}).get("seconds"))
             row.skipped = skipped
             rows.append(row)
             if measured is Measured.NEEDED:
                 needed.append(p.id)
-        on = run_child(env.layers, needed, off=False, timeout=options.timeout) if needed else ChildRun()
         for row in rows:
             if row.patch.id in needed:
-                row.patched, row.fixes = _patched_text(on.results.get(row.patch.id), on.failure)
+                row.patched, row.fixes = _patched_text(run.results.get(row.patch.id), run.failure)
     for row in rows:
         p = row.patch
         if row.measured is Measured.NOT_RELEVANT or row.release is None:
@@ -997,7 +1042,7 @@ def _probe(planner: Planner, patch: Patch, version: str, options: Options) -> bo
     except Exception as exc:
         planner.notes.append(f"{patch.id}: cannot probe {patch.distribution} {version}: {exc}")
         return None
-    run = run_child(env.layers, [patch.id], off=True, timeout=options.timeout)
+    run = run_child(env.layers, [patch.id], patched=False, timeout=options.timeout)
     measured, _, _ = _measure_one(run.results.get(patch.id), run.failure)
     planner.notes.append(f"{patch.id}: bisect {patch.distribution} {version}: {measured.value}")
     if measured is Measured.NEEDED:
@@ -1075,7 +1120,7 @@ def format_text(outcome: Outcome) -> str:
     lines.append("")
     if must:
         lines.append(
-            "records that disagree with what was measured (change them, then `python -m kvpatch compat --write`):"
+            "records that disagree with what was measured (change them, then `python -m kvpatch.maint.regenerate`):"
         )
         lines.extend(f"  - {a}" for _, a in must)
     if unmeasured:
@@ -1102,7 +1147,7 @@ def add_parser(sub: Any) -> None:
     """Register ``upstream-check`` on the CLI's subparsers."""
     p = sub.add_parser(
         "upstream-check",
-        help="run every reproduction (kvpatch off) on the newest upstream releases and compare with the records",
+        help="run every reproduction (without the patch) on the newest upstream releases; compare with the records",
     )
     p.add_argument(
         "--mlx-lm", metavar="VERSION|PATH|none", help="release, local wheel or source tree (default: newest)"

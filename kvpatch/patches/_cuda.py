@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpatch.patches._numbers import difference, judge, worst
 from kvpatch.record import Finding, symptom
 
 #: How mlx's CUDA backend says it has no kernel for a ``quantized_matmul`` (mlx 0.32.4).
 NO_KERNEL = "No implementation for problem shape"
-
-#: A max error above this against the float reference (softmax-weighted values of unit scale) is no rounding
-#: difference: CUDA's wrong results measured 16 to 1e38, or NaN. Between ``tolerance()`` and this: inconclusive.
-GARBAGE = 0.1
 
 
 def on_cuda(mx: Any) -> bool:
@@ -128,10 +125,11 @@ def reference(
 
 
 def check(function: Any, where: str) -> Finding:
-    """Cache-like quantized attention through ``function`` on the backend, against a float reference."""
+    """Cache-like quantized attention through ``function`` on the backend, against a float reference: the bug where a
+    geometry raises for want of a kernel or is clearly wrong (CUDA's wrong results measured 16 to 1e38, or NaN,
+    against softmax-weighted values of unit scale), inconclusive where it is off by more than rounding but not
+    clearly (:func:`~kvpatch.patches._numbers.judge`)."""
     import mlx.core as mx
-
-    from ._reproduce import tolerance
 
     if not on_cuda(mx):
         return Finding(
@@ -140,7 +138,7 @@ def check(function: Any, where: str) -> Finding:
             "takes every layout",
         )
     gs, bits, D = 64, 8, 64
-    problems, worst = [], 0.0
+    problems, found = [], []
     # (rows, query heads, KV heads, query length, keys): GQA prefill and decode, MHA decode, a batch; key counts
     # of 12 and 64 are where CUDA's kernels compute wrong numbers rather than raise
     for B, n_q, n_kv, L, S in ((1, 8, 2, 7, 7), (1, 8, 2, 1, 39), (3, 4, 2, 1, 12), (1, 4, 4, 2, 64), (2, 4, 1, 3, 7)):
@@ -157,18 +155,12 @@ def check(function: Any, where: str) -> Finding:
             ref = reference(mx, queries, q_keys, q_values, D**-0.5, mask, gs, bits)
             if out.shape != ref.shape:
                 return Finding(False, inconclusive=f"{where}: {what}: output shape {out.shape}, expected {ref.shape}")
-            err = mx.abs(out - ref).max().item()
+            found.append(difference(out, ref, where=what))
         except RuntimeError as exc:
             problems.append(f"{what}: {symptom(exc, NO_KERNEL)}")
-            continue
-        if not err <= GARBAGE:  # NaN included: the wrong numbers of CUDA's transposed quantized_matmul
-            problems.append(f"{what}: wrong result (max error {err:.3g} against the float reference)")
-        elif err > tolerance():
-            return Finding(False, inconclusive=f"{where}: {what}: runs but max error {err:.3g} against the reference")
-        else:
-            worst = max(worst, err)
-    if problems:
-        return Finding(True, f"{where} fails on CUDA: " + "; ".join(problems))
-    return Finding(
-        False, f"{where}: all five cache-like geometries run and match the reference (max error {worst:.2g})"
+    return judge(
+        worst(found),
+        f"{where} computes wrong results on CUDA against the float reference",
+        f"{where}: all five cache-like geometries run and match the reference",
+        problems=[f"{where} fails on CUDA: {p}" for p in problems],
     )

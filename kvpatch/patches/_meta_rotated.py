@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpatch.patches._numbers import difference, judge
+from kvpatch.record import Finding
+
 
 def build_setter(original: Any) -> Any:
     """A ``meta_state`` property whose setter runs the original, then reads ``rotated`` back as written."""
@@ -32,10 +35,10 @@ def restore(source: Any, fresh: Any) -> None:
         fresh.meta_state = source.meta_state
 
 
-def reproduce(cache_module: Any) -> tuple[bool, str]:
+def reproduce(cache_module: Any) -> Finding:
     """Restore a 2-row, left-padded, not-yet-rotated batch rotating cache through ``state`` + ``meta_state``
     into a fresh cache (what prefix-cache restore and ``from_state`` do), decode one token through both and
-    compare the attention outputs. Returns ``(present, detail)``."""
+    compare the ``rotated`` flag and left padding (exact) and the attention outputs (up to rounding)."""
     import mlx.core as mx
 
     batch_cls = cache_module.BatchRotatingKVCache
@@ -61,10 +64,13 @@ def reproduce(cache_module: Any) -> tuple[bool, str]:
     restore(source, restored)
     flags = (original.rotated, restored.rotated)
     want, got = decode(original), decode(restored)
-    err = mx.abs(got - want).max().item()
     lp = (original.left_padding.tolist(), restored.left_padding.tolist())
-    detail = (
-        f"rotated {flags[0]} saved, {flags[1]} restored; after one decode step left_padding {lp[1]} "
-        f"(uninterrupted cache {lp[0]}), attention output max diff {err:.3g}"
+    problems = [] if flags[0] == flags[1] else [f"rotated {flags[0]} saved, {flags[1]} restored"]
+    if lp[0] != lp[1]:
+        problems.append(f"after one decode step left_padding {lp[1]} (uninterrupted cache {lp[0]})")
+    return judge(
+        difference(got, want, where="attention output of the next step"),
+        "the restored cache decodes differently",
+        f"rotated {flags[0]} saved and restored; left_padding {lp[1]} after one decode step, as uninterrupted",
+        problems=problems,
     )
-    return (flags[1] != flags[0] or err > 1e-5 or lp[0] != lp[1]), detail

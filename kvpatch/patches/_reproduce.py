@@ -1,5 +1,6 @@
-"""What reproductions share beyond the fixes: the tolerance of a comparison, the test models, the finding for
-an upstream that lacks what a reproduction exercises, left-padded attention and mlx-vlm's quantized attentions.
+"""What reproductions share beyond the fixes: the test models, the finding for an upstream that lacks what a
+reproduction exercises, left-padded attention, a batch's rows against each row alone and mlx-vlm's quantized
+attentions. How numbers are compared is :mod:`kvpatch.patches._numbers`.
 
 Reproductions run at run time (``kvpatch verify``, ``status --verify``, a background verification), so
 what they need lives here, among the units, and never in kvpatch's test helpers (``kvpatch.testing``
@@ -11,46 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvpatch.patches._numbers import Difference, difference, worst
 from kvpatch.record import Finding, symptom, upstream_missing
-
-_UNIT_ROUNDOFF = {"float32": 2.0**-24, "tf32": 2.0**-11, "float16": 2.0**-11, "bfloat16": 2.0**-8}
-
-
-def matmul_precision(dtype: object = None) -> str:
-    """The arithmetic mlx's matmuls use for ``dtype`` (default float32) on the default device.
-
-    float32 on a GPU (CUDA, Metal) goes through TF32 (10 stored mantissa bits) unless ``MLX_ENABLE_TF32=0``
-    (mlx's default is on: ``mlx/utils.h`` ``enable_tf32``); on the CPU it is float32. bfloat16 and float16 are
-    what they are.
-    """
-    import os
-
-    import mlx.core as mx
-
-    dtype = mx.float32 if dtype is None else dtype
-    if dtype == mx.bfloat16:
-        return "bfloat16"
-    if dtype == mx.float16:
-        return "float16"
-    gpu = mx.default_device().type == mx.DeviceType.gpu
-    if gpu and os.environ.get("MLX_ENABLE_TF32", "1") != "0":
-        return "tf32"
-    return "float32"
-
-
-def tolerance(dtype: object = None, scale: float = 1.0) -> float:
-    """Absolute tolerance for two results of the same computation reached two ways (batched vs alone, cached vs
-    uncached, patched vs reference) on the test models, for ``dtype`` (default float32) on this backend.
-
-    ``max(1e-4, 8 u max(1, scale))``, ``u`` the unit roundoff of the matmul arithmetic
-    (:func:`matmul_precision`) and ``scale`` the magnitude of the values compared (rounding errors are relative:
-    logits of magnitude 10 carry ten times the error of values of magnitude 1). 1e-4 is the figure the suite
-    was written with on the CPU (float32, u = 6e-8: it stays 1e-4 there for any magnitude below 200).
-    TF32 (float32 on a GPU) has u = 2^-11 = 4.9e-4: 3.9e-3; the tiny models (values of order 1, sums of 64-128
-    terms) differed by up to 1.5e-3 (about 3 u) on an H100 between two ways of computing the same logits.
-    bfloat16: 0.031; float16: 3.9e-3. Every bug these tests guard against moves results by 1e-2 or more.
-    """
-    return max(1e-4, 8 * _UNIT_ROUNDOFF[matmul_precision(dtype)] * max(1.0, scale))
 
 
 def tiny_pixtral_language_model(*, head_dim: int, heads: int = 4, kv_heads: int = 2, dtype: object = None) -> object:
@@ -98,15 +61,17 @@ def left_padded(prompts: list[Any]) -> tuple[list[int], Any]:
     return padding, mx.concatenate([mx.pad(p, [(0, 0), (n, 0), *rest]) for p, n in zip(prompts, padding, strict=True)])
 
 
-def row_differences(batched: list[Any], alone: list[list[Any]]) -> list[float]:
-    """Per row, the largest difference between its output in the batch (``batched[step][row]``) and alone
-    (``alone[row][step][0]``) over the steps."""
-    import mlx.core as mx
-
-    return [
-        max(float(mx.abs(out[row] - own[0]).max()) for out, own in zip(batched, steps, strict=True))
+def row_differences(batched: list[Any], alone: list[list[Any]]) -> list[Difference]:
+    """Per row, the largest difference (:func:`~kvpatch.patches._numbers.difference`, the worst over the steps) between
+    its output in the batch (``batched[step][row]``) and alone (``alone[row][step][0]``)."""
+    rows = [
+        worst(
+            difference(out[row], own[0], where=f"row {row}, step {step}")
+            for step, (out, own) in enumerate(zip(batched, steps, strict=True))
+        )
         for row, steps in enumerate(alone)
     ]
+    return [d for d in rows if d is not None]
 
 
 def tiny_llama(
@@ -163,8 +128,8 @@ def absent(exc: ImportError, what: str) -> Finding:
 
 
 def rows_vs_alone(
-    build: Callable[[], Any], compare: Callable[[Any], list[float]], name: str, missing: str
-) -> Finding | list[float]:
+    build: Callable[[], Any], compare: Callable[[Any], list[Difference]], name: str, missing: str
+) -> Finding | list[Difference]:
     """``compare(build())``: a left-padded batch's per-row differences from each row alone; or the finding where
     this upstream lacks the model (``missing``), or where ``name`` raises on the batch cache's per-row (array)
     offset (positions from ``mx.arange``)."""

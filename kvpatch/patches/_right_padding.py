@@ -23,8 +23,10 @@ returns (keys, values, ``offset``; ``_idx`` for a rotating cache). The live batc
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from kvpatch.patches._numbers import Difference, difference, exact, judge, worst
 from kvpatch.record import Finding
 
 #: Instance attribute holding ``offset + lengths`` from the last patched ``prepare`` (None: not known).
@@ -140,15 +142,16 @@ def _valid_keys(cache: Any) -> Any:
     return _floats(cache, keys)
 
 
-def extract_problems(
+def extract_compared(
     make_batch: Any, make_alone: Any, chunks: tuple[int, ...], lengths: tuple[int, ...] = (3, 5)
-) -> list[str]:
+) -> tuple[list[str], list[Difference]]:
     """What differs between rows extracted during a right-padded prefill and the rows prefilled alone.
 
     ``make_batch(rows)`` builds an empty batch cache, ``make_alone()`` the single-row cache ``extract`` returns.
     The rows (``lengths`` real tokens, right-padded to the longest) are written in ``chunks`` before each row is
     extracted (no ``finalize``); a row is compared with its first ``min(length, written)`` tokens prefilled
-    alone: ``offset``, the stored keys, then one decode step on both (attention output of the step's keys)."""
+    alone: ``offset`` and the stored keys (moved data: exact; the structural problems), then one decode step on
+    both (attention output of the step's keys: the differences)."""
     import mlx.core as mx
 
     width = max(lengths)
@@ -164,7 +167,7 @@ def extract_problems(
         part = keys[:, :, written : written + n]
         batch.update_and_fetch(part, -part)
         written += n
-    problems = []
+    problems, found = [], []
     for row, length in enumerate(lengths):
         real = min(length, written)
         got = batch.extract(row)
@@ -174,7 +177,7 @@ def extract_problems(
             problems.append(f"row {row} ({real} real tokens) extracted with offset={got.offset}, alone {alone.offset}")
             continue
         stored, expected = _valid_keys(got), _valid_keys(alone)
-        if stored.shape != expected.shape or mx.abs(stored - expected).max().item() > 1e-6:
+        if not exact(stored, expected):
             problems.append(f"row {row}: stored keys {stored.shape} differ from the row alone {expected.shape}")
             continue
         outs = []
@@ -182,20 +185,26 @@ def extract_problems(
             k, v = cache.update_and_fetch(step, -step)
             k, v = _floats(cache, k), _floats(cache, v)
             outs.append(mx.fast.scaled_dot_product_attention(step, k, v, scale=64**-0.5))
-        err = mx.abs(outs[0] - outs[1]).max().item()
-        if err > 1e-5:
-            problems.append(f"row {row}: the next decode step differs from the row alone by {err:.3g}")
-    return problems
+        found.append(difference(outs[0], outs[1], where=f"row {row}: the next decode step"))
+    return problems, found
 
 
-def extract_finding(classes: dict[str, tuple[Any, Any]]) -> Finding:
-    """:func:`extract_problems` of each ``name: (make_batch, make_alone)``, prefilled in one chunk and in two."""
-    problems = [
-        f"{name}, chunks {chunks}: {p}"
-        for name, (make_batch, make_alone) in classes.items()
-        for chunks in ((5,), (3, 2))
-        for p in extract_problems(make_batch, make_alone, chunks)
-    ]
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(False, f"{', '.join(classes)}: a row extracted before finalize() equals the row prefilled alone")
+def extract_finding(
+    classes: dict[str, tuple[Any, Any]],
+    chunkings: tuple[tuple[int, ...], ...] = ((5,), (3, 2)),
+    lengths: tuple[int, ...] = (3, 5),
+) -> Finding:
+    """:func:`extract_compared` of each ``name: (make_batch, make_alone)``, prefilled in each of ``chunkings`` (by
+    default in one chunk and in two), judged (:func:`~kvpatch.patches._numbers.judge`)."""
+    problems, found = [], []
+    for name, (make_batch, make_alone) in classes.items():
+        for chunks in chunkings:
+            wrong, measured = extract_compared(make_batch, make_alone, chunks, lengths)
+            problems += [f"{name}, chunks {chunks}: {p}" for p in wrong]
+            found += [replace(d, where=f"{name}, chunks {chunks}, {d.where}") for d in measured]
+    return judge(
+        worst(found),
+        "an extracted row decodes differently from the row alone",
+        f"{', '.join(classes)}: a row extracted before finalize() equals the row prefilled alone",
+        problems=problems,
+    )

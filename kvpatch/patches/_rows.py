@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpatch.patches import _reproduce
+from kvpatch.patches._numbers import Difference, difference, judge, worst
 from kvpatch.record import Finding, symptom
 
 
@@ -98,7 +99,7 @@ def check_extend(new_cache: Callable[[], Any], dequantize: Callable[[Any, Any, A
         k, v = dequantize(cache, *cache.update_and_fetch(keys, values))
         return _reproduce.left_padded_attention(q, k, v, cache.left_padding, scale)
 
-    problems = []
+    problems, found = [], []
     for order in ("full.extend(empty)", "empty.extend(full)"):
         full, empty = made(True), made(False)
         merged, other, p_full, p_empty = (full, empty, 0, 1) if order[0] == "f" else (empty, full, 1, 0)
@@ -110,15 +111,15 @@ def check_extend(new_cache: Callable[[], Any], dequantize: Callable[[Any, Any, A
             problems.append(f"{order}: decode raises ValueError: {symptom(exc, 'Cannot broadcast')}")
             continue
         # references: each row decoded alone, with the same step input and query as its batch row
-        err = 0.0
         for prefilled, p in ((True, p_full), (False, p_empty)):
             ref = attend(made(prefilled), step_k[p : p + 1], step_v[p : p + 1], queries[p : p + 1])
-            err = max(err, mx.abs(out[p] - ref[0]).max().item())
-        if err > 1e-4:
-            problems.append(f"{order}: merged decode differs from per-row decode by {err:.3g}")
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(False, "both orders: merged decode equals per-row decode (max error <= 1e-4)")
+            found.append(difference(out[p], ref[0], where=f"{order}, {'prefilled' if prefilled else 'empty'} row"))
+    return judge(
+        worst(found),
+        "merged decode differs from per-row decode",
+        "both orders: merged decode equals per-row decode",
+        problems=problems,
+    )
 
 
 def stand_in_empty_side(cache: Any, other: Any) -> Any:
@@ -139,11 +140,14 @@ def stand_in_empty_side(cache: Any, other: Any) -> Any:
 _NONE = "'NoneType' object"
 
 
-def check_join(makers: list[tuple[str, Callable[[int], Any]]], dtypes: list[Any]) -> tuple[list[str], float]:
+def check_join(
+    makers: list[tuple[str, Callable[[int], Any]]], dtypes: list[Any]
+) -> tuple[list[str], Difference | None]:
     """Join a 2-row cache and an empty 1-row cache both ways, for each ``(name, make(rows))`` and dtype, and decode
     one more token: the joined cache must keep a row per entry and the input dtype, and each row's attention
     output must equal that row's own attention (full rows: their 5 old keys plus the new one; the empty row: the
-    new key only). Returns the problems and the largest per-row attention error.
+    new key only), up to the rounding of the dtype. Returns the structural problems and the worst per-row attention
+    difference (:func:`~kvpatch.patches._numbers.judge` takes both).
 
     The reproduction of batch-extend-empty and vlm-batch-extend-dtype (an empty side's stand-ins).
     """
@@ -157,7 +161,7 @@ def check_join(makers: list[tuple[str, Callable[[int], Any]]], dtypes: list[Any]
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask).astype(mx.float32)
 
     problems: list[str] = []
-    worst = 0.0
+    found: list[Difference] = []
     for dtype in dtypes:
         k, v, q_new, k_new, v_new = (a.astype(dtype) for a in base)
         for name, make in makers:
@@ -182,16 +186,14 @@ def check_join(makers: list[tuple[str, Callable[[int], Any]]], dtypes: list[Any]
                 except AttributeError as exc:  # the bug's own error: an empty side's keys are None
                     problems.append(f"{label} raises AttributeError: {symptom(exc, _NONE)}")
                     continue
-                errs = []
                 for r in range(2):
                     kk = mx.concatenate([k[r : r + 1], k_new[r : r + 1]], axis=2)
                     vv = mx.concatenate([v[r : r + 1], v_new[r : r + 1]], axis=2)
-                    errs.append(mx.abs(out[order.index(r)] - attend(q_new[r : r + 1], kk, vv)[0]).max().item())
-                errs.append(mx.abs(out[order.index(2)] - attend(q_new[2:], k_new[2:], v_new[2:])[0]).max().item())
-                worst = max(worst, *errs)
-                if max(errs) > 1e-2:
-                    problems.append(f"{label}: per-row attention error {max(errs):.3g} after the join")
-    return problems, worst
+                    want = attend(q_new[r : r + 1], kk, vv)[0]
+                    found.append(difference(out[order.index(r)], want, dtype, where=f"{label}, row {r}"))
+                want = attend(q_new[2:], k_new[2:], v_new[2:])[0]
+                found.append(difference(out[order.index(2)], want, dtype, where=f"{label}, the empty row"))
+    return problems, worst(found)
 
 
 def zero_length_like(cache: Any, like: Any) -> None:

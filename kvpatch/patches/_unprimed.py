@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpatch.patches._numbers import Difference, difference, worst
+
 
 def cap_shift_at_written(original: Any, refresh: Any = None) -> Any:
     """A builder: ``filter`` that gives back what the original shifted beyond the written slots.
@@ -53,13 +55,14 @@ def _attention(cache: Any, step: Any, stored: Any) -> Any:
     return mx.fast.scaled_dot_product_attention(step, keys, values, scale=step.shape[-1] ** -0.5, mask=mask)
 
 
-def filtered_then_fresh(cls: Any, make: Any, steps: Any) -> str | None:
+def filtered_then_fresh(cls: Any, make: Any, steps: Any) -> tuple[list[str], Difference | None]:
     """For reproductions: what differs between a cache made with rows padded ``[0, 3, 1]`` and filtered to rows 1
-    and 2 before any update, and ``make([3, 1])``: write index, padding and offset after ``filter``, then every
-    step's attention output. None when nothing does.
+    and 2 before any update, and ``make([3, 1])``: write index, padding and offset after ``filter`` (the structural
+    problems), then every step's attention output (the worst difference). :func:`~kvpatch.patches._numbers.judge`
+    takes both.
 
     ``make(left_padding)`` builds a ``cls``; ``steps`` are key tensors (B=2), the values are their negatives.
-    Only what the bug raises (``ValueError: [broadcast_shapes]``) counts as a difference; anything else
+    Only what the bug raises (``ValueError: [broadcast_shapes]``) counts as a problem; anything else
     propagates (the engine then calls the finding inconclusive)."""
     import mlx.core as mx
 
@@ -76,14 +79,11 @@ def filtered_then_fresh(cls: Any, make: Any, steps: Any) -> str | None:
             f"{cls.__name__} after filter: _idx={got[0]} left_padding={got[1]} offset={got[2]} (a fresh cache of "
             f"the kept rows: _idx={want[0]} left_padding={want[1]} offset={want[2]})"
         )
-    err = 0.0
+    found = []
     try:
-        for step in steps:
+        for i, step in enumerate(steps):
             outs = [_attention(c, step, c.update_and_fetch(step, -step)) for c in (filtered, fresh)]
-            err = max(err, mx.abs(outs[0] - outs[1]).max().item())
+            found.append(difference(outs[0], outs[1], where=f"{cls.__name__} step {i} (attention)"))
     except ValueError as exc:
         problems.append(f"the next update raises ValueError: {symptom(exc, 'broadcast_shapes')}")
-    else:
-        if err > 1e-5:
-            problems.append(f"prefill/decode attention differs from a fresh cache of the kept rows by {err:.3g}")
-    return "; ".join(problems) or None
+    return problems, worst(found)

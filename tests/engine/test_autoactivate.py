@@ -404,7 +404,8 @@ FINDERS = (
     "import sys, json\n"
     "mine = [f for f in sys.meta_path if getattr(f, '__name__', '') == 'KvpatchBootstrapFinder' or 'kvpatch' in repr(f)]\n"
     "print(json.dumps({'finders': [repr(f) for f in mine], 'modules': [getattr(f, '__module__', None) for f in mine],"
-    " 'first': repr(sys.meta_path[0]), 'kvpatch': 'kvpatch' in sys.modules, 'hooks': '_kvpatch_hooks' in sys.modules}))"
+    " 'first': repr(sys.meta_path[0]), 'kvpatch': 'kvpatch' in sys.modules, 'hooks': '_kvpatch_hooks' in sys.modules,"
+    " 'boot': '_kvpatch_boot' in sys.modules}))"
 )
 
 
@@ -422,10 +423,11 @@ def test_start_up_finder_has_a_recognisable_name(run_py):
 
 @pytest.mark.parametrize("value", ["off", "0", "false", "no", "disable", "Disabled", " OFF "])
 def test_kvpatch_off_installs_no_finder_at_all(run_py, tmp_path, value):
-    """With KVPATCH=off nothing of kvpatch's is on sys.meta_path, before or after an mlx import."""
+    """With KVPATCH=off nothing of kvpatch's is on sys.meta_path, before or after an mlx import; what
+    docs/configuration.md says runs: the .pth line reads the bootstrap file (set KVPATCH: it decides at start)."""
     env = {"PYTHONPATH": _trigger_dir(tmp_path), "KVPATCH": value}
     before = json.loads(run_py(FINDERS, env=env))
-    assert before["finders"] == [] and before["kvpatch"] is False, before
+    assert before["finders"] == [] and before["kvpatch"] is False and before["boot"] is True, before
     after = json.loads(run_py("import mlx_lm\n" + FINDERS, env=env))
     assert after["finders"] == [] and after["kvpatch"] is False and after["hooks"] is False, after
 

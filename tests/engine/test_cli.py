@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,61 @@ def test_unknown_command_gets_a_suggestion(tmp_path, typo, meant):
     assert far.returncode == cli.EXIT_USAGE and "did you mean" not in far.stderr and "kvpatch help" in far.stderr
 
 
+@pytest.mark.parametrize(("typo", "meant"), [(["status", "--chek"], "--check"), (["verify", "--mising"], "--missing")])
+def test_a_misspelt_option_gets_a_suggestion(tmp_path, typo, meant):
+    proc = _run(typo, cwd=tmp_path)
+    assert proc.returncode == cli.EXIT_USAGE and proc.stdout == ""
+    assert f"unrecognized arguments: {typo[-1]} - did you mean {meant!r}?" in proc.stderr, proc.stderr
+    far = _run(["status", "--zzzzzz"], cwd=tmp_path)
+    assert far.returncode == cli.EXIT_USAGE and "did you mean" not in far.stderr, far.stderr
+
+
+#: Runs the console script's entry point in this process with the arguments given, then says whether kvpatch built
+#: its engine or registered an import hook: what activation does.
+ACTIVATED = """
+import json, sys, _kvpatch_cli
+sys.argv = ["kvpatch", *sys.argv[1:]]
+code = _kvpatch_cli.main()
+import kvpatch
+hooks = sys.modules.get("_kvpatch_hooks")
+print(json.dumps({"exit": code, "engine": kvpatch._engine is not None, "hooked": sorted(getattr(hooks, "_also", ()))}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "code"), [(["--version"], 0), (["-V"], 0), (["help"], 0), (["help", "status"], 0), (["--help"], 0),
+                       (["stauts"], 64), (["status", "--chek"], 64), (["list"], 0)]
+)  # fmt: skip
+def test_the_command_line_parses_before_it_activates(tmp_path, args, code):
+    """Activation (the engine, its hooks on upstream's modules) waits for the arguments: a command that needs no
+    patch (the version, the help, a usage error, the list) activates nothing."""
+    proc = subprocess.run(
+        [sys.executable, "-c", ACTIVATED, *args], cwd=tmp_path, env=child_env(), capture_output=True, text=True
+    )
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out == {"exit": code, "engine": False, "hooked": []}, (out, proc.stderr)
+    status = subprocess.run(
+        [sys.executable, "-c", ACTIVATED, "status", "--no-settle"], cwd=tmp_path, env=child_env(), capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert json.loads(status.stdout.splitlines()[-1])["engine"], status.stderr  # a command that needs it activates
+
+
+def test_python_m_kvpatch_parses_before_it_activates(tmp_path):
+    """``python -m kvpatch``: runpy imports the package to find ``__main__``; that import activates nothing."""
+    code = "import sys; sys.orig_argv = [sys.executable, '-m', 'kvpatch', '-V']; sys.argv = ['-m']; import kvpatch; "
+    code += "print(kvpatch._engine is None)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True, text=True)
+    assert proc.stdout.split() == ["True"], proc.stderr
+    other = code.replace("'kvpatch', '-V'", "'mlx_lm.server'")  # another module run with -m: kvpatch activates
+    proc = subprocess.run([sys.executable, "-c", other], cwd=tmp_path, env=child_env(), capture_output=True, text=True)
+    assert proc.stdout.split() == ["False"], proc.stderr
+    real = subprocess.run(
+        [sys.executable, "-m", "kvpatch", "-V"], cwd=tmp_path, env=child_env(), capture_output=True, text=True
+    )
+    assert real.returncode == 0 and real.stdout.startswith("kvpatch "), real.stderr
+
+
 # -- help, version, list -----------------------------------------------------------------------------------
 
 
@@ -108,7 +164,7 @@ def test_help_groups_maintainer_commands_apart(tmp_path):
     sections = _help_sections(_run(["--help"], cwd=tmp_path).stdout)
     assert sections["commands"] == ["status", "verify", "run", "list", "version", "help"]
     assert sections["maintainer commands"] == ["compat", "fingerprints", "upstream-check"]
-    assert sections["options"] == ["-h", "--version"]
+    assert sections["options"] == ["-h", "-V"]  # -V, --version
 
 
 def test_every_command_has_a_description_and_every_option_a_help():
@@ -144,8 +200,9 @@ def test_version(tmp_path):
 
     option = _run(["--version"], cwd=tmp_path)
     command = _run(["version"], cwd=tmp_path)
-    assert option.returncode == command.returncode == 0
-    assert option.stdout == command.stdout and len(option.stdout.splitlines()) == 1
+    short = _run(["-V"], cwd=tmp_path)  # as pip, ruff and uv accept it
+    assert option.returncode == command.returncode == short.returncode == 0
+    assert option.stdout == command.stdout == short.stdout and len(option.stdout.splitlines()) == 1
     assert option.stdout.startswith(f"kvpatch {kvpatch.__version__} from "), option.stdout
     assert f"(Python {sys.version_info.major}.{sys.version_info.minor}." in option.stdout
 
@@ -190,6 +247,8 @@ def test_run_module_and_script_from_the_working_directory(tmp_path):
         (["-c"], "-c needs the code to run"),
         (["-m"], "-m needs a module name"),
         (["--bogus"], "unknown option '--bogus'"),
+        (["-m", "kvpatch_no_such_mod"], "no module named 'kvpatch_no_such_mod'"),
+        (["-m", "kvpatch_no_such_pkg.sub"], "no module named 'kvpatch_no_such_pkg.sub'"),
     ],
 )
 def test_run_without_a_program_is_a_usage_error(tmp_path, args, message):
@@ -226,7 +285,12 @@ def test_verify_summary_says_what_it_verified(tmp_path):
     proc = _run(["verify"], cwd=tmp_path, env={"KVPATCH_VERDICTS": str(tmp_path / "v")})
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.splitlines()[-1]
-    assert last.startswith("kvpatch verify: verified 0 patch(es) whose outcome depends on a reproduction here"), last
+    every = {"KVPATCH_VERDICTS": str(tmp_path / "v"), "KVPATCH_ENABLE": "*"}  # verify measures opt-in patches too
+    status = json.loads(_run(["status", "--json"], cwd=tmp_path, env=every).stdout)
+    left = sum(p["action"] == "verify" for p in status["patches"])  # 0 for an index install of a known release
+    said = re.match(r"kvpatch verify: verified (\d+) patch\(es\) whose outcome depends on a reproduction here", last)
+    # at most those the release leaves open (fewer where a fix would change nothing here, e.g. a CUDA-only one)
+    assert said and int(said[1]) <= left and (left or said[1] == "0"), (left, last)
     assert "decided by the installed release need none" in last and last.endswith("0 need attention (exit 0)")
 
 
@@ -304,7 +368,7 @@ def test_full_disk_is_an_io_error(tmp_path, args):
     )
 
 
-@pytest.mark.parametrize("args", OUTPUT_COMMANDS[:4], ids=" ".join)
+@pytest.mark.parametrize("args", [*OUTPUT_COMMANDS[:4], ["verify"]], ids=" ".join)
 def test_closed_stdout_is_an_io_error(tmp_path, args):
     """``kvpatch status >&-``: Python starts with ``sys.stdout`` None; exit 74, one line."""
     proc = subprocess.run(

@@ -25,8 +25,12 @@ from kvpatch.maint.retired import Retired, render_retired
 from kvpatch.maint.upstream_check import (
     Expect,
     Measured,
+    Outcome,
     Release,
+    Row,
+    absent_advice,
     expectation,
+    format_text,
     judge,
     newest,
     relevant,
@@ -153,6 +157,7 @@ def test_messages_name_the_file_field_and_value():
     )
     [e] = evaluate(late, TODAY)
     assert "2026-01-01" in e.message and "Expiry(review_by=...) in kvpatch/patches/mlx_lm/x_y.py" in e.message
+    assert "`python -m kvpatch upstream-check`" in e.message and "`python -m kvpatch.maint.regenerate`" in e.message
     assert expiry_reasons([late], TODAY) == [e.message]
 
 
@@ -376,3 +381,35 @@ def _repo() -> str:
     from support import REPO
 
     return str(REPO)
+
+
+# -- what to change when the bug is absent without the patch on an affected release ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("release", "commit", "says"),
+    [
+        (
+            "0.28.0",
+            None,
+            "is the lower bound of affected='>=0.28.0,<=0.32.2' but has no bug: if the bug came later, raise",
+        ),
+        ("0.32.2", None, "set fixed_in='0.32.2'"),
+        ("0.32.2", None, "set affected='>=0.28.0,<0.32.2'"),
+        ("0.30.2", None, "lies inside affected='>=0.28.0,<=0.32.2' but has no bug: the reproduction misses it"),
+        ("0.30.2", "abcdef0123", "if abcdef01 predates the bug, set introduced_commit"),
+    ],
+)
+def test_absent_advice_names_the_field_for_where_the_release_sits(release, commit, says):
+    advice = absent_advice(OPEN, release, commit=commit)
+    assert any(says in line for line in advice), advice
+    assert advice[0].startswith("kvpatch/patches/mlx_lm/open_bug.py: ")
+    assert advice[-1] == "after changing the record: `python -m kvpatch.maint.regenerate --only some-fix`"
+
+
+def test_disagreeing_records_point_at_the_one_regeneration_command():
+    row = Row(FIXED, "0.23.2", "env", Measured.FIXED)
+    row.agreement = judge(FIXED, "0.23.2", Measured.FIXED)
+    outcome = Outcome([], [], [row], [], 1.0)
+    text = format_text(outcome)
+    assert "(change them, then `python -m kvpatch.maint.regenerate`)" in text and "compat --write" not in text

@@ -16,7 +16,7 @@ from support import child_env, synthetic_patch
 from kvpatch import registry
 from kvpatch.config import Config, read_config
 from kvpatch.detect import NOT_INSTALLED, Source, Upstream
-from kvpatch.engine import Engine
+from kvpatch.engine import Engine, sharing
 from kvpatch.status import build_report, format_text
 from kvpatch.verdicts import Outcome
 
@@ -64,6 +64,16 @@ def test_verbose_lists_every_patch_with_target_and_reason():
     assert _ids_shown(text) == {p.id for p in PATCHES}
     for label in ("affected:  ", "fixed in:  ", "target:    ", "why:       ", "reference: "):
         assert text.count(f"\n    {label}") == len(PATCHES), label
+
+
+def test_verbose_shows_the_margin_of_a_measured_verdict():
+    report = _report(NEWEST)
+    pid = report.data["patches"][0]["id"]
+    margin = "without the patch 0.1 = 2.1e+05x the rounding (4.8e-07); with it 0 = 0x the rounding (4.8e-07)"
+    text = format_text(report._replace(margins={pid: margin}), verbose=True, width=200)
+    assert f"    margin:    {margin}" in text.splitlines()
+    assert "margin:" not in format_text(report, verbose=True, width=200)
+    assert "margin" not in json.dumps(report.data)  # the text's, not the JSON's (kvpatch.status/1 unchanged)
 
 
 @pytest.mark.parametrize("width", [60, 80, 132])
@@ -241,5 +251,5 @@ def test_verify_without_run_keeps_enablers_of_the_same_target():
     engine = Engine([fix, route, other], upstream={"mlx-lm": Upstream("mlx-lm", "0.32.2")}, config=Config())
     for p in (fix, route, other):
         engine.status[p.id].installed = [target]
-    assert set(engine._sharing(fix)) == {"fix", "other"}
-    assert set(engine._sharing(route)) == {"fix", "route", "other"}
+    assert set(sharing(engine, fix)) == {"fix", "other"}
+    assert set(sharing(engine, route)) == {"fix", "route", "other"}

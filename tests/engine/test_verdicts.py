@@ -17,9 +17,9 @@ import types
 from pathlib import Path
 
 import pytest
-from support import child_env, fake_mlx_core
+from support import DEMO_PATCH, child_env, fake_mlx_core
 
-from kvpatch import config, fingerprints, locate, measurer, store, surgery, verdicts
+from kvpatch import config, fingerprints, locate, store, surgery, verdicts, verifier
 from kvpatch.detect import Source, Upstream
 from kvpatch.record import Expiry, Finding, Patch
 
@@ -29,7 +29,7 @@ def fresh(monkeypatch, tmp_path):
     """Point the cache at ``tmp_path`` and forget what this process read or requested."""
     monkeypatch.setenv(config.VERDICTS, str(tmp_path / "cache"))
     monkeypatch.setattr(verdicts, "_loaded", None)
-    monkeypatch.setattr(measurer, "_requested", None)
+    monkeypatch.setattr(verifier, "_requested", None)
     monkeypatch.setattr(fingerprints, "_new", {})
     return tmp_path / "cache"
 
@@ -93,6 +93,27 @@ def test_corrupt_or_foreign_file_reads_as_empty(fresh, content):
     assert verdicts.lookup("k").outcome == verdicts.Outcome.ABSENT
 
 
+def test_sizes_are_kept_with_the_verdict_and_a_malformed_entry_has_none(fresh):
+    p = _patch()
+    before = Finding(True, "rows differ", error=0.1, rounding=4.8e-7)
+    after = Finding(False, "rows equal", error=0.0, rounding=4.8e-7)
+    verdict = verdicts.verdict_of(before, after)
+    sides = {"without": before, "with": after}
+    assert verdict.sizes == {side: {"error": f.error, "rounding": f.rounding} for side, f in sides.items()}
+    assert verdicts.store("k", p, verdict, UPSTREAM)
+    verdicts._loaded = None  # read the file afresh
+    assert verdicts.lookup("k").sizes == verdict.sizes
+    assert verdicts.margin(verdict.sizes).startswith("without the patch 0.1 = 2.08e+05x the rounding (4.8e-07)")
+    assert verdicts.sizes_of(Finding(True, "raises ValueError"), after) == {"with": verdict.sizes["with"]}
+    assert verdicts.sizes_of(Finding(True, "raises"), None) is None and verdicts.margin(None) is None
+    data = json.loads((fresh / verdicts.FILE).read_text())
+    data["verdicts"]["k"]["sizes"] = {"without": {"error": "big", "rounding": 0}, "other": 1}
+    (fresh / verdicts.FILE).write_text(json.dumps(data))
+    verdicts._loaded = None
+    found = verdicts.lookup("k")
+    assert found is not None and found.outcome is verdicts.Outcome.FIXED and found.sizes is None
+
+
 def test_entries_are_pruned_oldest_first(fresh, monkeypatch):
     monkeypatch.setattr(verdicts, "MAX_ENTRIES", 3)
     p = _patch()
@@ -143,13 +164,12 @@ def test_from_findings(before, after, outcome):
 
 def test_no_background_verification_when_switched_off_or_inside_one(fresh, monkeypatch):
     monkeypatch.setenv(config.VERIFY, "never")
-    text = measurer.request_verification(["k"])
+    text = verifier.request_verification(["k"])
     assert "KVPATCH_VERIFY=never" in text and "kvpatch verify" in text
-    monkeypatch.setattr(measurer, "_requested", None)
+    monkeypatch.setattr(verifier, "_requested", None)
     monkeypatch.delenv(config.VERIFY)
-    with measurer.measuring_as("test"):
-        assert "verification process" in measurer.request_verification(["k"])
-    assert measurer.measuring() is None
+    monkeypatch.setenv(config.VERIFYING, "1")  # as Verifier.begin() says of its process
+    assert "verification process" in verifier.request_verification(["k"])
 
 
 def test_a_recent_attempt_is_not_repeated(fresh, monkeypatch):
@@ -158,7 +178,7 @@ def test_a_recent_attempt_is_not_repeated(fresh, monkeypatch):
         lambda data: data["attempts"].update({"k": {"at": time.time(), "pid": 1}})
     )  # as the background verifier does
     verdicts._loaded = None  # read the file afresh
-    text = measurer.request_verification(["k"])
+    text = verifier.request_verification(["k"])
     assert "has not settled it" in text, text
 
 
@@ -204,30 +224,15 @@ def fake_site(tmp_path):
     return site
 
 
-CHILD = textwrap.dedent(
+CHILD = DEMO_PATCH + textwrap.dedent(
     """
-    import json, sys
-    from kvpatch import fingerprints, measurer, verdicts
-    from kvpatch.config import Config
-    from kvpatch.engine import Engine, REPRODUCTIONS_RUN
-    from kvpatch.record import Expiry, Finding, Patch
+    from kvpatch import fingerprints, verdicts
+    from kvpatch.engine import REPRODUCTIONS_RUN
+    from kvpatch.verifier import Verifier
     mode = sys.argv[1]
-    p = Patch(id="demo-bug", summary="demo", distribution="mlx-lm", affected=">=0.1.0,<=0.2.0",
-              checked_through="0.2.0", reference="none", expiry=Expiry("never"))
-    p.module = "kvpatch"
+    p = patch("demo-bug", ">=0.1.0,<=0.2.0", checked_through="0.2.0")
     if len(sys.argv) > 2 and sys.argv[2]:  # the fingerprints the patch was validated on (shipped data)
         fingerprints.shipped()["demo-bug"] = {"mlx_lm.models.cache.C.f": frozenset(sys.argv[2].split(","))}
-
-    @p.replace("mlx_lm.models.cache", "C.f")
-    def build(original):
-        def f(self):
-            return "fixed"
-        return f
-
-    @p.reproduce
-    def reproduce():
-        import mlx_lm.models.cache as c
-        return Finding(c.C().f() == "buggy", "f() said " + c.C().f())
 
     if mode == "measure-raising":  # a reproduction that hits an error which is not the bug's symptom
         p.reproduction = lambda: (_ for _ in ()).throw(RuntimeError("no kernel for this shape"))
@@ -235,10 +240,10 @@ CHILD = textwrap.dedent(
     key = verdicts.key(p, engine.upstream)
     if not mode.startswith(("none", "measure")):
         verdicts.store(key, p, verdicts.Verdict(verdicts.Outcome(mode), "stored by the test", 1.0, "test"), engine.upstream)
-    import contextlib
-    with measurer.measuring_as("test") if mode.startswith("measure") else contextlib.nullcontext():
-        engine.activate()
-        import mlx_lm.models.cache as c
+    engine.activate()
+    import mlx_lm.models.cache as c
+    if mode.startswith("measure"):  # a verification process: measures and stores the verdict
+        Verifier(engine, "test", remeasure=False).run()
     st = engine.status["demo-bug"]
     from kvpatch.status import build_report
     check = build_report(engine).data["check"]

@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 
 from kvpatch.patches.mlx_lm.batch_extend_empty import PATCH
-from kvpatch.testing import tiny_llama
+from kvpatch.testing import difference, tiny_llama
 
 PROMPTS = [[7, 3, 22, 41, 8], [9, 13, 2]]
 NEW = 17  # the one-token prompt that joins empty
 STEPS = [[11, 12, 13], [30, 31, 32], [40, 41, 42]]  # (row 0, row 1, new row) per decode step
 MAX_SIZE = 16
-TOL = 0.05  # bf16 weights and activations
 
 
 pytestmark = pytest.mark.requires_patch(PATCH.id)
@@ -71,8 +70,9 @@ def _decode_and_compare(model, kind, joined, order, prefixes):
         logits = model(tokens, cache=joined)[:, -1].astype(mx.float32)
         assert all(c.keys.dtype == mx.bfloat16 for c in joined), f"step {step}: the joined cache is not bfloat16"
         for pos, r in enumerate(order):
-            err = mx.abs(logits[pos] - want[r][step]).max().item()
-            assert err < TOL, f"source row {r} (joined position {pos}), step {step}: max diff {err:.3g}"
+            where = f"source row {r} (joined position {pos}), step {step}"
+            found = difference(logits[pos], want[r][step], mx.bfloat16, where=where)  # bf16 weights and activations
+            assert found.within, found
 
 
 @pytest.mark.parametrize("kind", ["kv", "rotating"])
@@ -105,4 +105,5 @@ def test_both_empty_then_prefill(model, kind):
     logits = model(mx.array([[0, 0, 5, 9], [4, 6, 5, 9]]), cache=a)[:, -1].astype(mx.float32)
     for i, prompt in enumerate([[5, 9], [4, 6, 5, 9]]):
         want = _alone(model, kind, prompt[:-1], prompt[-1:])[0]
-        assert mx.abs(logits[i] - want).max().item() < TOL
+        found = difference(logits[i], want, mx.bfloat16, where=f"row {i}")
+        assert found.within, found

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from kvpatch.patches import _right_padding
+from kvpatch.patches._numbers import exact
 from kvpatch.patches.mlx_lm.batch_extract_right_padding import PATCH
 from kvpatch.testing import skip_unless_in_place
 
@@ -41,9 +42,11 @@ CHUNKS = [(5,), (3, 2), (3,), (4,), (2, 2), (4, 1)]
 def test_extract_at_any_prefill_point_equals_row_alone(cls_name, chunks):
     if cls_name == "BatchRotatingKVCache" and 1 in chunks:
         pytest.skip("mlx-lm's BatchRotatingKVCache rejects a 1-token update while right padding is pending")
-    make_batch, make_alone = _classes()[cls_name]
-    assert _right_padding.extract_problems(make_batch, make_alone, chunks) == []
-    assert _right_padding.extract_problems(make_batch, make_alone, chunks, lengths=(5, 2, 4)) == []
+    one = {cls_name: _classes()[cls_name]}
+    finding = _right_padding.extract_finding(one, (chunks,))
+    assert finding.bug == "absent", finding.detail
+    finding = _right_padding.extract_finding(one, (chunks,), lengths=(5, 2, 4))
+    assert finding.bug == "absent", finding.detail
 
 
 def _keys(rows, width, seed=3):
@@ -85,7 +88,7 @@ def test_extract_leaves_the_batch_as_it_was(cls_name):
         outs.append((state, mx.fast.scaled_dot_product_attention(step, k, v, scale=0.125, mask=mask)))
     (state, out), (ref_state, ref_out) = outs
     assert state == ref_state
-    assert mx.abs(out - ref_out).max().item() == 0
+    assert exact(out, ref_out)
 
 
 @pytest.mark.parametrize("cls_name", ["BatchKVCache", "BatchRotatingKVCache"])
@@ -107,4 +110,4 @@ def test_extract_after_filter_mid_prefill(cls_name):
         part = keys[original : original + 1, :, : lengths[original]]
         alone.update_and_fetch(part, -part)
         assert got.offset == alone.offset == lengths[original]
-        assert mx.abs(got.keys[..., : got.offset, :] - alone.keys[..., : alone.offset, :]).max().item() == 0
+        assert exact(got.keys[..., : got.offset, :], alone.keys[..., : alone.offset, :])

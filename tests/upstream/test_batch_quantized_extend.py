@@ -12,10 +12,11 @@ import pytest
 
 from kvpatch.patches.mlx_vlm.batch_quantized_extend import PATCH
 from kvpatch.testing import (
-    error_and_tolerance,
+    difference,
     quantization_gap,
     skip_unless_in_place,
     tiny_pixtral_language_model,
+    worst,
 )
 
 PROMPT = [7, 3, 22, 41, 8]
@@ -72,9 +73,13 @@ def test_merged_decode_matches_rows_alone(order):
     assert merged[0].left_padding.tolist()[p_empty] == len(PROMPT)
     batched = _decode(model, merged, STEPS)
 
-    err_full, tol_full = error_and_tolerance(batched[p_full], _alone(model, PROMPT, p_full))
-    err_empty, tol_empty = error_and_tolerance(batched[p_empty], _alone(model, None, p_empty))
-    assert err_full < tol_full and err_empty < tol_empty, f"{order}: full row {err_full:.3g}, empty row {err_empty:.3g}"
+    found = worst(
+        [
+            difference(batched[p_full], _alone(model, PROMPT, p_full), where=f"{order}: the full row"),
+            difference(batched[p_empty], _alone(model, None, p_empty), where=f"{order}: the empty row"),
+        ]
+    )
+    assert found.within, found
 
 
 def test_merge_of_two_prefilled_caches_unchanged():
@@ -86,5 +91,5 @@ def test_merge_of_two_prefilled_caches_unchanged():
     assert long[0].left_padding.tolist() == [0, len(PROMPT) - len(SHORT_PROMPT)]
     batched = _decode(model, long, STEPS)
     for row, prompt in enumerate((PROMPT, SHORT_PROMPT)):
-        err, tol = error_and_tolerance(batched[row], _alone(model, prompt, row))
-        assert err < tol, f"row {row} differs by {err:.3g}"
+        found = difference(batched[row], _alone(model, prompt, row), where=f"row {row}")
+        assert found.within, found

@@ -16,7 +16,7 @@ cache (``extend`` with a cache that has no keys yet, its token is fed by the nex
 the longest row finishes and is filtered out (``filter``, which also drops the leading padding every
 kept row shares); decode. Every row's greedy tokens must equal those the same prompt produces decoded
 alone (one-row cache of the same family, from the same factory), and every step's logits must agree
-(float32: within ``kvpatch.testing.tolerance()``, 1e-4 on the CPU; bfloat16: within a few bf16 steps, see ``TOL``). With bfloat16 the dense and
+(within the rounding of the model's dtype: ``kvpatch.testing.difference``). With bfloat16 the dense and
 uniform quantized caches must also keep storing bfloat16 through every join (a float32 cache doubles
 the memory and changes the numbers); TurboQuant's packed state records no dtype.
 
@@ -44,23 +44,25 @@ from __future__ import annotations
 import pytest
 
 import kvpatch
-from kvpatch.testing import agreeing_steps, quantization_gap, same_greedy, tiny_pixtral_language_model, tolerance
+from kvpatch.testing import (
+    agreeing_steps,
+    difference,
+    quantization_gap,
+    same_greedy,
+    tiny_pixtral_language_model,
+    worst,
+)
 
 RELEASES = ("0.5.0", "0.7.10")
 FAMILIES = ("quantized", "turboquant", "plain")
 KV_BITS = 4
 KV_GROUP_SIZE = 64  # the server's default --kv-group-size (head dim 64 below)
-#: Logit tolerance per model dtype. float32: batched and single-row decode agree to rounding (CPU: exactly;
-#: a GPU's TF32 matmuls: see ``kvpatch.testing.tolerance``).
-#: bfloat16: from mlx-vlm 0.7.0 a one-row unpadded TurboQuant cache attends through TurboQuant's own
-#: decode kernels (``_turboquant_attention_applies``: float32 scores on the packed state) while a padded
-#: batch dequantizes and runs SDPA in bfloat16, so the single-row reference and the batch round
-#: differently: measured up to 0.039 on logits of magnitude < 2 (5 bf16 steps) on 0.7.10, with equal tokens.
-TOL: dict[str, float | None] = {"float32": None, "bfloat16": 0.08}  # None: tolerance() for float32 here
-
-
-def _tol(dtype: str, scale: float = 1.0) -> float:
-    return TOL[dtype] or tolerance(scale=scale)
+#: The model dtypes. Logits are compared within the dtype's rounding (``kvpatch.testing.difference``). bfloat16: from
+#: mlx-vlm 0.7.0 a one-row unpadded TurboQuant cache attends through TurboQuant's own decode kernels
+#: (``_turboquant_attention_applies``: float32 scores on the packed state) while a padded batch dequantizes and runs
+#: SDPA in bfloat16, so the single-row reference and the batch round differently: measured up to 0.039 on logits of
+#: magnitude < 2 (5 bf16 steps) on 0.7.10, with equal tokens.
+DTYPES = ("float32", "bfloat16")
 
 
 FIRST = {"a": [5, 9, 13, 2, 17], "b": [7, 3], "c": [22, 41, 8, 19, 30, 11, 6]}
@@ -79,7 +81,7 @@ def _release():
         pytest.skip(f"end-to-end scenarios run on mlx-vlm {' and '.join(RELEASES)} only (installed: {version})")
 
 
-@pytest.fixture(scope="module", params=list(TOL))
+@pytest.fixture(scope="module", params=DTYPES)
 def dtype(request):
     return request.param
 
@@ -255,17 +257,17 @@ def test_continuous_batching_rows_match_rows_alone(dtype, model, family):
     for name, prompt in prompts.items():
         batched = server.tokens[name]
         tokens, steps = _alone(model, make, prompt, len(batched))
-        # equal tokens, or a split at a near tie (scores within TOL), after which the contexts differ
-        split = same_greedy(batched, tokens, steps, tol=TOL[dtype])
+        # equal tokens, or a split at a near tie (scores within the rounding), after which the contexts differ
+        split = same_greedy(batched, tokens, steps, getattr(mx, dtype))
         assert split is None, f"{family}: row {name!r} generated {batched} in the batch, {tokens} alone: {split}"
         if gap:
             continue
         shared = agreeing_steps(batched, tokens)
-        err = max(mx.abs(b - s).max().item() for b, s in zip(server.logits[name][:shared], steps[:shared], strict=True))
-        scale = max(mx.abs(s).max().item() for s in steps[:shared])
-        assert err < _tol(dtype, scale), (
-            f"{family}, {dtype}: row {name!r} logits differ from the row alone by {err:.3g}"
+        found = worst(
+            difference(b, s, getattr(mx, dtype), where=f"{family}, {dtype}: row {name!r} logits, from the row alone")
+            for b, s in zip(server.logits[name][:shared], steps[:shared], strict=True)
         )
+        assert found.within, found
     for when, stored in server.stored:
         assert stored <= {getattr(mx, dtype)}, f"{family}: {when} the caches store {stored} for a {dtype} model"
     if gap:
@@ -273,7 +275,7 @@ def test_continuous_batching_rows_match_rows_alone(dtype, model, family):
 
 
 def _quantization_gap(family: str, dtype: str) -> str | None:
-    """Why this family's rows cannot be compared with the rows alone within the float tolerance here, or None."""
+    """Why this family's rows cannot be compared with the rows alone within the rounding here, or None."""
     import mlx.core as mx
 
     return quantization_gap(getattr(mx, dtype)) if family in ("turboquant", "quantized") else None
@@ -306,11 +308,11 @@ def _assert_like_alone(model, make, dtype, family, name, prompt, tokens, first_l
     assert tokens == alone, f"{family}: row {name!r} generated {tokens}, {alone} alone"
     if _quantization_gap(family, dtype):
         return  # (the caller skips once every row's tokens are checked)
-    pairs = list(zip([first_logits, *steps], alone_steps, strict=True))
-    err = max(mx.abs(b - s).max().item() for b, s in pairs)
-    scale = max(mx.abs(s).max().item() for _, s in pairs)
-    tol = _tol(dtype, scale)
-    assert err < tol, f"{family}, {dtype}: row {name!r} logits differ from the row alone by {err:.3g} (tol {tol:.3g})"
+    found = worst(
+        difference(b, s, getattr(mx, dtype), where=f"{family}, {dtype}: row {name!r} logits, from the row alone")
+        for b, s in zip([first_logits, *steps], alone_steps, strict=True)
+    )
+    assert found.within, found
 
 
 @pytest.mark.parametrize("family", FAMILIES)

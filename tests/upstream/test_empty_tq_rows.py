@@ -10,11 +10,11 @@ import pytest
 
 from kvpatch.patches.mlx_vlm.empty_tq_rows import PATCH
 from kvpatch.testing import (
-    error_and_tolerance,
+    difference,
     quantization_gap,
     skip_unless_in_place,
     tiny_pixtral_language_model,
-    tolerance,
+    worst,
 )
 
 PROMPT = [7, 3, 22, 41, 8]
@@ -72,11 +72,17 @@ def test_merged_decode_matches_rows_alone(order, bits):
     assert merged[0].left_padding.tolist()[p_empty] == len(PROMPT)
     batched = _decode(model, merged, STEPS)
 
-    err_full, tol_full = error_and_tolerance(batched[p_full], _alone(model, bits, PROMPT, p_full))
-    err_empty, tol_empty = error_and_tolerance(batched[p_empty], _alone(model, bits, None, p_empty))
-    assert err_full < tol_full and err_empty < tol_empty, (
-        f"{order}, {bits} bits: full row {err_full:.3g}, empty row {err_empty:.3g}"
+    found = worst(
+        [
+            difference(
+                batched[p_full], _alone(model, bits, PROMPT, p_full), where=f"{order}, {bits} bits: the full row"
+            ),
+            difference(
+                batched[p_empty], _alone(model, bits, None, p_empty), where=f"{order}, {bits} bits: the empty row"
+            ),
+        ]
     )
+    assert found.within, found
 
 
 def test_merge_of_two_prefilled_caches_unchanged():
@@ -88,8 +94,8 @@ def test_merge_of_two_prefilled_caches_unchanged():
     assert long[0].left_padding.tolist() == [0, len(PROMPT) - len(SHORT_PROMPT)]
     batched = _decode(model, long, STEPS)
     for row, prompt in enumerate((PROMPT, SHORT_PROMPT)):
-        err, tol = error_and_tolerance(batched[row], _alone(model, 4, prompt, row))
-        assert err < tol, f"row {row} differs by {err:.3g}"
+        found = difference(batched[row], _alone(model, 4, prompt, row), where=f"row {row}")
+        assert found.within, found
 
 
 def test_empty_side_adopts_the_codec_that_encoded_its_new_rows():
@@ -124,5 +130,5 @@ def test_empty_side_adopts_the_codec_that_encoded_its_new_rows():
     merged.extend(new(True))
     out = attend(merged, step_k, step_v, q)
     ref = attend(new(True), step_k[1:], step_v[1:], q[1:])
-    err = mx.abs(out[1] - ref[0]).max().item()
-    assert err < tolerance(), f"the prefilled row decodes {err:.3g} away from decoding it alone"
+    found = difference(out[1], ref[0], where="the prefilled row against it decoded alone")
+    assert found.within, found

@@ -13,7 +13,7 @@ import pytest
 
 from kvpatch.patches.mlx_vlm.left_padding_mask import PATCH
 from kvpatch.testing import (
-    error_and_tolerance,
+    difference,
     tiny_pixtral_language_model,
 )
 
@@ -91,5 +91,7 @@ def test_left_padded_batch_decode_matches_single_sequence(kind):
         single = [model(mx.array([prompt]), cache=alone).logits[:, -1]]
         for step in steps:
             single.append(model(mx.array([[step[row]]]), cache=alone).logits[:, -1])
-        err, tol = error_and_tolerance(batched[row], mx.stack(single, axis=1)[0])
-        assert err < tol, f"{kind}: row {row} (left padding {left_padding[row]}) differs by {err:.3g}"
+        found = difference(
+            batched[row], mx.stack(single, axis=1)[0], where=f"{kind}: row {row} (left padding {left_padding[row]})"
+        )
+        assert found.within, found

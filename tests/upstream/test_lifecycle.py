@@ -217,8 +217,8 @@ def test_bootstrap_sees_the_top_level_package_finish(run_py):
             "boot = 'kvpatch' in sys.modules\n"
             "import kvpatch\n"
             "e = kvpatch.get_engine()\n"
-            f"hooked = {pkg!r} in e._hooked\n"
-            f"print(json.dumps({{'hooked': hooked, 'ready': {pkg!r} in e._ready, 'boot': boot}}))"
+            f"hooked = {pkg!r} in e.activation.hooked\n"
+            f"print(json.dumps({{'hooked': hooked, 'ready': {pkg!r} in e.activation.ready, 'boot': boot}}))"
         )
     )
     assert out["boot"]
@@ -235,11 +235,12 @@ def test_drifted_target_is_judged_by_the_reproduction(run_py, tmp_path):
         run_py(
             _prelude()
             + """
-import contextlib, copy, dataclasses
-from kvpatch import fingerprints, measurer, registry
+import copy, dataclasses
+from kvpatch import fingerprints, registry
 from kvpatch.config import Config
 from kvpatch.detect import Source, Upstream, detect
-from kvpatch.engine import Engine, REPRODUCTIONS_RUN
+from kvpatch.engine import REPRODUCTIONS_RUN, Engine
+from kvpatch.verifier import Verifier
 from kvpatch.fingerprints import fingerprint
 from kvpatch.gate import Action, decide
 # As from a package index, whatever the install source: an archive or editable install leaves every in-range patch
@@ -270,9 +271,10 @@ for label, validated, measure in (("drifted", frozenset({"000000000000"}), False
     fingerprints.shipped()[real.id] = {t.path: validated for t in real.targets}
     runs = len(REPRODUCTIONS_RUN)
     eng = Engine([probe], upstream=upstream, config=Config())
-    with measurer.measuring_as("test", remeasure=True) if measure else contextlib.nullcontext():
-        eng.activate()
-        import_all(list(real.modules))
+    eng.activate()
+    import_all(list(real.modules))
+    if measure:  # a verification process: the reproduction decides, outside the import
+        Verifier(eng, "test").run([probe])
     st = eng.status[real.id]
     result[label] = {"state": st.state.value, "drift": bool(st.drift), "verified": (st.verified or "").split(" (")[0],
                      "reproductions": len(REPRODUCTIONS_RUN) - runs}

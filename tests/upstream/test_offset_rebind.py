@@ -18,7 +18,7 @@ import pytest
 
 from kvpatch.patches.mlx_lm.offset_rebind import PATCH as LM_PATCH
 from kvpatch.patches.mlx_vlm.offset_rebind import PATCH as VLM_PATCH
-from kvpatch.testing import error_and_tolerance
+from kvpatch.testing import difference, worst
 
 PROMPTS = [[7, 3, 22], [5, 9, 2, 33, 17]]
 SAME_LENGTH = [[5, 9, 2, 33, 17], [1, 2, 3, 4, 5]]
@@ -30,8 +30,8 @@ def _logits(out):
 
 
 def _compare(model, batch_caches, prompts, single_caches):
-    """Per row, (max |batched - alone| logits, its tolerance) at the step where the difference is largest against
-    its tolerance (prefill's last position, then each decode step)."""
+    """The largest difference (the worst, against its rounding) of batched and alone logits over the rows and steps
+    (prefill's last position, then each decode step)."""
     import mlx.core as mx
 
     width = max(map(len, prompts))
@@ -39,19 +39,16 @@ def _compare(model, batch_caches, prompts, single_caches):
     batched = [_logits(model(tokens, cache=batch_caches))[:, -1]]
     for t in STEPS:
         batched.append(_logits(model(mx.array([[t]] * len(prompts)), cache=batch_caches))[:, -1])
-    worst = []
+    found = []
     for i, p in enumerate(prompts):
         caches = single_caches()
         alone = [_logits(model(mx.array([p]), cache=caches))[0, -1]]
         for t in STEPS:
             alone.append(_logits(model(mx.array([[t]]), cache=caches))[0, -1])
-        steps = [error_and_tolerance(b[i], a) for b, a in zip(batched, alone, strict=True)]
-        worst.append(max(steps, key=lambda et: et[0] / et[1]))
-    return worst
-
-
-def _within(worst) -> bool:
-    return all(err < tol for err, tol in worst)
+        found += [
+            difference(b[i], a, where=f"row {i}, step {s}") for s, (b, a) in enumerate(zip(batched, alone, strict=True))
+        ]
+    return worst(found)
 
 
 def _lm_batch_caches(model, prompts):
@@ -91,8 +88,8 @@ def test_gemma3n_batched_equals_rows_alone():
     )  # fmt: skip
     model = gemma3n.Model(gemma3n.ModelArgs(model_type="gemma3n", text_config=text))
     mx.eval(model.parameters())
-    worst = _compare(model, _lm_batch_caches(model, PROMPTS), PROMPTS, model.make_cache)
-    assert _within(worst), f"batched gemma3n differs from each row alone by (error, tolerance) {worst}"
+    found = _compare(model, _lm_batch_caches(model, PROMPTS), PROMPTS, model.make_cache)
+    assert found.within, f"batched gemma3n differs from each row alone: {found}"
 
 
 def _bailing_args(cls):
@@ -112,8 +109,8 @@ def test_bailing_moe_linear_batched_equals_rows_alone():
     mx.random.seed(0)
     model = bailing.Model(_bailing_args(bailing.ModelArgs))
     mx.eval(model.parameters())
-    worst = _compare(model, _lm_batch_caches(model, SAME_LENGTH), SAME_LENGTH, model.make_cache)
-    assert _within(worst), f"batched bailing_moe_linear differs from each row alone by (error, tolerance) {worst}"
+    found = _compare(model, _lm_batch_caches(model, SAME_LENGTH), SAME_LENGTH, model.make_cache)
+    assert found.within, f"batched bailing_moe_linear differs from each row alone: {found}"
 
 
 @pytest.mark.requires_patch(VLM_PATCH.id)
@@ -133,7 +130,5 @@ def test_vlm_bailing_moe_linear_batched_equals_rows_alone():
         C.BatchKVCache([0, 0]) if isinstance(c, C.KVCache) else C.ArraysCache(size=1, left_padding=[0, 0])
         for c in model.make_cache()
     ]
-    worst = _compare(model, batch, SAME_LENGTH, model.make_cache)
-    assert _within(worst), (
-        f"batched bailing_moe_linear (mlx-vlm) differs from each row alone by (error, tolerance) {worst}"
-    )
+    found = _compare(model, batch, SAME_LENGTH, model.make_cache)
+    assert found.within, f"batched bailing_moe_linear (mlx-vlm) differs from each row alone: {found}"

@@ -16,10 +16,10 @@ from kvpatch.gate import Action
 from kvpatch.patches.mlx_lm.mask_fill import PATCH as MASK_FILL
 from kvpatch.patches.mlx_lm.qsdpa_gqa_batch_mask import PATCH
 from kvpatch.testing import (
+    difference,
     natural_decision,
     skip_unless_in_place,
     tiny_pixtral_language_model,
-    tolerance,
 )
 
 PROMPTS = [[7, 3, 22, 41, 8], [9, 13]]
@@ -51,7 +51,8 @@ def test_model_entry_point(heads):
     for row, pad in enumerate(left_padding):
         k, v = keys[row : row + 1, :, pad:], values[row : row + 1, :, pad:]
         ref = mx.softmax((q[row : row + 1] * 0.125) @ k.swapaxes(-1, -2), axis=-1) @ v
-        assert mx.abs(out[row : row + 1] - ref).max().item() < tolerance(), f"row {row}"
+        found = difference(out[row : row + 1], ref, where=f"row {row}")
+        assert found.within, found
 
 
 def _vlm_uses_mlx_lm_attention() -> bool:
@@ -83,11 +84,9 @@ def _vlm_decode(model, prompts, steps):
 
 
 def test_vlm_batch_quantized_decode_matches_rows_alone(vlm_model):
-    import mlx.core as mx
-
     batched = _vlm_decode(vlm_model, PROMPTS, STEPS)
     for row, prompt in enumerate(PROMPTS):
         alone = _vlm_decode(vlm_model, [prompt], [[s[row]] for s in STEPS])
         for step, (b, a) in enumerate(zip(batched, alone, strict=True)):
-            err = mx.abs(b[row] - a[0]).max().item()
-            assert err < 1e-3, f"row {row}, step {step}: max diff {err:.3g} from the row decoded alone"
+            found = difference(b[row], a[0], where=f"row {row}, step {step}, from the row decoded alone")
+            assert found.within, found

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvpatch.patches.mlx_lm.rotating_merge_wrapped import PATCH
-from kvpatch.testing import error_and_tolerance, skip_unless_in_place, tiny_llama
+from kvpatch.testing import difference, skip_unless_in_place, tiny_llama
 
 WINDOW = 8
 LONG = [7, 3, 22, 41, 8, 13, 2, 19, 30, 5, 11]  # 11 tokens: past the window in one chunk
@@ -57,10 +57,10 @@ def _check(model, kinds):
     for step, t in enumerate(STEPS):
         logits = model(mx.array([[t]] * len(kinds)), cache=merged)[:, -1]
         for i, k in enumerate(kinds):
-            err, tol = error_and_tolerance(logits[i], alone[k][step])
-            assert err < tol, (
-                f"row {i} ({k}), step {step}: max diff {err:.3g} from the row decoded alone (tol {tol:.3g})"
+            found = difference(
+                logits[i], alone[k][step], where=f"row {i} ({k}), step {step}, from the row decoded alone"
             )
+            assert found.within, found
 
 
 @pytest.mark.parametrize("kinds", [["wrapped", "short"], ["short", "overfull"], ["overfull", "wrapped", "short"]])

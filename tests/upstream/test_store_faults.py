@@ -9,10 +9,10 @@ import json
 import os
 import shutil
 import textwrap
-from importlib import metadata
 from pathlib import Path
 
-from faults_support import SAFE, last_json, run_child, site_packages, unprivileged
+import pytest
+from faults_support import SAFE, last_json, newer_release_overlay, run_child, site_packages, unprivileged
 
 IMPORT = textwrap.dedent(
     """
@@ -23,6 +23,10 @@ IMPORT = textwrap.dedent(
     print("@@" + json.dumps({p.id: e.status[p.id].state.value for p in e.patches}))
     """
 )
+
+#: Why a test that needs a patch applied by the installed release skips: an archive, editable or git install of
+#: upstream (the GPU host's wheels) leaves every patch in range to its reproduction, and a fresh cache has no verdict.
+BY_VERDICT = "no patch applies by release here: upstream is not an index install, so the reproduction decides each"
 
 #: ``python -m kvpatch ...`` with the passwd database saying this uid has no entry.
 
@@ -50,7 +54,8 @@ def test_a_cache_that_cannot_be_entered_disables_no_fix(tmp_path):
     control = run_child(["-c", IMPORT], good, tmp_path)
     assert control.returncode == 0, control.stderr[-3000:]
     expected = last_json(control.stdout)
-    assert "applied" in expected.values(), expected  # the bucket has patches that apply by release
+    if "applied" not in expected.values():
+        pytest.skip(BY_VERDICT)
     locked.chmod(0)
     try:
         proc = run_child(["-c", IMPORT], bad, tmp_path, prefix=unprivileged())
@@ -67,22 +72,9 @@ def test_a_cache_that_cannot_be_entered_disables_no_fix(tmp_path):
     assert "failed" not in status.stdout.lower(), status.stdout
 
 
-def _newer_overlay(tmp_path: Path) -> str:
-    """Copies of mlx-lm's .dist-info saying one micro release newer: every patch goes to its reproduction."""
-    root = tmp_path / "overlay"
-    info = Path(str(metadata.distribution("mlx-lm")._path))  # type: ignore[attr-defined]
-    dest = root / info.name
-    shutil.copytree(info, dest)
-    version = metadata.version("mlx-lm")
-    major, minor, micro = (int(x) for x in version.split(".")[:3])
-    meta = dest / "METADATA"
-    meta.write_text(meta.read_text().replace(f"\nVersion: {version}\n", f"\nVersion: {major}.{minor}.{micro + 1}\n"))
-    return str(root)
-
-
 def test_verify_fails_when_a_verdict_was_not_stored_and_status_names_where_each_came_from(tmp_path):
     verdicts = tmp_path / "verdicts"
-    path = os.pathsep.join([_newer_overlay(tmp_path), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([newer_release_overlay(tmp_path), os.environ.get("PYTHONPATH", "")])
     env = {"PYTHONPATH": path, "KVPATCH_VERDICTS": str(verdicts), "KVPATCH_CACHE": str(tmp_path / "cache")}
     full = run_child([*SAFE, "-c", DISK_FULL, "verify"], env, tmp_path)
     assert full.returncode == 74, f"exit {full.returncode}\n{full.stdout[-2000:]}\n{full.stderr[-2000:]}"
@@ -120,6 +112,8 @@ def test_a_changed_fingerprint_is_not_hidden_by_the_settled_status_cache(tmp_pat
     applied = [p for p in first["patches"] if p["state"] == "applied" and p["action"] == "apply"]
     table = json.loads((copy / "kvpatch" / "data" / "fingerprints.json").read_text())
     victim = next((p["id"] for p in applied if p["id"] in table["patches"]), None)
+    if victim is None and not any(p["action"] == "apply" for p in first["patches"]):
+        pytest.skip(BY_VERDICT)
     assert victim, ("no applied patch with recorded fingerprints in this bucket", first["summary"])
     assert status()["settled"]["how"] == "cache"  # nothing changed: the outcome is reused
     for target in table["patches"][victim]:

@@ -22,9 +22,9 @@ PROLOGUE = textwrap.dedent(
     from kvpatch import surgery
     from kvpatch.engine import State
     eng = kvpatch.get_engine()
-    for st in list(eng.status.values()):
-        if st.state.value == "pending":
-            for m in eng.record_of(st).modules:
+    for p in eng.materialise():
+        if eng.status[p.id].state.value == "pending":
+            for m in p.modules:
                 try:
                     importlib.import_module(m)
                 except Exception:
@@ -42,9 +42,9 @@ PROLOGUE = textwrap.dedent(
     def pick(module_level):
         # an applied patch with exactly one change on this attribute (no stacking), module-level or not
         counts = {}
-        for c in eng._changes:
+        for c in eng.installer.changes:
             counts[(id(c.owner), c.name)] = counts.get((id(c.owner), c.name), 0) + 1
-        for c in eng._changes:
+        for c in eng.installer.changes:
             if isinstance(c.owner, types.ModuleType) == module_level and counts[(id(c.owner), c.name)] == 1:
                 if c.original is not None and type(c.function) is types.FunctionType:
                     return c
@@ -84,7 +84,7 @@ def test_marks_metadata_reload_second_engine(run_py):
         if not applied:
             print(json.dumps({"skip": "no patch applies to this upstream"})); raise SystemExit
         rows = []
-        for c in eng._changes:
+        for c in eng.installer.changes:
             f = c.function
             if isinstance(f, property):  # a property (a fixed setter, a served class value): marked in the registry
                 rows.append({"patch": c.patch_id, "target": c.target.path, "mark": surgery.mark_of(f)})
@@ -101,12 +101,12 @@ def test_marks_metadata_reload_second_engine(run_py):
             rows.append(row)
         # pickling by qualified name: every module-level replacement
         pickles = {}
-        for c in eng._changes:
+        for c in eng.installer.changes:
             if isinstance(c.owner, types.ModuleType):
                 current = getattr(c.owner, c.name)
                 pickles[c.target.path] = pickle.loads(pickle.dumps(current)) is current
-        before = [(c.patch_id, c.target.path) for c in eng._changes]
-        snapshot = {c.target.path: inspect.getattr_static(c.owner, c.name) for c in eng._changes}
+        before = [(c.patch_id, c.target.path) for c in eng.installer.changes]
+        snapshot = {c.target.path: inspect.getattr_static(c.owner, c.name) for c in eng.installer.changes}
         # reload kvpatch: same engine, nothing patched twice
         again = importlib.reload(kvpatch)
         same_engine = again.get_engine() is eng
@@ -115,7 +115,7 @@ def test_marks_metadata_reload_second_engine(run_py):
         from kvpatch.engine import Engine
         second = Engine(registry.load().patches, broken={})
         second.activate()
-        unchanged = all(inspect.getattr_static(c.owner, c.name) is snapshot[c.target.path] for c in eng._changes)
+        unchanged = all(inspect.getattr_static(c.owner, c.name) is snapshot[c.target.path] for c in eng.installer.changes)
         adopted = sorted(pid for pid, st in second.status.items() if st.state.value == "applied")
         print(json.dumps({"rows": rows, "pickles": pickles, "same_engine": same_engine, "unchanged": unchanged,
                           "second_changes": second.changes(), "adopted": adopted,
@@ -170,10 +170,10 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
 
         # 2. re-activate; a closure wrapper (functools.wraps) installed after kvpatch is left and reported
         eng.activate()
-        for st in eng.status.values():
-            for m in eng.record_of(st).modules:
+        for p in eng.materialise():
+            for m in p.modules:
                 if m in sys.modules:
-                    eng._hook(sys.modules[m])
+                    eng.activation.hook(sys.modules[m])
         mine = inspect.getattr_static(owner, name)
         inner = surgery._plain(mine)
         @functools.wraps(inner)
@@ -193,10 +193,10 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
         before_stored = type(upstream_raw)(before_wrapper) if isinstance(upstream_raw, (classmethod, staticmethod)) else before_wrapper
         setattr(owner, name, before_stored)
         eng.activate()
-        for st in eng.status.values():
-            for m in eng.record_of(st).modules:
+        for p in eng.materialise():
+            for m in p.modules:
                 if m in sys.modules:
-                    eng._hook(sys.modules[m])
+                    eng.activation.hook(sys.modules[m])
         result["over_foreign"] = eng.status[pid].state.value
         kvpatch.deactivate()
         result["before_kept"] = inspect.getattr_static(owner, name) is before_stored
@@ -204,10 +204,10 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
 
         # 4. someone replaces kvpatch's replacement outright: overridden, and require_applied says so
         eng.activate()
-        for st in eng.status.values():
-            for m in eng.record_of(st).modules:
+        for p in eng.materialise():
+            for m in p.modules:
                 if m in sys.modules:
-                    eng._hook(sys.modules[m])
+                    eng.activation.hook(sys.modules[m])
         def takeover(*a, **k):
             raise RuntimeError("not called")
         takeover.__module__, takeover.__qualname__ = "some_server.patches", "takeover"
@@ -239,6 +239,52 @@ def test_foreign_wrappers_survive_and_restore_is_exact(run_py):
     assert out["takeover_kept"], out
 
 
+def test_deactivate_then_activate_keeps_a_foreign_proxy_on_top_of_a_stack(run_py):
+    """Several patches on one attribute, a wrapt proxy installed on top of them: ``deactivate()`` splices the
+    original under the proxy, ``activate()`` puts every patch back under it (the proxy stays the attribute, so the
+    other library's unwrap finds it), and ``require()`` meanwhile says why the fix is not in: kvpatch is off."""
+    out = _run(
+        run_py,
+        """
+        import wrapt
+        counts = {}
+        for c in eng.installer.changes:
+            counts.setdefault((id(c.owner), c.name), []).append(c)
+        stack = max(counts.values(), key=len)
+        if len(stack) < 2:
+            print(json.dumps({"skip": "no attribute carries two patches here"})); raise SystemExit
+        owner, name, ids = stack[0].owner, stack[0].name, [c.patch_id for c in stack]
+        upstream = stack[0].original
+        wrapt.wrap_function_wrapper(owner, name, lambda wrapped, instance, args, kwargs: wrapped(*args, **kwargs))
+        proxy = inspect.getattr_static(owner, name)
+
+        def below(obj):  # the marks under the attribute, outermost first ("proxy", "upstream")
+            return ["proxy" if n is proxy else "upstream" if n is upstream else surgery.mark_of(n) or type(n).__name__
+                    for n in surgery.reachable(obj, closures=False)]
+
+        result = {"before": below(proxy), "ids": ids}
+        kvpatch.deactivate()
+        result["off"] = below(inspect.getattr_static(owner, name))
+        try:
+            kvpatch.require(ids[0])
+        except kvpatch.NotFixed as exc:
+            result["require"] = str(exc)
+        kvpatch.activate()
+        result["on"] = below(inspect.getattr_static(owner, name))
+        result["states"] = [eng.status[pid].state.value for pid in ids]
+        print(json.dumps(result))
+        """,
+    )
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    assert out["before"][0] == "proxy" and out["before"][-1] == "upstream", out
+    assert out["off"] == ["proxy", "upstream"], out
+    assert out["on"][0] == "proxy" and out["on"][-1] == "upstream", out  # the proxy on top, nothing of kvpatch above
+    assert sorted(out["on"][1:-1]) == sorted(out["ids"]), out  # every patch back, under it
+    assert out["states"] == ["applied"] * len(out["ids"]), out
+    assert "not active" in out["require"] and "could not be imported" not in out["require"], out["require"]
+
+
 def test_aliases_outside_upstream_follow_late_activation_and_restore(run_py):
     out = _run(
         run_py,
@@ -253,11 +299,11 @@ def test_aliases_outside_upstream_follow_late_activation_and_restore(run_py):
         sys.modules[server.__name__] = server
         before = getattr(server, name) is original
         eng.activate()
-        for st in eng.status.values():
-            for m in eng.record_of(st).modules:
+        for p in eng.materialise():
+            for m in p.modules:
                 if m in sys.modules:
-                    eng._hook(sys.modules[m])
-        live = next((x.function for x in eng._changes if x.target.path == c.target.path), None)
+                    eng.activation.hook(sys.modules[m])
+        live = next((x.function for x in eng.installer.changes if x.target.path == c.target.path), None)
         rebound = getattr(server, name) is live and live is not None
         kvpatch.deactivate()
         back = getattr(server, name) is original
@@ -290,8 +336,8 @@ def _plain_child(run_py_env, code: str, env: dict[str, str], flags: tuple[str, .
 STATES = """
 import json, importlib, kvpatch
 eng = kvpatch.get_engine()
-for st in list(eng.status.values()):
-    for m in eng.record_of(st).modules:
+for p in eng.materialise():
+    for m in p.modules:
         try:
             importlib.import_module(m)
         except Exception:

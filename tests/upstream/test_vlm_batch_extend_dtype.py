@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 
 from kvpatch.patches.mlx_vlm.batch_extend_dtype import PATCH
-from kvpatch.testing import require_affected, tiny_pixtral_language_model
+from kvpatch.testing import difference, require_affected, tiny_pixtral_language_model
 
 PROMPTS = [[7, 3, 22, 41, 8], [9, 13, 2]]
 NEW = 17  # the one-token prompt that joins empty
 STEPS = [[11, 12, 13], [30, 31, 32], [40, 41, 42]]  # (row 0, row 1, new row) per decode step
 MAX_SIZE = 16
-TOL = {"bfloat16": 0.05, "float16": 0.01}
+DTYPES = ("bfloat16", "float16")
 
 
 def _own_classes() -> bool:
@@ -32,7 +32,7 @@ def in_range():
     require_affected(PATCH)
 
 
-@pytest.fixture(scope="module", params=list(TOL))
+@pytest.fixture(scope="module", params=DTYPES)
 def dtype(request):
     return request.param
 
@@ -106,8 +106,9 @@ def test_joined_decode_matches_rows_alone(model, dtype, kind, empty_first):
         logits = _logits(model, [[inputs[r][step]] for r in order], joined)
         assert all(c.keys.dtype == want_dtype for c in joined), f"step {step}: the joined cache is not {dtype}"
         for pos, r in enumerate(order):
-            err = mx.abs(logits[pos] - want[r][step]).max().item()
-            assert err < TOL[dtype], f"source row {r} (joined position {pos}), step {step}: max diff {err:.3g}"
+            where = f"source row {r} (joined position {pos}), step {step}"
+            found = difference(logits[pos], want[r][step], getattr(mx, dtype), where=where)
+            assert found.within, found
 
 
 @pytest.mark.parametrize("kind", ["kv", "rotating"])
@@ -122,7 +123,8 @@ def test_both_empty_then_prefill(model, dtype, kind):
     assert all(c.keys.dtype == getattr(mx, dtype) for c in a)
     for i, prompt in enumerate([[5, 9], [4, 6, 5, 9]]):
         want = _alone(model, kind, prompt[:-1], prompt[-1:])[0]
-        assert mx.abs(logits[i] - want).max().item() < TOL[dtype]
+        found = difference(logits[i], want, getattr(mx, dtype), where=f"row {i}")
+        assert found.within, found
 
 
 @pytest.mark.parametrize("kind", ["kv", "rotating"])

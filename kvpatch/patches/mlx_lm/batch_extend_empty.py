@@ -33,6 +33,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _rows
+from kvpatch.patches._numbers import judge
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -77,7 +78,10 @@ def reproduce() -> Finding:
     makers = [("BatchKVCache", lambda n: C.BatchKVCache([0] * n))]
     if hasattr(getattr(C, "BatchRotatingKVCache", None), "extend"):
         makers.append(("BatchRotatingKVCache", lambda n: C.BatchRotatingKVCache(16, [0] * n)))
-    problems, _ = _rows.check_join(makers, [mx.bfloat16])
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(False, "joins with an empty side keep every row, stay bfloat16 and attend like each row alone")
+    problems, found = _rows.check_join(makers, [mx.bfloat16])
+    return judge(
+        found,
+        "per-row attention differs from each row alone after the join",
+        "joins with an empty side keep every row, stay bfloat16 and attend like each row alone",
+        problems=problems,
+    )

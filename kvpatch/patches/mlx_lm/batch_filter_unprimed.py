@@ -37,6 +37,7 @@ from __future__ import annotations
 import datetime as _dt
 
 from kvpatch.patches import _unprimed
+from kvpatch.patches._numbers import judge
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -69,7 +70,10 @@ def reproduce() -> Finding:
     split = mx.random.split(mx.random.key(0), 2)
     k1, k2 = split[0], split[1]
     keys = [mx.random.normal((2, H, 5, D), key=k1), mx.random.normal((2, H, 1, D), key=k2)]
-    problem = _unprimed.filtered_then_fresh(BatchKVCache, BatchKVCache, keys)
-    if problem:
-        return Finding(True, problem)
-    return Finding(False, "unprimed filter keeps _idx=0 and the rows' padding; prefill and decode equal a fresh cache")
+    problems, found = _unprimed.filtered_then_fresh(BatchKVCache, BatchKVCache, keys)
+    return judge(
+        found,
+        "prefill/decode attention differs from a fresh cache of the kept rows",
+        "unprimed filter keeps _idx=0 and the rows' padding; prefill and decode equal a fresh cache",
+        problems=problems,
+    )

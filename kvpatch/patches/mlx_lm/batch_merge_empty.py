@@ -30,6 +30,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _rows
+from kvpatch.patches._numbers import exact
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -125,9 +126,7 @@ def reproduce() -> Finding:
             want_off = [0, 0]
             want_off[i] = 5
             want = ((2, 2, 5, 8), mx.bfloat16, want_lp, want_off)
-            same_keys = (
-                mx.array_equal(merged.keys[i : i + 1], k).item() and mx.array_equal(merged.values[i : i + 1], v).item()
-            )
+            same_keys = exact(merged.keys[i : i + 1], k) and exact(merged.values[i : i + 1], v)
             if got != want or not same_keys:
                 problems.append(f"{name}.merge({order}): (shape, dtype, left_padding, offset) {got}, expected {want}")
     if problems:

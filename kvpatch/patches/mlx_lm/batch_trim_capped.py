@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches._numbers import difference, judge, worst
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -85,12 +86,11 @@ def reproduce() -> Finding:
     kk = mx.concatenate([k[1:, :, :3], k1[1:]], axis=2)
     vv = mx.concatenate([v[1:, :, :3], v1[1:]], axis=2)
     want1 = mx.fast.scaled_dot_product_attention(q1[1:], kk, vv, scale=D**-0.5)[0]
-    err0 = mx.abs(out[0] - want0).max().item()
-    err1 = mx.abs(out[1] - want1).max().item()
-    if offset != [0, 3] or not err0 <= 1e-5 or not err1 <= 1e-5:
-        return Finding(
-            True,
-            f"after trim(2) offset={offset} (never-appended: [0, 3]); next-step attention error "
-            f"row 0 {err0:.3g}, row 1 {err1:.3g}",
-        )
-    return Finding(False, "trim(2) empties the 1-token row (offset [0, 3]); next step matches the never-appended cache")
+    found = [difference(out[0], want0, where="row 0"), difference(out[1], want1, where="row 1")]
+    problems = [] if offset == [0, 3] else [f"after trim(2) offset={offset} (never-appended: [0, 3])"]
+    return judge(
+        worst(found),
+        "the next step's attention differs from the never-appended cache",
+        "trim(2) empties the 1-token row (offset [0, 3]); next step matches the never-appended cache",
+        problems=problems,
+    )

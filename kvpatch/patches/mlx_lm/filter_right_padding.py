@@ -34,9 +34,11 @@ indexed is the one seen before the inner call. ``filter`` runs when the batch ch
 from __future__ import annotations
 
 import datetime as _dt
+from dataclasses import replace
 from typing import Any
 
 from kvpatch.patches import _pending
+from kvpatch.patches._numbers import Difference, difference, exact, judge, worst
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -100,30 +102,25 @@ def prefill_and_decode(cls_name: str, keys: Any, lengths: list[int], keep: Any, 
     return result
 
 
-def compare(got: dict, ref: dict) -> str | None:
-    """What differs between a filtered cache and the kept rows prefilled alone (None when nothing does)."""
-    import mlx.core as mx
-
+def compare(got: dict, ref: dict) -> tuple[str | None, Difference | None]:
+    """What differs between a filtered cache and the kept rows prefilled alone: the bookkeeping and valid keys (moved
+    data: exact; None when they agree), then the next decode step (its difference, None when not compared)."""
     if got["offset"] != ref["offset"] or got["left_padding"] != ref["left_padding"]:
         return (
             f"offset={got['offset']} left_padding={got['left_padding']} (keys B={got['batch']}), "
             f"the rows prefilled alone offset={ref['offset']} left_padding={ref['left_padding']}"
-        )
+        ), None
     if len(got["rows"]) != len(ref["rows"]):
-        return f"keys hold {got['batch']} rows, the rows prefilled alone {ref['batch']}"
-    for a, b in zip(got["rows"], ref["rows"], strict=True):
-        if a.shape != b.shape or mx.abs(a - b).max().item() > 0:
-            return "valid keys differ from the rows prefilled alone"
+        return f"keys hold {got['batch']} rows, the rows prefilled alone {ref['batch']}", None
+    if not exact(got["rows"], ref["rows"]):
+        return "valid keys differ from the rows prefilled alone", None
     out = got["decode"]
     if isinstance(out, Exception):
         # offset, padding and keys are right: an error now is not this bug's symptom (inconclusive)
         raise out
     if out.shape != ref["decode"].shape:
-        return f"next decode output shape {out.shape}, alone {ref['decode'].shape}"
-    err = mx.abs(out - ref["decode"]).max().item()
-    if err > 1e-5:
-        return f"next decode differs from the rows prefilled alone by {err:.3g}"
-    return None
+        return f"next decode output shape {out.shape}, alone {ref['decode'].shape}", None
+    return None, difference(out, ref["decode"], where="the next decode step")
 
 
 @PATCH.reproduce
@@ -137,7 +134,7 @@ def reproduce() -> Finding:
     keys = mx.random.normal((2, 2, 4, 32))
     step = mx.random.normal((1, 2, 1, 32))
     queries = mx.random.normal((1, 2, 1, 32))
-    problems, checked = [], []
+    problems, checked, found = [], [], []
     for cls_name, _ in PENDING:
         cls = getattr(cache_module, cls_name, None)
         if cls is None or not hasattr(cls, "prepare"):
@@ -145,13 +142,16 @@ def reproduce() -> Finding:
         checked.append(cls_name)
         got = prefill_and_decode(cls_name, keys, [4, 1], mx.array([1]), step, queries)
         ref = prefill_and_decode(cls_name, keys[1:], [1], None, step, queries)
-        problem = compare(got, ref)
+        problem, measured = compare(got, ref)
         if problem:
             problems.append(f"{cls_name} after filter([1]) + finalize(): {problem}")
+        if measured is not None:
+            found.append(replace(measured, where=f"{cls_name} after filter([1]) + finalize(), {measured.where}"))
     if not checked:
         return Finding(False, "no mlx-lm batch cache here has prepare(): nothing to fix")
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(
-        False, f"{', '.join(checked)}: after filter+finalize offset, padding, keys and next decode equal the row alone"
+    return judge(
+        worst(found),
+        "the next decode differs from the row prefilled alone",
+        f"{', '.join(checked)}: after filter+finalize offset, padding, keys and next decode equal the row alone",
+        problems=problems,
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches._numbers import difference, judge, worst
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -79,21 +80,20 @@ def reproduce() -> Finding:
     scores = mx.where(causal, scores, -mx.inf)
     reference = mx.softmax(scores, axis=-1) @ v_ref
 
-    problems = []
+    problems, found = [], []
     # ``q + 0``: the upstream function scales its queries in place (mlx's ``*=``), so each call gets a copy.
     out = base.quantized_scaled_dot_product_attention(q + 0, qk, qv, scale=scale, mask=causal, group_size=64, bits=8)
-    err = mx.abs(out - reference).max().item()
-    if err > 1e-3:
-        problems.append(f"boolean mask: max error {err:.3g} against the masked float reference")
+    found.append(difference(out, reference, where="boolean mask"))
     try:
         out = base.quantized_scaled_dot_product_attention(
             q + 0, qk, qv, scale=scale, mask="causal", group_size=64, bits=8
         )
-        err = mx.abs(out - reference).max().item()
-        if err > 1e-3:
-            problems.append(f'"causal" mask: max error {err:.3g}')
+        found.append(difference(out, reference, where='"causal" mask'))
     except ValueError as exc:  # the bug's own error: the "causal" string added to the scores
         problems.append(f'"causal" mask raises ValueError: {symptom(exc, "Cannot perform inplace addition")}')
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(False, "boolean and 'causal' masks match the float reference (max error <= 1e-3)")
+    return judge(
+        worst(found),
+        "quantized attention differs from the masked float reference",
+        "boolean and 'causal' masks match the float reference",
+        problems=problems,
+    )

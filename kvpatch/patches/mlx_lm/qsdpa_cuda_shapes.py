@@ -47,8 +47,10 @@ PATCH = Patch(
     affected=">=0.19.3,<=0.32.2",
     checked_through="0.32.2",
     reference="not reported upstream (mlx CUDA backend, mlx 0.32.4)",
+    catalogue="CUDA (docs/cuda.md)",
     hot_path=True,
     enabler=True,
+    on_device=True,  # a bug of the CUDA backend's kernels: measured where the user computes
     order=90,
     expiry=Expiry(
         "retire when mlx's CUDA quantized_matmul computes attention's scores product (transpose=True) right for "

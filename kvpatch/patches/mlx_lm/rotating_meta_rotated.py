@@ -53,5 +53,4 @@ def reproduce() -> Finding:
     """Restore a non-rotated batch rotating cache via state + meta_state; one decode step must match."""
     from mlx_lm.models import cache
 
-    present, detail = _meta_rotated.reproduce(cache)
-    return Finding(present, detail)
+    return _meta_rotated.reproduce(cache)

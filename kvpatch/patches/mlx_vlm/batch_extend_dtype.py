@@ -28,6 +28,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _rows
+from kvpatch.patches._numbers import judge
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -84,9 +85,10 @@ def reproduce() -> Finding:
         ("BatchKVCache", lambda n: C.BatchKVCache([0] * n)),
         ("BatchRotatingKVCache", lambda n: C.BatchRotatingKVCache(16, [0] * n)),
     ]
-    problems, worst = _rows.check_join(makers, [mx.bfloat16, mx.float16])
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(
-        False, f"bfloat16/float16 joins with an empty side keep their dtype; per-row attention error {worst:.2g}"
+    problems, found = _rows.check_join(makers, [mx.bfloat16, mx.float16])
+    return judge(
+        found,
+        "per-row attention differs from each row alone after the join",
+        "bfloat16/float16 joins with an empty side keep their dtype and attend like each row alone",
+        problems=problems,
     )

@@ -31,6 +31,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _unprimed
+from kvpatch.patches._numbers import judge, worst
 from kvpatch.record import Expiry, Finding, Patch, own_class
 
 PATCH = Patch(
@@ -80,8 +81,15 @@ def reproduce() -> Finding:
     own = own_batch_kv_cache()
     if own is not None:
         classes.append((own, own))
-    problems = [p for cls, make in classes if (p := _unprimed.filtered_then_fresh(cls, make, steps))]
+    problems, found = [], []
+    for cls, make in classes:
+        wrong, measured = _unprimed.filtered_then_fresh(cls, make, steps)
+        problems += wrong
+        found += [measured] if measured is not None else []
     names = ", ".join(cls.__name__ for cls, _ in classes)
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(False, f"{names}: unprimed filter keeps _idx=0 and the padding; prefill/decode equal a fresh cache")
+    return judge(
+        worst(found),
+        "prefill/decode attention differs from a fresh cache of the kept rows",
+        f"{names}: unprimed filter keeps _idx=0 and the padding; prefill/decode equal a fresh cache",
+        problems=problems,
+    )

@@ -28,6 +28,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _pending
+from kvpatch.patches._numbers import exact
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -106,7 +107,7 @@ def reproduce() -> Finding:
                 f"{cls_name}: after filter+finalize offset={offset} left_padding={pad}, "
                 f"the row prefilled alone offset={ref_offset} left_padding={ref_pad}"
             )
-        elif valid.shape != ref_valid.shape or mx.abs(valid - ref_valid).max().item() > 0:
+        elif not exact(valid, ref_valid):
             problems.append(f"{cls_name}: valid keys differ from the row prefilled alone")
     if not checked:
         return Finding(False, "no batch cache here has prepare(): nothing to fix")

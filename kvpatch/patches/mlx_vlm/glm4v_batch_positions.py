@@ -46,9 +46,11 @@ forward pass (not per layer).
 from __future__ import annotations
 
 import datetime as _dt
+from dataclasses import replace
 from typing import Any
 
 from kvpatch.patches import _mrope, _reproduce
+from kvpatch.patches._numbers import Difference, judge, worst
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -133,7 +135,7 @@ def tiny_model() -> Any:
     return _reproduce.seeded(GLM4VModel, tiny_config())
 
 
-def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 2) -> list[float]:
+def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 2) -> list[Difference]:
     """Each row of a left-padded batch (``BatchKVCache`` per layer, ``position_ids`` left to the model) against
     the row alone (``KVCache``): the largest difference of the last position's output (a ``GLM4VModel``'s hidden
     states, a ``LanguageModel``'s logits) over prefill and ``steps`` decode steps, per row. A ``LanguageModel``
@@ -176,12 +178,10 @@ def tiny_language_model() -> Any:
 def reproduce() -> Finding:
     """A tiny glm4v_moe GLM4VModel, then a fresh LanguageModel, over a left-padded batch with per-row cache offsets,
     against each row alone."""
-    errors = _reproduce.rows_vs_alone(tiny_model, batched_vs_alone, "GLM4VModel", "this mlx-vlm has no glm4v_moe model")
-    if isinstance(errors, Finding):
-        return errors
-    if max(errors) > 1e-4:
-        return Finding(True, f"batched rows differ from each row alone by {errors}")
+    rows = _reproduce.rows_vs_alone(tiny_model, batched_vs_alone, "GLM4VModel", "this mlx-vlm has no glm4v_moe model")
+    if isinstance(rows, Finding):
+        return rows
     language = batched_vs_alone(tiny_language_model(), steps=3)
-    if max(language) > 1e-4:
-        return Finding(True, f"a fresh LanguageModel's left-padded rows differ from each row alone by {language}")
-    return Finding(False, f"batched rows equal each row alone (max differences {errors}; LanguageModel {language})")
+    found = [replace(d, where=f"GLM4VModel {d.where}") for d in rows]
+    found += [replace(d, where=f"a fresh LanguageModel {d.where}") for d in language]
+    return judge(worst(found), "left-padded batch rows differ from each row alone", "batched rows equal each row alone")

@@ -27,6 +27,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _reproduce
+from kvpatch.patches._numbers import exact
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -112,7 +113,7 @@ def reproduce() -> Finding:
                 problems.append(f"{label}: {mask!r} (pad slots of row 0 not masked)")
                 continue
             full = mx.broadcast_to(mask, ref.shape) if mask.ndim <= ref.ndim else mask
-            if full.shape != ref.shape or not mx.array_equal(full, ref).item():
+            if not exact(full, ref):
                 problems.append(f"{label}: mask {tuple(mask.shape)} differs from the padded causal mask")
     if problems:
         return Finding(True, f"{len(problems)} wrong masks: " + "; ".join(problems))

@@ -44,9 +44,11 @@ Shapes only: no host synchronisation, no per-call gating.
 from __future__ import annotations
 
 import datetime as _dt
+from dataclasses import replace
 from typing import Any
 
 from kvpatch.patches import _qsdpa, _reproduce
+from kvpatch.patches._numbers import Difference, difference, judge, worst
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -74,8 +76,9 @@ def _build(original: Any) -> Any:
     return _qsdpa.regrouping(original)
 
 
-def _case(module: Any, batch: int, n_kv_heads: int, additive: bool) -> str | None:
-    """Run one geometry through ``module``'s quantized attention; a problem or None."""
+def _case(module: Any, batch: int, n_kv_heads: int, additive: bool) -> str | Difference:
+    """Run one geometry through ``module``'s quantized attention: the bug's own error, or the difference from the
+    float32 reference."""
     import mlx.core as mx
 
     n_q_heads, q_len, k_len, dim = 4, 3, 6, 64
@@ -103,12 +106,11 @@ def _case(module: Any, batch: int, n_kv_heads: int, additive: bool) -> str | Non
         out = module.quantized_scaled_dot_product_attention(
             queries + 0, q_keys, q_values, scale=scale, mask=given, group_size=64, bits=8
         )
-        err = mx.abs(out - reference).max().item()
     except ValueError as exc:  # the bug's own error: the (B, 1, L, K) mask against grouped heads
         return f"{what}: raises ValueError: {symptom(exc, '[broadcast_shapes]', '[reshape] Cannot reshape')}"
-    if err > 1e-3:
-        return f"{what}: max error {err:.3g} against the float32 reference"
-    return None
+    if out.shape != reference.shape:
+        return f"{what}: output shape {out.shape}, the float32 reference's {reference.shape}"
+    return difference(out, reference, where=what)
 
 
 @PATCH.reproduce
@@ -122,13 +124,18 @@ def reproduce() -> Finding:
         return Finding(False, "this mlx-vlm has no quantized attention of its own: nothing to fix")
 
     mx.random.seed(0)
-    problems = []
+    problems, found = [], []
     for name, module in modules:
         for batch, n_kv_heads, additive in ((2, 2, False), (2, 2, True), (3, 2, False), (2, 1, False)):
-            problem = _case(module, batch, n_kv_heads, additive)
-            if problem:
-                problems.append(f"{name}: {problem}")
-    if problems:
-        return Finding(True, "; ".join(problems))
+            case = _case(module, batch, n_kv_heads, additive)
+            if isinstance(case, str):
+                problems.append(f"{name}: {case}")
+            else:
+                found.append(replace(case, where=f"{name}: {case.where}"))
     names = ", ".join(name for name, _ in modules)
-    return Finding(False, f"{names}: all four geometries match the float32 reference (max error <= 1e-3)")
+    return judge(
+        worst(found),
+        "quantized attention differs from the float32 reference",
+        f"{names}: all four geometries match the float32 reference",
+        problems=problems,
+    )

@@ -24,6 +24,7 @@ path does not use).
 from __future__ import annotations
 
 import datetime as _dt
+from typing import Any
 
 from kvpatch.patches import _cuda, _reproduce
 from kvpatch.record import Expiry, Finding, Patch
@@ -35,8 +36,10 @@ PATCH = Patch(
     affected=">=0.6.4,<=0.7.10",
     checked_through="0.7.10",
     reference="not reported upstream (mlx CUDA backend, mlx 0.32.4; mlx-lm twin: qsdpa-cuda-shapes)",
+    catalogue="CUDA (docs/cuda.md)",
     hot_path=True,
     enabler=True,
+    on_device=True,  # a bug of the CUDA backend's kernels: measured where the user computes
     order=90,
     expiry=Expiry(
         "retire when mlx's CUDA quantized_matmul computes attention's scores product (transpose=True) right for "
@@ -59,6 +62,9 @@ def reproduce() -> Finding:
     ]
     if not findings:
         return Finding(False, "this mlx-vlm has no quantized attention of its own: nothing to fix")
+    measured = [f for f in findings if f.error is not None and f.rounding]
+    biggest = max(measured, key=lambda f: f.error / f.rounding, default=None)  # type: ignore[operator]
+    sizes: dict[str, Any] = {"error": biggest.error, "rounding": biggest.rounding} if biggest else {}
     for bug in ("skipped", "inconclusive", "present"):
         hit = [f for f in findings if f.bug == bug]
         if hit:
@@ -67,5 +73,6 @@ def reproduce() -> Finding:
                 "; ".join(f.detail for f in hit if f.detail),
                 skipped=hit[0].skipped,
                 inconclusive="; ".join(f.inconclusive for f in hit if f.inconclusive) or None,
+                **sizes,
             )
-    return Finding(False, "; ".join(f.detail for f in findings))
+    return Finding(False, "; ".join(f.detail for f in findings), **sizes)

@@ -44,6 +44,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _mrope, _reproduce
+from kvpatch.patches._numbers import Difference, judge, worst
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -100,7 +101,7 @@ def tiny_attention() -> Any:
     return _reproduce.seeded(Qwen3_5Attention, tiny_config())
 
 
-def batched_vs_alone(attention: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 3) -> list[float]:
+def batched_vs_alone(attention: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 3) -> list[Difference]:
     """Each row of a left-padded batch (``BatchKVCache`` and its masks, ``position_ids`` left to the layer) against
     the row alone (``KVCache``): the largest difference of the last position's output over prefill and ``steps``
     decode steps, per row."""
@@ -128,11 +129,13 @@ def batched_vs_alone(attention: Any, lengths: tuple[int, ...] = (5, 9), steps: i
 @PATCH.reproduce
 def reproduce() -> Finding:
     """A tiny Qwen3_5Attention over a left-padded batch with per-row cache offsets, against each row alone."""
-    errors = _reproduce.rows_vs_alone(
+    rows = _reproduce.rows_vs_alone(
         tiny_attention, batched_vs_alone, "Qwen3_5Attention", "this mlx-vlm has no qwen3_5 model"
     )
-    if isinstance(errors, Finding):
-        return errors
-    if max(errors) > 1e-4:
-        return Finding(True, f"left-padded batch rows differ from each row alone by {errors} (prefill and decode)")
-    return Finding(False, f"batched rows equal each row alone (max differences {errors})")
+    if isinstance(rows, Finding):
+        return rows
+    return judge(
+        worst(rows),
+        "left-padded batch rows differ from each row alone (prefill and decode)",
+        "batched rows equal each row alone",
+    )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
+from kvpatch.patches._numbers import difference, judge, worst
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -92,7 +93,7 @@ def reproduce() -> Finding:
         k, v = cache.update_and_fetch(step_k[rows], step_v[rows])
         return mx.fast.scaled_dot_product_attention(queries[rows], k, v, scale=dim**-0.5, mask=mask)
 
-    problems, worst = [], 0.0
+    problems, found = [], []
     for order in ("empty, full", "full, empty"):
         rows = [_empty_with_storage(heads, length, dim, max_size), full()]
         if order.startswith("full"):
@@ -104,14 +105,13 @@ def reproduce() -> Finding:
         except ValueError as exc:  # the bug's own error: the empty row's storage sliced to zero, then broadcast
             problems.append(f"merge({order}) raises ValueError: {symptom(exc, '[broadcast_shapes]')}")
             continue
-        err = 0.0
         for i, name in enumerate(order.split(", ")):
             alone = full() if name == "full" else RotatingKVCache(max_size=max_size)
             ref = attend(alone, slice(i, i + 1))
-            err = max(err, mx.abs(out[i : i + 1] - ref).max().item())
-        worst = max(worst, err)
-        if err > 1e-5:
-            problems.append(f"merge({order}): merged decode differs from per-row decode by {err:.3g}")
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(False, f"both orders merge; merged decode equals per-row decode (max error {worst:.2g})")
+            found.append(difference(out[i : i + 1], ref, where=f"merge({order}), the {name} row"))
+    return judge(
+        worst(found),
+        "merged decode differs from per-row decode",
+        "both orders merge; merged decode equals per-row decode",
+        problems=problems,
+    )

@@ -48,5 +48,4 @@ def reproduce() -> Finding:
 
     if own_class(cache, "BatchRotatingKVCache") is None:
         return Finding(False, skipped="mlx_vlm.models.cache.BatchRotatingKVCache is mlx-lm's class here")
-    present, detail = _meta_rotated.reproduce(cache)
-    return Finding(present, detail)
+    return _meta_rotated.reproduce(cache)

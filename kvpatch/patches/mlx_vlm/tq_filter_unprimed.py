@@ -26,6 +26,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _reproduce, _unprimed
+from kvpatch.patches._numbers import difference, judge, worst
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -81,15 +82,16 @@ def reproduce() -> Finding:
     problems = []
     if filtered._idx != 0 or filtered.left_padding.tolist() != [3, 2]:
         problems.append(f"after filter: {state} (expected _idx=0, left_padding=[3, 2])")
+    found = []
     try:
-        err = 0.0
-        for keys, values in steps:
+        for i, (keys, values) in enumerate(steps):
             out, ref = attend(filtered, keys, values), attend(fresh, keys, values)
-            err = max(err, mx.abs(out - ref).max().item())
-        if err > 1e-5:
-            problems.append(f"prefill/decode differ from a fresh cache of the kept rows by {err:.3g}")
+            found.append(difference(out, ref, where=f"{'prefill' if i == 0 else 'decode'} attention"))
     except ValueError as exc:  # the bug's own error: the negative _idx misaligns the next update
         problems.append(f"next update raises ValueError: {symptom(exc, '[broadcast_shapes]')}")
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(False, "unprimed filter keeps _idx=0 and the padding; prefill and decode equal a fresh cache")
+    return judge(
+        worst(found),
+        "prefill/decode differ from a fresh cache of the kept rows",
+        "unprimed filter keeps _idx=0 and the padding; prefill and decode equal a fresh cache",
+        problems=problems,
+    )

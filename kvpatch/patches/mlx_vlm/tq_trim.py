@@ -52,6 +52,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _reproduce
+from kvpatch.patches._numbers import difference, exact, judge
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -190,14 +191,12 @@ def reproduce() -> Finding:
     never = BatchTurboQuantKVCache(left_padding, bits=bits)
     never.update_and_fetch(prompt_k, prompt_v)
     out, ref = decode(rolled), decode(never)
+    found = None
     if out.shape != ref.shape:
         problems.append(f"decode after rollback has shape {out.shape}, never-appended {ref.shape}")
     else:
-        err = mx.abs(out - ref).max().item()
-        if err > 1e-5:
-            problems.append(
-                f"decode after rollback attends over {rolled._idx} slots, not {never._idx} (max error {err:.3g})"
-            )
+        where = f"decode after rollback over {rolled._idx} slots, never-appended over {never._idx}"
+        found = difference(out, ref, where=where)
 
     for cls, left in ((BatchTurboQuantKVCache, (left_padding,)), (TurboQuantKVCache, ())):
         cache = cls(*left, bits=bits)
@@ -210,13 +209,12 @@ def reproduce() -> Finding:
             continue
         after = cache.dequantize()[0]
         target = (mx.arange(2)[:, None, None, None] == 1) & (mx.arange(T)[None, None, :, None] >= 3)
-        wrong = mx.abs(after - mx.where(target, 0, before)).max().item()
-        if wrong > 0:
-            problems.append(f"{cls.__name__}.zero_row_tail(1, 3, {T}) leaves a max difference of {wrong:.3g}")
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(
-        False,
-        "trim(3) rolls the batch cache back to the never-appended decode (max error <= 1e-5); "
-        "zero_row_tail zeroes exactly its slots on both caches",
+        if not exact(after, mx.where(target, 0, before)):
+            problems.append(f"{cls.__name__}.zero_row_tail(1, 3, {T}) changes other slots or leaves its own")
+    return judge(
+        found,
+        "decode after rollback differs from the never-appended cache",
+        "trim(3) rolls the batch cache back to the never-appended decode; zero_row_tail zeroes exactly its slots on "
+        "both caches",
+        problems=problems,
     )

@@ -30,6 +30,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _reproduce
+from kvpatch.patches._numbers import difference, judge, worst
 from kvpatch.record import Expiry, Finding, Patch, symptom
 
 PATCH = Patch(
@@ -83,7 +84,7 @@ def reproduce() -> Finding:
     if "value_bits" in inspect.signature(BatchTurboQuantKVCache).parameters:
         cases.append(("head dims 64/64, value_bits 2.5", {"bits": 4, "key_bits": 4, "value_bits": 2.5}, 64, 64))
 
-    problems = []
+    problems, found = [], []
     for name, kwargs, dk, dv in cases:
         # keys and values loud in different channels, so a codec fitted to one is wrong for the other
         keys = mx.random.normal((2, 2, 4, dk)) * mx.linspace(3.0, 0.1, dk)
@@ -101,14 +102,14 @@ def reproduce() -> Finding:
         if out[1].shape != values.shape:
             problems.append(f"{name}: values come back as {out[1].shape}, fed {values.shape}")
             continue
-        err = max(mx.abs(o - r).max().item() for o, r in zip(out, ref, strict=True))
-        if err > 1e-5:
-            v_err = mx.abs(out[1] - values).mean().item()
-            r_err = mx.abs(ref[1] - values).mean().item()
-            problems.append(
-                f"{name}: batch differs from the single-row cache by {err:.3g} "
-                f"(mean value error {v_err:.3g} vs {r_err:.3g})"
-            )
-    if problems:
-        return Finding(True, "; ".join(problems))
-    return Finding(False, "batch dequantized K/V equal the single-row cache's: " + ", ".join(c[0] for c in cases))
+        v_err = mx.abs(out[1] - values).mean().item()
+        r_err = mx.abs(ref[1] - values).mean().item()
+        where = f"{name} (mean value error {v_err:.3g}, the single-row cache's {r_err:.3g})"
+        found.append(difference(out[0], ref[0], where=f"{name} keys"))
+        found.append(difference(out[1], ref[1], where=f"{where} values"))
+    return judge(
+        worst(found),
+        "batch dequantized K/V differ from the single-row cache's",
+        "batch dequantized K/V equal the single-row cache's: " + ", ".join(c[0] for c in cases),
+        problems=problems,
+    )

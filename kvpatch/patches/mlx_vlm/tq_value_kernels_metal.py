@@ -36,6 +36,7 @@ import datetime as _dt
 from typing import Any
 
 from kvpatch.patches import _reproduce
+from kvpatch.patches._numbers import difference, judge, worst
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -90,7 +91,7 @@ def measure() -> Finding:
 
     mx.random.seed(0)
     dim, tokens = 64, 17
-    problems, worst = [], 0.0
+    found = []
     for n_q_heads in (4, 2):
         cache = TurboQuantKVCache(bits=4)
         keys, values = mx.random.normal((1, 2, tokens, dim)), mx.random.normal((1, 2, tokens, dim))
@@ -102,14 +103,9 @@ def measure() -> Finding:
         ref = mx.fast.scaled_dot_product_attention(
             queries, k_ref.astype(queries.dtype), v_ref.astype(queries.dtype), scale=dim**-0.5, mask=mask
         )
-        rel = (mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item()
-        worst = max(worst, rel)
-        if rel > 1e-3:
-            problems.append(f"{n_q_heads // 2} query heads per KV head: rel. error {rel:.3g}")
+        found.append(difference(out, ref, where=f"{n_q_heads // 2} query heads per KV head"))
     what = "masked one-query decode vs attention over the dequantized cache"
-    if problems:
-        return Finding(True, f"{what}: " + "; ".join(problems))
-    return Finding(False, f"{what}: equal (rel. error {worst:.2g})")
+    return judge(worst(found), f"{what}: different", f"{what}: equal")
 
 
 @PATCH.reproduce
