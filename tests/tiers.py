@@ -36,8 +36,8 @@ UPSTREAM = TESTS / "upstream"
 
 TIERS = ("unit", "patch", "integration", "runner")
 
-#: ``KVPATCH_TIER=quick`` (scripts/test.sh --quick): unit tests here, and the ``patch`` tier in the
-#: :data:`NEWEST` buckets only.
+#: ``KVPATCH_TIER=quick`` (scripts/test.sh --quick): unit tests here (less :data:`NOT_QUICK`), and the ``patch``
+#: tier in the :data:`NEWEST` buckets only.
 TIER_VAR = "KVPATCH_TIER"
 #: Set by tests/test_matrix.py in the buckets it starts: there tests/upstream runs only what this module gives that
 #: bucket. Unset (scripts/in_bucket.py, an environment with mlx installed) every collected test runs.
@@ -91,6 +91,10 @@ INTEGRATION_HERE: frozenset[str] = frozenset(
         "test_hunt_can_fail.py::test_attribution_names_the_patch_that_fixes_a_catalogue_bug",
     }
 )
+
+#: Folders under tests/ of maintainer tooling (kvpatch/maint) whose unit tests the quick tier leaves out: a
+#: maintainer runs them with the tool they test; the whole command (CI) runs them.
+NOT_QUICK: frozenset[str] = frozenset({"hunt"})
 
 #: Test files (relative to tests/) that run other tests in bucket processes.
 RUNNERS: frozenset[str] = frozenset({"test_matrix.py", "test_coexist.py", "test_upstream_oracle.py"})
@@ -176,6 +180,17 @@ def tier_of(nodeid: str, path: Path) -> str:
     if rel.as_posix() in RUNNERS:
         return "runner"
     return "integration" if _node(nodeid) in INTEGRATION_HERE else "unit"
+
+
+def in_quick(nodeid: str, path: Path, has_mlx: bool) -> bool:
+    """Whether the quick tier (``KVPATCH_TIER=quick``, outside a bucket) runs this test: the unit tests outside
+    :data:`NOT_QUICK`, the matrix (which runs the patch tier in the newest buckets), and the patch tier where mlx is
+    installed."""
+    rel = _relative(path)
+    if rel is not None and rel.parts[0] in NOT_QUICK:
+        return False
+    tier = tier_of(nodeid, path)
+    return tier == "unit" or path.name == "test_matrix.py" or (tier == "patch" and has_mlx)
 
 
 def _node(nodeid: str) -> str:

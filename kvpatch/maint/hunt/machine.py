@@ -203,7 +203,7 @@ class CacheMachine(Machine):
                     ],
                 )
         found = _numbers.worst(_numbers.difference(got, want, dtype) for got, want in pairs)
-        if found.clear:
+        if found is not None and found.clear:
             self.fail(
                 "rows-agree",
                 f"a row's attention in the batch differs from the same row alone by {found}",
@@ -357,7 +357,8 @@ class CacheMachine(Machine):
             dtype = self.tape.value(self.dtype)
             if any(got.dtype != dtype for got, _ in pairs):
                 return True
-            return _numbers.worst(_numbers.difference(g, w, dtype) for g, w in pairs).clear
+            found = _numbers.worst(_numbers.difference(g, w, dtype) for g, w in pairs)
+            return found is not None and found.clear
         except Exception:
             return True
 
@@ -743,7 +744,7 @@ class ArraysMachine(Machine):
         state, want = self.tape.value("state"), self.tape.value("want")
         pairs = [(state[i : i + 1], w) for i, w in want.items()]
         found = _numbers.worst(_numbers.difference(got, w) for got, w in pairs)
-        if found.clear:
+        if found is not None and found.clear:
             self.fail(
                 "states-agree",
                 f"a row's state in the batch differs from the same row alone by {found}",

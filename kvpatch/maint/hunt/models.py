@@ -309,7 +309,7 @@ def vlm_lines(args: dict[str, Any], prompts: list[list[int]]) -> list[str]:
     ]
 
 
-def _check(pairs: list[tuple[Any, Any]]) -> tuple[_numbers.Difference, list[str]]:
+def _check(pairs: list[tuple[Any, Any]]) -> tuple[_numbers.Difference | None, list[str]]:
     import mlx.core as mx
 
     found = _numbers.worst(_numbers.difference(g.reshape(w.shape), w, shift_free=True) for g, w in pairs)
@@ -357,7 +357,7 @@ def one(dist: str, arch: str, prompts_of: Driver) -> tuple[Caught | None, str | 
         text = traceback.format_exception_only(type(exc), exc)[-1].strip()
         return _fail(f"{dist}.models.{arch}", "model-runs", text, setup + drive, head, type(exc).__name__), None
     found, check = _check(tape.value("pairs"))
-    if found.clear:
+    if found is not None and found.clear:
         detail = f"a prompt's log-probabilities batched differ from alone by {found}"
         return _fail(f"{dist}.models.{arch}", "logits-agree", detail, setup + drive + check, head), None
     return None, None
