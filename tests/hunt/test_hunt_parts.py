@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvpatch.maint.hunt import attribute, cli, intended, models, repro
+from kvpatch.maint.hunt import attribute, cli, intended, models, report, repro
 from kvpatch.registry import load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,3 +125,58 @@ def test_a_probe_is_the_reproduction_last_step_on_the_cache_itself():
     body = repro.body(Caught(violation, [], lines))
     assert body == ["cache = C()", "rows = [R()]", "cache.filter([0])", "cache.finalize()", "x = step(cache, rows)",
                     "assert ok"]  # fmt: skip
+
+
+def test_a_verdict_credits_the_patches_it_names():
+    assert attribute.fixed_by("fixed by batch-trim-capped") == ["batch-trim-capped"]
+    assert attribute.fixed_by("fixed by a-b and c (each alone)") == ["a-b", "c"]
+    assert attribute.fixed_by("fixed by x (with kvpatch on it then fails otherwise: y)") == ["x"]
+    assert attribute.fixed_by("fixed by kvpatch (several of a, b)") == []
+    assert attribute.fixed_by("new") == []
+
+
+def _result(bucket: str, releases: dict[str, str], findings: list[dict[str, Any]]) -> dict[str, Any]:
+    hunts = {"off": {"not_hunted": {}}, "on": {"not_hunted": {}}}
+    return {"schema": "kvpatch.hunt/1", "bucket": bucket, "releases": releases, "budget": 30.0, "hunts": hunts,
+            "findings": findings, "seconds": {"hunt": 1.0, "total": 2.0}}  # fmt: skip
+
+
+def _finding(target: str, verdict: str, length: int, hunts: tuple[str, ...] = ("off",)) -> dict[str, Any]:
+    return {"target": target, "invariant": "no-crash", "operation": "merge", "detail": "x", "length": length,
+            "signature": [target, "no-crash", "merge", "TypeError", "msg"], "hunts": list(hunts),
+            "attribution": {"verdict": verdict}}  # fmt: skip
+
+
+def test_the_report_counts_only_what_the_hunt_attributed_and_writes_its_sections(tmp_path):
+    patches = load().patches
+    reachable = [p.id for p in patches if report.reachable(p)]
+    assert "batch-merge-empty" in reachable and "qsdpa-cuda-shapes" not in reachable  # a CUDA kernel
+    assert "speculative-stale-cache" not in reachable and "max-kv-size-ignored" not in reachable  # generation
+    cache = "mlx_lm.models.cache.BatchKVCache"
+    results = [
+        _result("lm-0.28.4", {"mlx-lm": "0.28.4"}, [
+            _finding(cache, "fixed by batch-merge-empty", 6),
+            _finding(cache, "fixed by batch-merge-empty", 9),
+            _finding(cache, "fixed by batch-trim-capped", 5, hunts=("on",)),  # not found with kvpatch off
+            _finding("mlx_lm.models.cache.Other", "new", 7, hunts=("off", "on")),
+        ]),
+    ]  # fmt: skip
+    rows, hit, total = report.rediscovered(results, patches)
+    assert hit == 1 and total == len(reachable)
+    merge = next(r for r in rows if r[0] == "batch-merge-empty")
+    assert merge[1] == "no-crash" and merge[3] == "6" and merge[4] == "lm-0.28.4"
+    trim = next(r for r in rows if r[0] == "batch-trim-capped")
+    assert trim[1].startswith("not rediscovered: not found in 1 hunts")
+    assert next(r for r in rows if r[0] == "mask-fill")[1].startswith("not rediscovered: no bucket of its range")
+    new = report.new_findings(results)
+    assert len(new) == 1 and new[0][0].startswith("Other: no-crash after merge") and new[0][3] == "undocumented"
+    page = tmp_path / "page.md"
+    page.write_text(
+        "a\n<!-- hunt:new -->\nold\n<!-- /hunt:new -->\nb\n<!-- hunt:buckets -->\n<!-- hunt:rediscovered -->\n"
+    )
+    report.write(page, report.sections(results, patches))
+    text = page.read_text()
+    assert "old" not in text and text.startswith("a\n<!-- hunt:new -->\n| finding") and "\nb\n" in text
+    assert text.count("<!-- /hunt:rediscovered -->") == 1 and "1 of" in text
+    report.write(page, report.sections(results, patches))
+    assert page.read_text() == text  # regenerating changes nothing

@@ -2,7 +2,9 @@
 the finding's bucket with kvpatch off, on, and on with candidate patches disabled.
 
 ``fixed by <patch id>``  gone with kvpatch on, back with that one patch disabled;
-``fixed by kvpatch``     gone with kvpatch on, back only with several candidates disabled together;
+``fixed by <a> and <b> (each alone)``  gone with kvpatch on, back only with those candidates disabled together
+                         (patches that overlap: each alone removes it);
+``fixed by kvpatch``     gone with kvpatch on, back only with every candidate disabled;
 ``new``                  there with kvpatch on: nothing in kvpatch covers it;
 ``intended``             there with kvpatch on, and documented upstream behaviour (:mod:`.intended`);
 ``with kvpatch only: <patch id>``  found by the kvpatch-on hunt, absent from upstream alone: that patch brings it
@@ -154,6 +156,14 @@ def attribute(
         group = half if back(half) else group[len(group) // 2 :]
     if len(names) == 1 or back(group):
         return Attribution(f"fixed by {group[0]}{remains}", off.text, on.text, names)
+    # No one patch brings it back: patches that overlap (each alone fixes it). The smallest set found by dropping
+    # each candidate in turn while the failure still comes back names them; each is credited with the fix.
+    needed = list(names)
+    for name in names:
+        if len(needed) > 1 and back([n for n in needed if n != name]):
+            needed.remove(name)
+    if len(needed) < len(names):
+        return Attribution(f"fixed by {' and '.join(needed)} (each alone){remains}", off.text, on.text, names)
     return Attribution(f"fixed by kvpatch (several of {', '.join(names)}){remains}", off.text, on.text, names)
 
 
@@ -174,6 +184,12 @@ def _with_kvpatch_only(script: str, env: Mapping[str, str], expected: str, names
         half = group[: len(group) // 2]
         group = half if gone(half) else group[len(group) // 2 :]
     return Attribution(f"with kvpatch only: {group[0]}", off.text, on.text, names)
+
+
+def fixed_by(verdict: str) -> list[str]:
+    """The patches a verdict credits with the fix (none for ``fixed by kvpatch (...)`` and every other verdict)."""
+    m = re.match(r"fixed by ([\w-]+(?: and [\w-]+)*)(?: \(each alone\))?(?: \(with kvpatch on|$)", verdict)
+    return [] if m is None or m.group(1) == "kvpatch" else m.group(1).split(" and ")
 
 
 def environ(bucket: Any) -> dict[str, str]:

@@ -1,0 +1,232 @@
+"""``python -m kvpatch.maint.hunt.report DIR... [--write docs/findings.md]``: the findings page's tables, from the
+JSON the hunt writes (``--out``), so that they are regenerated from runs, never typed.
+
+Three tables, each between ``<!-- hunt:NAME -->`` and ``<!-- /hunt:NAME -->`` in docs/findings.md:
+
+``buckets``       every hunt read: bucket, releases, budget, seconds, findings by verdict;
+``rediscovered``  every cache- or model-level patch of the catalogue (:func:`reachable`): the invariant that found it
+                  with kvpatch off, where, and its shortest reproduction; or why it was not;
+``new``           the findings attributed ``new``, one row per bug (:func:`bug_of`), each with the releases it was
+                  found on and its documented gap (:mod:`.gaps`) or "undocumented".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from packaging.version import Version
+
+from ...record import Patch
+from . import gaps
+from .attribute import fixed_by
+
+#: Modules whose code the hunt drives: the caches and the models (their attention functions included).
+REACHED = re.compile(r"mlx_(lm|vlm)\.models\.|mlx_vlm\.turboquant$")
+
+
+def reachable(patch: Patch) -> bool:
+    """A cache- or model-level patch: every target in a cache or model module, computed on the CPU (not a kernel of
+    one backend: ``on_device`` / ``metal_only``) and not a policy (``opt_in``). The rest (generation, servers,
+    kernels) is out of the hunt's reach by design (docs/findings.md)."""
+    return (
+        all(REACHED.match(t.module) for t in patch.targets)
+        and not (patch.on_device or patch.metal_only or patch.opt_in)
+        and bool(patch.targets)
+    )
+
+
+def load(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    """Every hunt result (schema ``kvpatch.hunt/1``) under ``paths`` (files or folders, searched recursively)."""
+    out = []
+    for path in paths:
+        files = sorted(path.rglob("*.json")) if path.is_dir() else [path]
+        for file in files:
+            data = json.loads(file.read_text(encoding="utf-8"))
+            if data.get("schema") == "kvpatch.hunt/1" and "bucket" in data:
+                out.append(data)
+    return out
+
+
+def verdict(f: dict[str, Any]) -> str:
+    return str(f.get("attribution", {}).get("verdict", "not attributed"))
+
+
+def release(result: dict[str, Any], patch: Patch | None = None) -> str:
+    """The release a result speaks for: the patch's distribution's, or the bucket's newest package."""
+    releases = result["releases"]
+    dist = patch.distribution if patch is not None else ("mlx-vlm" if "mlx-vlm" in releases else "mlx-lm")
+    return f"{dist} {releases.get(dist)}"
+
+
+def _in_range(patch: Patch, result: dict[str, Any]) -> bool:
+    version = result["releases"].get(patch.distribution)
+    return version is not None and patch.range.contains(Version(version), prereleases=True)
+
+
+def bug_of(f: dict[str, Any]) -> tuple[str, ...]:
+    """One bug across buckets: the class or architecture, the invariant, the operation (decode and update are one),
+    and for a crash its exception and message shape."""
+    signature = list(f["signature"])[:5]
+    if signature[2] == "decode":
+        signature[2] = "update"
+    return (signature[0].split(".")[-1], *signature[1:])
+
+
+def rediscovered(results: list[dict[str, Any]], patches: Sequence[Patch]) -> tuple[list[list[str]], int, int]:
+    """The rediscovery table's rows, and (rediscovered, reachable) counts."""
+    rows, hit, total = [], 0, 0
+    for patch in patches:
+        if not reachable(patch):
+            continue
+        total += 1
+        found = [
+            (f["length"], f, r)
+            for r in results
+            for f in r["findings"]
+            if patch.id in fixed_by(verdict(f)) and "off" in f["hunts"]
+        ]
+        if found:
+            hit += 1
+            length, f, r = min(found, key=lambda x: (x[0], x[2]["bucket"]))
+            where = sorted({x[2]["bucket"] for x in found}, key=_bucket_key)
+            others = [p for p in fixed_by(verdict(f)) if p != patch.id]
+            rows.append(
+                [
+                    patch.id,
+                    f["invariant"] + (f" (so does {', '.join(others)}, each alone)" if others else ""),
+                    f"{release(r, patch)} ({f['target'].split('.')[-1]}, {f['operation']})",
+                    str(length),
+                    ", ".join(where),
+                ]
+            )
+        else:
+            rows.append([patch.id, "not rediscovered: " + _why_not(patch, results), "", "", ""])
+    return rows, hit, total
+
+
+def _why_not(patch: Patch, results: list[dict[str, Any]]) -> str:
+    hunted = [r for r in results if _in_range(patch, r)]
+    if not hunted:
+        return f"no bucket of its range ({patch.affected}) hunted"
+    classes = {".".join((t.module, t.owner_path[0])) for t in patch.targets if t.owner_path}
+    skipped: dict[str, str] = {}
+    for r in hunted:
+        for info in r["hunts"].values():
+            skipped.update({k: v for k, v in info.get("not_hunted", {}).items() if k in classes})
+    several = [
+        r["bucket"]
+        for r in hunted
+        for f in r["findings"]
+        if "off" in f["hunts"] and verdict(f).startswith("fixed by kvpatch (") and patch.id in verdict(f)
+    ]
+    if several:
+        return f"found, but brought back only by several patches disabled together ({', '.join(sorted(set(several)))})"
+    if skipped and len(skipped) == len(classes):
+        return "its classes are not hunted: " + "; ".join(f"{k.split('.')[-1]}: {v}" for k, v in skipped.items())
+    budgets = sorted({f"{r['bucket']} {r['budget']:g} s" for r in hunted}, key=_bucket_key)
+    return f"not found in {len(hunted)} hunts of its range ({', '.join(budgets)})"
+
+
+def new_findings(results: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per new bug: bug, invariant, buckets, shortest reproduction, status."""
+    bugs: dict[tuple[str, ...], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    for r in results:
+        for f in r["findings"]:
+            if verdict(f) == "new":
+                bugs.setdefault(bug_of(f), []).append((f, r))
+    rows = []
+    for key, seen in sorted(bugs.items()):
+        f = min((f for f, _ in seen), key=lambda f: f["length"])
+        where = sorted({r["bucket"] for _, r in seen}, key=_bucket_key)
+        crash = f" ({key[3]}: {key[4]})" if key[3] else ""
+        gap = gaps.match(f)
+        status = f"documented gap: {gap}" if gap else "undocumented"
+        rows.append([f"{key[0]}: {key[1]} after {key[2]}{crash}", ", ".join(where), str(f["length"]), status])
+    return rows
+
+
+def bucket_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in sorted(results, key=lambda r: (_bucket_key(r["bucket"]), r["budget"])):
+        counts: dict[str, int] = {}
+        for f in r["findings"]:
+            v = verdict(f)
+            v = "fixed by a patch" if v.startswith("fixed by") else v.split(":")[0]
+            counts[v] = counts.get(v, 0) + 1
+        releases = ", ".join(f"{d} {v}" for d, v in r["releases"].items())
+        shown = ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
+        rows.append([r["bucket"], releases, f"{r['budget']:g}", f"{r['seconds']['total']:g}", shown or "none"])
+    return rows
+
+
+def _bucket_key(text: str) -> tuple[Any, ...]:
+    name = text.split()[0]
+    kind, _, version = name.partition("-")
+    try:
+        return (kind, Version(version), text)
+    except ValueError:
+        return (kind, Version("0"), text)
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def sections(results: list[dict[str, Any]], patches: Sequence[Patch]) -> dict[str, str]:
+    """The page's generated sections by name."""
+    rows, hit, total = rediscovered(results, patches)
+    lengths = [f["length"] for r in results for f in r["findings"]]
+    median = statistics.median(lengths) if lengths else 0
+    share = f"{hit} of {total} ({hit / total:.0%})" if total else "none"
+    new_rows = new_findings(results)
+    return {
+        "buckets": table(("bucket", "releases", "budget (s)", "seconds", "findings by verdict"), bucket_rows(results)),
+        "rediscovered": (
+            f"Rediscovered with kvpatch off: **{share}** of the catalogue's cache- and model-level patches "
+            "(`report.reachable`: every target in a cache or model module, computed on the CPU, not an opt-in "
+            f"policy). Median reproduction over all {len(lengths)} findings: **{median:g} lines**.\n\n"
+            + table(("patch", "invariant that found it", "release (class, operation)", "lines", "buckets"), rows)
+        ),
+        "new": table(("finding", "buckets", "lines", "status"), new_rows) if new_rows else "None.",
+    }
+
+
+def write(page: Path, generated: dict[str, str]) -> None:
+    """Replace each ``<!-- hunt:NAME -->`` ... ``<!-- /hunt:NAME -->`` block of ``page``."""
+    text = page.read_text(encoding="utf-8")
+    for name, body in generated.items():
+        begin, end = f"<!-- hunt:{name} -->", f"<!-- /hunt:{name} -->"
+        if begin not in text:
+            raise SystemExit(f"{page}: no {begin}")
+        head, _, rest = text.partition(begin)
+        _, found, tail = rest.partition(end)
+        text = f"{head}{begin}\n{body}\n{end}{tail if found else rest}"
+    page.write_text(text, encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ...registry import load as registry
+
+    parser = argparse.ArgumentParser(prog="python -m kvpatch.maint.hunt.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", type=Path, help="hunt JSON files or folders (the hunt's --out)")
+    parser.add_argument("--write", type=Path, help="replace the generated sections of this page")
+    args = parser.parse_args(argv)
+    generated = sections(load(args.paths), registry().patches)
+    if args.write:
+        write(args.write, generated)
+    else:
+        for name, body in generated.items():
+            print(f"<!-- hunt:{name} -->\n{body}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
