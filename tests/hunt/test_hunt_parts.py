@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvpatch.maint.hunt import attribute, cli, intended, models, report, repro
+from kvpatch.maint.hunt import attribute, cli, gaps, intended, models, report, repro
 from kvpatch.registry import load
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ def test_tiny_configs_come_from_field_names():
     assert args["model_type"] == "demo" and args["hidden_size"] == models.TINY["hidden_size"]
     assert args["vocab_size"] == models.TINY["vocab_size"]  # a default that is not tiny is shrunk too
     assert args["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"][:layers]
-    assert args["activation_sparsity_pattern"] == [0.0] * layers
+    assert len(args["activation_sparsity_pattern"]) == layers and not any(args["activation_sparsity_pattern"])
     assert args["unknown_count"] == models.BY_TYPE["int"]
     sections = args["rope_scaling"]["mrope_section"]
     assert sum(sections) == models.TINY["head_dim"] // 2 and len(sections) == 3
@@ -168,15 +168,20 @@ def test_the_report_counts_only_what_the_hunt_attributed_and_writes_its_sections
     trim = next(r for r in rows if r[0] == "batch-trim-capped")
     assert trim[1].startswith("not rediscovered: not found in 1 hunts")
     assert next(r for r in rows if r[0] == "mask-fill")[1].startswith("not rediscovered: no bucket of its range")
-    new = report.new_findings(results)
+    new = report.new_findings(results, [])
     assert len(new) == 1 and new[0][0].startswith("Other: no-crash after merge") and new[0][3] == "undocumented"
     page = tmp_path / "page.md"
     page.write_text(
         "a\n<!-- hunt:new -->\nold\n<!-- /hunt:new -->\nb\n<!-- hunt:buckets -->\n<!-- hunt:rediscovered -->\n"
+        "<!-- hunt:gaps -->\n| target | invariant | detail | reason |\n|---|---|---|---|\n"
+        "| `\\.Other$` | no-crash | `^x$` | upstream's, because \\| reasons |\n\nafter\n"
     )
-    report.write(page, report.sections(results, patches))
+    documented = gaps.read(page)
+    assert documented == [gaps.Gap(r"\.Other$", "no-crash", "^x$", "upstream's, because | reasons")]
+    assert report.new_findings(results, documented)[0][3] == "documented gap: upstream's, because | reasons"
+    report.write(page, report.sections(results, patches, documented))
     text = page.read_text()
     assert "old" not in text and text.startswith("a\n<!-- hunt:new -->\n| finding") and "\nb\n" in text
-    assert text.count("<!-- /hunt:rediscovered -->") == 1 and "1 of" in text
-    report.write(page, report.sections(results, patches))
+    assert text.count("<!-- /hunt:rediscovered -->") == 1 and "1 of" in text and text.endswith("\nafter\n")
+    report.write(page, report.sections(results, patches, gaps.read(page)))
     assert page.read_text() == text  # regenerating changes nothing

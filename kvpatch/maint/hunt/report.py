@@ -3,11 +3,12 @@ JSON the hunt writes (``--out``), so that they are regenerated from runs, never 
 
 Three tables, each between ``<!-- hunt:NAME -->`` and ``<!-- /hunt:NAME -->`` in docs/findings.md:
 
-``buckets``       every hunt read: bucket, releases, budget, seconds, findings by verdict;
+``buckets``       every hunt read: bucket, releases, budget, seconds, findings by verdict, and how many findings of the
+                  kvpatch-on hunt are attributed to a patch (a patch that does not fix what it claims: none expected);
 ``rediscovered``  every cache- or model-level patch of the catalogue (:func:`reachable`): the invariant that found it
                   with kvpatch off, where, and its shortest reproduction; or why it was not;
 ``new``           the findings attributed ``new``, one row per bug (:func:`bug_of`), each with the releases it was
-                  found on and its documented gap (:mod:`.gaps`) or "undocumented".
+                  found on and its documented gap (:mod:`.gaps`: the page's own gaps table) or "undocumented".
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from packaging.version import Version
 from ...record import Patch
 from . import gaps
 from .attribute import fixed_by
+
+#: The findings page, in a checkout (the report is a maintainer tool: it runs from one).
+PAGE = Path("docs/findings.md")
 
 #: Modules whose code the hunt drives: the caches and the models (their attention functions included).
 REACHED = re.compile(r"mlx_(lm|vlm)\.models\.|mlx_vlm\.turboquant$")
@@ -133,8 +137,8 @@ def _why_not(patch: Patch, results: list[dict[str, Any]]) -> str:
     return f"not found in {len(hunted)} hunts of its range ({', '.join(budgets)})"
 
 
-def new_findings(results: list[dict[str, Any]]) -> list[list[str]]:
-    """One row per new bug: bug, invariant, buckets, shortest reproduction, status."""
+def new_findings(results: list[dict[str, Any]], documented: list[gaps.Gap]) -> list[list[str]]:
+    """One row per new bug: bug, invariant, buckets, shortest reproduction, status (its documented gap's reason)."""
     bugs: dict[tuple[str, ...], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
     for r in results:
         for f in r["findings"]:
@@ -145,7 +149,7 @@ def new_findings(results: list[dict[str, Any]]) -> list[list[str]]:
         f = min((f for f, _ in seen), key=lambda f: f["length"])
         where = sorted({r["bucket"] for _, r in seen}, key=_bucket_key)
         crash = f" ({key[3]}: {key[4]})" if key[3] else ""
-        gap = gaps.match(f)
+        gap = gaps.match(f, documented)
         status = f"documented gap: {gap}" if gap else "undocumented"
         rows.append([f"{key[0]}: {key[1]} after {key[2]}{crash}", ", ".join(where), str(f["length"]), status])
     return rows
@@ -161,7 +165,10 @@ def bucket_rows(results: list[dict[str, Any]]) -> list[list[str]]:
             counts[v] = counts.get(v, 0) + 1
         releases = ", ".join(f"{d} {v}" for d, v in r["releases"].items())
         shown = ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
-        rows.append([r["bucket"], releases, f"{r['budget']:g}", f"{r['seconds']['total']:g}", shown or "none"])
+        # what kvpatch on still shows of a bug a patch claims (the hunt's exit status counts it too): none expected
+        on = sum(1 for f in r["findings"] if "on" in f["hunts"] and fixed_by(verdict(f)))
+        seconds = f"{r['seconds']['total']:g}"
+        rows.append([r["bucket"], releases, f"{r['budget']:g}", seconds, shown or "none", str(on)])
     return rows
 
 
@@ -180,15 +187,18 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def sections(results: list[dict[str, Any]], patches: Sequence[Patch]) -> dict[str, str]:
+def sections(results: list[dict[str, Any]], patches: Sequence[Patch], documented: list[gaps.Gap]) -> dict[str, str]:
     """The page's generated sections by name."""
     rows, hit, total = rediscovered(results, patches)
     lengths = [f["length"] for r in results for f in r["findings"]]
     median = statistics.median(lengths) if lengths else 0
     share = f"{hit} of {total} ({hit / total:.0%})" if total else "none"
-    new_rows = new_findings(results)
+    new_rows = new_findings(results, documented)
     return {
-        "buckets": table(("bucket", "releases", "budget (s)", "seconds", "findings by verdict"), bucket_rows(results)),
+        "buckets": table(
+            ("bucket", "releases", "budget (s)", "seconds", "findings by verdict", "kvpatch on: a patched bug"),
+            bucket_rows(results),
+        ),
         "rediscovered": (
             f"Rediscovered with kvpatch off: **{share}** of the catalogue's cache- and model-level patches "
             "(`report.reachable`: every target in a cache or model module, computed on the CPU, not an opt-in "
@@ -218,8 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpatch.maint.hunt.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, help="hunt JSON files or folders (the hunt's --out)")
     parser.add_argument("--write", type=Path, help="replace the generated sections of this page")
+    parser.add_argument("--gaps", type=Path, default=PAGE, help="the page whose gaps table to read (%(default)s)")
     args = parser.parse_args(argv)
-    generated = sections(load(args.paths), registry().patches)
+    generated = sections(load(args.paths), registry().patches, gaps.read(args.gaps))
     if args.write:
         write(args.write, generated)
     else:
