@@ -38,7 +38,7 @@ TINY: dict[str, Any] = {
     "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
     "num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2, "multi_query_group_num": 2,
     "head_dim": 32, "kv_channels": 32,
-    "vocab_size": 128, "n_vocab": 128, "padded_vocab_size": 128,
+    "vocab_size": 128, "n_vocab": 128, "padded_vocab_size": 128, "embedding_size": 128,  # olmo, molmo: the vocabulary
     "max_position_embeddings": 256, "n_positions": 256, "max_seq_len": 256,
     "num_experts": 4, "n_routed_experts": 4, "num_local_experts": 4, "moe_num_experts": 4, "n_experts": 4,
     "num_experts_per_tok": 2, "n_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "top_k": 2,
