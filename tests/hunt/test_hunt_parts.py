@@ -172,7 +172,8 @@ def test_the_report_counts_only_what_the_hunt_attributed_and_writes_its_sections
     assert len(new) == 1 and new[0][0].startswith("Other: no-crash after merge") and new[0][3] == "undocumented"
     page = tmp_path / "page.md"
     page.write_text(
-        "a\n<!-- hunt:new -->\nold\n<!-- /hunt:new -->\nb\n<!-- hunt:buckets -->\n<!-- hunt:rediscovered -->\n"
+        "a: prose names `<!-- hunt:gaps -->` and `<!-- hunt:new -->`\n<!-- hunt:new -->\nold\n<!-- /hunt:new -->\n"
+        "b\n<!-- hunt:buckets -->\n<!-- hunt:rediscovered -->\n"
         "<!-- hunt:gaps -->\n| target | invariant | detail | reason |\n|---|---|---|---|\n"
         "| `\\.Other$` | no-crash | `^x$` | upstream's, because \\| reasons |\n\nafter\n"
     )
@@ -181,7 +182,7 @@ def test_the_report_counts_only_what_the_hunt_attributed_and_writes_its_sections
     assert report.new_findings(results, documented)[0][3] == "documented gap: upstream's, because | reasons"
     report.write(page, report.sections(results, patches, documented))
     text = page.read_text()
-    assert "old" not in text and text.startswith("a\n<!-- hunt:new -->\n| finding") and "\nb\n" in text
+    assert "old" not in text and "`\n<!-- hunt:new -->\n| finding" in text and "\nb\n" in text
     assert text.count("<!-- /hunt:rediscovered -->") == 1 and "1 of" in text and text.endswith("\nafter\n")
     report.write(page, report.sections(results, patches, gaps.read(page)))
     assert page.read_text() == text  # regenerating changes nothing

@@ -25,11 +25,12 @@ class Gap:
 
 
 def read(page: Path) -> list[Gap]:
-    """The rows of the gaps table that follows :data:`MARK` on ``page`` (none when the page has no such table)."""
+    """The rows of the gaps table that follows :data:`MARK` (on a line of its own) on ``page`` (none when the page has
+    no such table)."""
     text = page.read_text(encoding="utf-8") if page.is_file() else ""
-    _, found, rest = text.partition(MARK)
+    _, found, rest = text.partition(f"\n{MARK}\n")  # the mark on a line of its own (prose may name it)
     out: list[Gap] = []
-    for line in rest.splitlines()[1:] if found else []:
+    for line in rest.splitlines() if found else []:
         if not line.startswith("|"):
             if out or line.strip():
                 break

@@ -148,9 +148,10 @@ def new_findings(results: list[dict[str, Any]], documented: list[gaps.Gap]) -> l
     for key, seen in sorted(bugs.items()):
         f = min((f for f, _ in seen), key=lambda f: f["length"])
         where = sorted({r["bucket"] for _, r in seen}, key=_bucket_key)
-        crash = f" ({key[3]}: {key[4]})" if key[3] else ""
+        crash = f" ({key[3]}: {key[4]})" if key[4] else f" ({key[3]})" if key[3] else ""
         gap = gaps.match(f, documented)
-        status = f"documented gap: {gap}" if gap else "undocumented"
+        # the why of a documented gap (its reason's "Not patched" part; the whole reason is in the gaps table)
+        status = "undocumented" if gap is None else "documented gap: " + gap[max(gap.find("Not patched"), 0) :]
         rows.append([f"{key[0]}: {key[1]} after {key[2]}{crash}", ", ".join(where), str(f["length"]), status])
     return rows
 
@@ -210,15 +211,17 @@ def sections(results: list[dict[str, Any]], patches: Sequence[Patch], documented
 
 
 def write(page: Path, generated: dict[str, str]) -> None:
-    """Replace each ``<!-- hunt:NAME -->`` ... ``<!-- /hunt:NAME -->`` block of ``page``."""
+    """Replace each ``<!-- hunt:NAME -->`` ... ``<!-- /hunt:NAME -->`` block of ``page`` (a begin mark without its
+    end gets one after the new body)."""
     text = page.read_text(encoding="utf-8")
     for name, body in generated.items():
-        begin, end = f"<!-- hunt:{name} -->", f"<!-- /hunt:{name} -->"
+        # each mark on a line of its own (the page's prose may name them)
+        begin, end = f"\n<!-- hunt:{name} -->\n", f"\n<!-- /hunt:{name} -->\n"
         if begin not in text:
-            raise SystemExit(f"{page}: no {begin}")
+            raise SystemExit(f"{page}: no {begin.strip()} on a line of its own")
         head, _, rest = text.partition(begin)
         _, found, tail = rest.partition(end)
-        text = f"{head}{begin}\n{body}\n{end}{tail if found else rest}"
+        text = f"{head}{begin}{body}{end}{tail if found else rest}"
     page.write_text(text, encoding="utf-8")
 
 
