@@ -111,6 +111,7 @@ LM_ONLY: frozenset[str] = frozenset(
         "test_batch_merge_empty.py",
         "test_batch_trim_capped.py",
         "test_chunked_trim_front.py",
+        "test_gemma2_batch_mask.py",
         "test_max_kv_size_ignored.py",
         "test_offset_detach.py",
         "test_prompt_cache_exact_hit.py",

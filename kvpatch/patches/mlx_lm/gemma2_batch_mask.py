@@ -19,7 +19,9 @@ Fix: a delta in front of the original: a four-dimensional mask array, when the l
 (``repeats > 1``), gets a unit axis for the repeats (``(B, 1, 1, L, S)``), which broadcasts against the five-dimensional
 scores row by row; the original then runs unchanged. A single prompt's mask gives the same scores either way (a unit
 axis is only a broadcast), a string or absent mask and a layer without grouping pass as they are. Hot path (per layer
-per step): a plain function, one shape test on the mask and an ``expand_dims`` view, no host synchronisation.
+per step): a plain function, one shape test on the mask and an ``expand_dims`` view, no host synchronisation. The
+delta and the reproduction are ``kvpatch/patches/_grouped_mask.py``'s, shared with mlx-vlm's copy of gemma2
+(``vlm-gemma2-batch-mask``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,8 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches import _reproduce
-from kvpatch.patches._numbers import judge, worst
-from kvpatch.record import Expiry, Finding, Patch, symptom
+from kvpatch.patches import _grouped_mask, _reproduce
+from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     # every field: CONTRIBUTING.md, "The record"
@@ -53,14 +54,7 @@ PATCH = Patch(
 
 @PATCH.replace("mlx_lm.models.gemma2", "Attention.__call__")
 def _build(original: Any) -> Any:
-    import mlx.core as mx
-
-    def __call__(self: Any, x: Any, mask: Any = None, cache: Any = None) -> Any:
-        if self.repeats > 1 and getattr(mask, "ndim", 0) == 4:
-            mask = mx.expand_dims(mask, 2)
-        return original(self, x, mask, cache)
-
-    return __call__
+    return _grouped_mask.build(original)
 
 
 def tiny_model() -> Any:
@@ -74,36 +68,19 @@ def tiny_model() -> Any:
     return _reproduce.seeded(Model, args)
 
 
-def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 2), steps: int = 2) -> list[Any]:
-    """Each prompt of a left-padded batch (``BatchKVCache`` per layer, the masks the model makes itself) against the
-    prompt alone (``KVCache``): per row, the largest difference of the last position's logits over prefill and
-    ``steps`` decode steps of the same tokens."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import BatchKVCache, KVCache
+def caches() -> Any:
+    """mlx-lm's cache module (``KVCache`` alone, ``BatchKVCache`` batched)."""
+    from mlx_lm.models import cache
 
-    prompts = [mx.random.randint(1, 64, (1, n), key=mx.random.key(i)) for i, n in enumerate(lengths)]
-    tokens = mx.random.randint(1, 64, (steps, len(lengths), 1), key=mx.random.key(len(lengths)))
-    alone = []
-    for row, prompt in enumerate(prompts):
-        cache = [KVCache() for _ in model.layers]
-        outs = [model(prompt, cache=cache)[:, -1]]
-        outs += [model(tokens[s, row : row + 1], cache=cache)[:, -1] for s in range(steps)]
-        alone.append(outs)
-    padding, batch = _reproduce.left_padded(prompts)
-    cache = [BatchKVCache(padding) for _ in model.layers]
-    outs = [model(batch, cache=cache)[:, -1]]
-    outs += [model(tokens[s], cache=cache)[:, -1] for s in range(steps)]
-    return _reproduce.row_differences(outs, alone)
+    return cache
+
+
+def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 2), steps: int = 2) -> list[Any]:
+    """:func:`_grouped_mask.batched_vs_alone` with mlx-lm's caches."""
+    return _grouped_mask.batched_vs_alone(model, caches(), lengths, steps)
 
 
 @PATCH.reproduce
 def reproduce() -> Finding:
     """A tiny gemma2 over a left-padded batch of two prompts, against each prompt alone."""
-    try:
-        rows = batched_vs_alone(tiny_model())
-    except ValueError as exc:
-        text = symptom(exc, "broadcast_shapes").splitlines()[0]
-        return Finding(True, f"gemma2 over a batch's per-row mask raises ValueError: {text}")
-    return judge(
-        worst(rows), "batched prompts' logits differ from each alone", "batched prompts' logits equal each alone"
-    )
+    return _grouped_mask.reproduce(tiny_model, caches, "gemma2")
