@@ -2,8 +2,9 @@
 (docs/findings.md, the table after ``<!-- hunt:gaps -->``), not in code: the hunt knows invariants, never bugs.
 
 Each row: the class or architecture (a regular expression over ``module.Name``), the invariant, a regular
-expression over the finding's detail, and the reason (the bug, its releases and upstream reference where known, and
-why kvpatch leaves it). :mod:`.report` marks a ``new`` finding that matches a row "documented gap".
+expression over the finding's detail, the releases (a PEP 440 range of the distribution the class belongs to; empty:
+any), and the reason (the bug, its releases and upstream reference where known, and why kvpatch leaves it).
+:mod:`.report` marks a ``new`` finding that matches a row "documented gap".
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
 MARK = "<!-- hunt:gaps -->"
 
 
@@ -21,6 +25,7 @@ class Gap:
     target: str
     invariant: str
     detail: str
+    releases: str
     reason: str
 
 
@@ -36,19 +41,22 @@ def read(page: Path) -> list[Gap]:
                 break
             continue
         cells = [c.strip().strip("`") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
-        if len(cells) != 4 or cells[0] in ("target", "") or set(cells[0]) <= set("-:"):
+        if len(cells) != 5 or cells[0] in ("target", "") or set(cells[0]) <= set("-:"):
             continue
         out.append(Gap(*(c.replace("\\|", "|") for c in cells)))
     return out
 
 
-def match(finding: dict[str, Any], gaps: list[Gap]) -> str | None:
-    """The reason of the documented gap ``finding`` is, or None."""
+def match(finding: dict[str, Any], gaps: list[Gap], releases: dict[str, str]) -> str | None:
+    """The reason of the documented gap ``finding`` (found where ``releases`` are installed) is, or None."""
+    target = finding.get("target", "")
+    version = releases.get("mlx-vlm" if target.startswith("mlx_vlm") else "mlx-lm")
     for gap in gaps:
         if (
             gap.invariant == finding.get("invariant")
-            and re.search(gap.target, finding.get("target", ""))
+            and re.search(gap.target, target)
             and re.search(gap.detail, finding.get("detail", ""))
+            and (not gap.releases or (version is not None and Version(version) in SpecifierSet(gap.releases)))
         ):
             return gap.reason
     return None

@@ -146,10 +146,12 @@ def new_findings(results: list[dict[str, Any]], documented: list[gaps.Gap]) -> l
                 bugs.setdefault(bug_of(f), []).append((f, r))
     rows = []
     for key, seen in sorted(bugs.items()):
-        f = min((f for f, _ in seen), key=lambda f: f["length"])
+        f, r = min(seen, key=lambda x: x[0]["length"])
         where = sorted({r["bucket"] for _, r in seen}, key=_bucket_key)
         crash = f" ({key[3]}: {key[4]})" if key[4] else f" ({key[3]})" if key[3] else ""
-        gap = gaps.match(f, documented)
+        # documented only when every bucket it was found in is within the gap's releases
+        reasons = {gaps.match(f, documented, r["releases"]) for f, r in seen}
+        gap = reasons.pop() if len(reasons) == 1 else None
         # the why of a documented gap (its reason's "Not patched" part; the whole reason is in the gaps table)
         status = "undocumented" if gap is None else "documented gap: " + gap[max(gap.find("Not patched"), 0) :]
         rows.append([f"{key[0]}: {key[1]} after {key[2]}{crash}", ", ".join(where), str(f["length"]), status])
