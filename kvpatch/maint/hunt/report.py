@@ -3,7 +3,8 @@ JSON the hunt writes (``--out``), so that they are regenerated from runs, never 
 
 Three tables, each between ``<!-- hunt:NAME -->`` and ``<!-- /hunt:NAME -->`` in docs/findings.md:
 
-``buckets``       every hunt read: bucket, releases, budget, seconds, findings by verdict, and how many findings of the
+``buckets``       every hunt read: bucket, releases, levels and hunts, budget, seconds, architectures the model level
+                  ran (built and ran alone) of those it reached, findings by verdict, and how many findings of the
                   kvpatch-on hunt are attributed to a patch (a patch that does not fix what it claims: none expected);
 ``rediscovered``  every cache- or model-level patch of the catalogue (:func:`reachable`): the invariant that found it
                   with kvpatch off, where, and its shortest reproduction; or why it was not;
@@ -171,7 +172,16 @@ def bucket_rows(results: list[dict[str, Any]]) -> list[list[str]]:
         # what kvpatch on still shows of a bug a patch claims (the hunt's exit status counts it too): none expected
         on = sum(1 for f in r["findings"] if "on" in f["hunts"] and fixed_by(verdict(f)))
         seconds = f"{r['seconds']['total']:g}"
-        rows.append([r["bucket"], releases, f"{r['budget']:g}", seconds, shown or "none", str(on)])
+        # the model level's reach: architectures whose tiny config built and ran alone, of those it reached
+        first: dict[str, Any] = next(iter(r["hunts"].values()), {})
+        archs: dict[str, Any] = first.get("architectures", {})
+        covered = sum(1 for a in archs.values() if a.get("covered"))
+        reach = f"{covered} of {len(archs)}" if "model" in r.get("levels", ()) else "-"
+        levels = ",".join(r.get("levels", ())) + (f" ({r['only']})" if r.get("only") else "")
+        hunts = "/".join(r["hunts"])
+        rows.append(
+            [r["bucket"], releases, f"{levels}; {hunts}", f"{r['budget']:g}", seconds, reach, shown or "none", str(on)]
+        )
     return rows
 
 
@@ -199,7 +209,16 @@ def sections(results: list[dict[str, Any]], patches: Sequence[Patch], documented
     new_rows = new_findings(results, documented)
     return {
         "buckets": table(
-            ("bucket", "releases", "budget (s)", "seconds", "findings by verdict", "kvpatch on: a patched bug"),
+            (
+                "bucket",
+                "releases",
+                "levels; kvpatch",
+                "budget (s)",
+                "seconds",
+                "architectures run",
+                "findings by verdict",
+                "kvpatch on: a patched bug",
+            ),
             bucket_rows(results),
         ),
         "rediscovered": (
