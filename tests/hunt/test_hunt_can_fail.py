@@ -55,19 +55,23 @@ def test_planted_filter_bug_is_found_and_shrunk():
     # kvpatch on: upstream's own filter bugs are patched on this release, so a filter finding is the planted one
     code = f"PLANT = {PLANT!r}\n{HUNT}"
     planted = json.loads(_child(code, "plant", "40"))
-    filtered = [c for c in planted if c["operation"] == "filter"]
+    filtered = [c for c in planted if _filters(c)]
     assert filtered, planted
     shortest = min(filtered, key=lambda c: len(c["lines"]))
     lines = shortest["lines"]
-    assert shortest["invariant"] in ("offsets-agree", "rows-agree")
-    assert any("cache.filter(" in line for line in lines)
     # shrunk: what is left makes two rows (or one and a joined one), may feed them, and filters; every operation
     # the planted bug does not need (trim, merge, extract, restores, save/load, nbytes, more steps) is gone
     needless = ("trim(", "merge(", "extract(", "restore(", "snapshot(", "save_prompt_cache", "nbytes", "dequantize")
     assert not [line for line in lines if any(word in line for word in needless)], lines
     assert len(lines) <= 10, lines
     clean = json.loads(_child(code, "clean", "40"))
-    assert not [c for c in clean if c["operation"] == "filter"], clean
+    assert not [c for c in clean if _filters(c)], clean
+
+
+def _filters(caught: dict) -> bool:
+    """A finding of the planted bug: rows or offsets wrong in a sequence that filters, seen at the filter or, where
+    the dropped offset is still pending left padding (an unprimed row), at the next step that uses it."""
+    return caught["invariant"] in ("offsets-agree", "rows-agree") and any("cache.filter(" in x for x in caught["lines"])
 
 
 LAZY = """

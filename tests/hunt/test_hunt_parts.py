@@ -175,10 +175,12 @@ def test_the_report_counts_only_what_the_hunt_attributed_and_writes_its_sections
         "a: prose names `<!-- hunt:gaps -->` and `<!-- hunt:new -->`\n<!-- hunt:new -->\nold\n<!-- /hunt:new -->\n"
         "b\n<!-- hunt:buckets -->\n<!-- hunt:rediscovered -->\n"
         "<!-- hunt:gaps -->\n| target | invariant | detail | releases | reason |\n|---|---|---|---|---|\n"
-        "| `\\.Other$` | no-crash | `^x$` | >=0.28.0,<0.30.0 | upstream's, because \\| reasons |\n\nafter\n"
+        "| `\\.Other$` | no-crash | `^merge: x$` | >=0.28.0,<0.30.0 | upstream's, because \\| reasons |\n\nafter\n"
     )
     documented = gaps.read(page)
-    assert documented == [gaps.Gap(r"\.Other$", "no-crash", "^x$", ">=0.28.0,<0.30.0", "upstream's, because | reasons")]
+    assert documented == [
+        gaps.Gap(r"\.Other$", "no-crash", "^merge: x$", ">=0.28.0,<0.30.0", "upstream's, because | reasons")
+    ]
     assert report.new_findings(results, documented)[0][3] == "documented gap: upstream's, because | reasons"
     later = [*results, _result("lm-0.31.3", {"mlx-lm": "0.31.3"}, [_finding("mlx_lm.models.cache.Other", "new", 7)])]
     assert report.new_findings(later, documented)[0][3] == "undocumented"  # found outside the gap's releases too

@@ -2,9 +2,9 @@
 (docs/findings.md, the table after ``<!-- hunt:gaps -->``), not in code: the hunt knows invariants, never bugs.
 
 Each row: the class or architecture (a regular expression over ``module.Name``), the invariant, a regular
-expression over the finding's detail, the releases (a PEP 440 range of the distribution the class belongs to; empty:
-any), and the reason (the bug, its releases and upstream reference where known, and why kvpatch leaves it).
-:mod:`.report` marks a ``new`` finding that matches a row "documented gap".
+expression over the finding's operation and detail (``"<operation>: <detail>"``), the releases (a PEP 440 range of
+the distribution the class belongs to; empty: any), and the reason (the bug, its releases and upstream reference
+where known, and why kvpatch leaves it). :mod:`.report` marks a ``new`` finding that matches a row "documented gap".
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def match(finding: dict[str, Any], gaps: list[Gap], releases: dict[str, str]) ->
         if (
             gap.invariant == finding.get("invariant")
             and re.search(gap.target, target)
-            and re.search(gap.detail, finding.get("detail", ""))
+            and re.search(gap.detail, f"{finding.get('operation', '')}: {finding.get('detail', '')}")
             and (not gap.releases or (version is not None and Version(version) in SpecifierSet(gap.releases)))
         ):
             return gap.reason
