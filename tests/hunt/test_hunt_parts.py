@@ -169,7 +169,7 @@ def test_the_report_counts_only_what_the_hunt_attributed_and_writes_its_sections
     assert trim[1].startswith("not rediscovered: not found in 1 hunts")
     assert next(r for r in rows if r[0] == "mask-fill")[1].startswith("not rediscovered: no bucket of its range")
     new = report.new_findings(results, [])
-    assert len(new) == 1 and new[0][0].startswith("Other: no-crash after merge") and new[0][3] == "undocumented"
+    assert len(new) == 1 and new[0][0].startswith("mlx_lm Other: no-crash after merge") and new[0][3] == "undocumented"
     page = tmp_path / "page.md"
     page.write_text(
         "a: prose names `<!-- hunt:gaps -->` and `<!-- hunt:new -->`\n<!-- hunt:new -->\nold\n<!-- /hunt:new -->\n"

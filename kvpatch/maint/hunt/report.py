@@ -75,12 +75,13 @@ def _in_range(patch: Patch, result: dict[str, Any]) -> bool:
 
 
 def bug_of(f: dict[str, Any]) -> tuple[str, ...]:
-    """One bug across buckets: the class or architecture, the invariant, the operation (decode and update are one),
-    and for a crash its exception and message shape."""
+    """One bug across buckets: the package and class or architecture, the invariant, the operation (decode and update
+    are one), and for a crash its exception and message shape."""
     signature = list(f["signature"])[:5]
     if signature[2] == "decode":
         signature[2] = "update"
-    return (signature[0].split(".")[-1], *signature[1:])
+    package, name = signature[0].split(".")[0], signature[0].split(".")[-1]
+    return (f"{package} {name}", *signature[1:])
 
 
 def rediscovered(results: list[dict[str, Any]], patches: Sequence[Patch]) -> tuple[list[list[str]], int, int]:
@@ -145,6 +146,12 @@ def new_findings(results: list[dict[str, Any]], documented: list[gaps.Gap]) -> l
         for f in r["findings"]:
             if verdict(f) == "new":
                 bugs.setdefault(bug_of(f), []).append((f, r))
+    # a bug a patch added since (or a hunt with it) is attributed to: patched
+    patched: dict[tuple[str, ...], set[str]] = {}
+    for r in results:
+        for f in r["findings"]:
+            if fixed_by(verdict(f)):
+                patched.setdefault(bug_of(f), set()).update(fixed_by(verdict(f)))
     rows = []
     for key, seen in sorted(bugs.items()):
         f, r = min(seen, key=lambda x: x[0]["length"])
@@ -155,6 +162,8 @@ def new_findings(results: list[dict[str, Any]], documented: list[gaps.Gap]) -> l
         gap = reasons.pop() if len(reasons) == 1 else None
         # the why of a documented gap (its reason's "Not patched" part; the whole reason is in the gaps table)
         status = "undocumented" if gap is None else "documented gap: " + gap[max(gap.find("Not patched"), 0) :]
+        if key in patched:
+            status = f"patched: {', '.join(sorted(patched[key]))} (found new before it, fixed by it in a later hunt)"
         rows.append([f"{key[0]}: {key[1]} after {key[2]}{crash}", ", ".join(where), str(f["length"]), status])
     return rows
 
@@ -232,17 +241,16 @@ def sections(results: list[dict[str, Any]], patches: Sequence[Patch], documented
 
 
 def write(page: Path, generated: dict[str, str]) -> None:
-    """Replace each ``<!-- hunt:NAME -->`` ... ``<!-- /hunt:NAME -->`` block of ``page`` (a begin mark without its
-    end gets one after the new body)."""
+    """Replace each ``<!-- hunt:NAME -->`` ... ``<!-- /hunt:NAME -->`` block of ``page``, each mark on a line of its
+    own (the page's prose may name them); a begin mark without its end gets one after the new body."""
     text = page.read_text(encoding="utf-8")
     for name, body in generated.items():
-        # each mark on a line of its own (the page's prose may name them)
-        begin, end = f"\n<!-- hunt:{name} -->\n", f"\n<!-- /hunt:{name} -->\n"
-        if begin not in text:
-            raise SystemExit(f"{page}: no {begin.strip()} on a line of its own")
-        head, _, rest = text.partition(begin)
-        _, found, tail = rest.partition(end)
-        text = f"{head}{begin}{body}{end}{tail if found else rest}"
+        begin = re.search(rf"^<!-- hunt:{name} -->$", text, flags=re.M)
+        if begin is None:
+            raise SystemExit(f"{page}: no <!-- hunt:{name} --> on a line of its own")
+        end = re.compile(rf"^<!-- /hunt:{name} -->$", flags=re.M).search(text, begin.end())
+        tail = text[end.end() :] if end is not None else text[begin.end() :]
+        text = f"{text[: begin.end()]}\n{body}\n<!-- /hunt:{name} -->{tail}"
     page.write_text(text, encoding="utf-8")
 
 
