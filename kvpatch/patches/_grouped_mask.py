@@ -1,12 +1,14 @@
-"""The delta of gemma2-batch-mask and its mlx-vlm twin: an attention that groups its queries in five dimensions
-(``(B, kv_heads, repeats, L, head_dim)``) and applies the mask it is given as it comes gets a four-dimensional mask
-with a unit axis for the repeats, so that a batch's per-row ``(B, 1, L, S)`` mask broadcasts row by row."""
+"""The delta and reproduction of gemma2-batch-mask and its mlx-vlm twin: an attention that groups its queries in five
+dimensions (``(B, kv_heads, repeats, L, head_dim)``) and applies the mask it is given as it comes gets a
+four-dimensional mask with a unit axis for the repeats, so that a batch's per-row ``(B, 1, L, S)`` mask broadcasts row
+by row."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from kvpatch.patches import _reproduce
 from kvpatch.patches._numbers import judge, worst
 from kvpatch.record import Finding, symptom
 
@@ -25,36 +27,11 @@ def build(original: Any) -> Any:
     return __call__
 
 
-def batched_vs_alone(model: Any, caches: Any, lengths: tuple[int, ...], steps: int) -> list[Any]:
-    """Each prompt of a left-padded batch (``caches.BatchKVCache`` per layer, the masks the model makes itself)
-    against the prompt alone (``caches.KVCache``): per row, the largest difference of the last position's logits over
-    prefill and ``steps`` decode steps of the same tokens. ``model``: a tiny random-weight model (its ``layers``)."""
-    import mlx.core as mx
-
-    from kvpatch.patches import _reproduce
-
-    def logits(inputs: Any, cache: list[Any]) -> Any:
-        out = model(inputs, cache=cache)
-        return getattr(out, "logits", out)[:, -1]
-
-    vocab = 64
-    prompts = [mx.random.randint(1, vocab, (1, n), key=mx.random.key(i)) for i, n in enumerate(lengths)]
-    tokens = mx.random.randint(1, vocab, (steps, len(lengths), 1), key=mx.random.key(len(lengths)))
-    alone = []
-    for row, prompt in enumerate(prompts):
-        cache = [caches.KVCache() for _ in model.layers]
-        alone.append([logits(prompt, cache)] + [logits(tokens[s, row : row + 1], cache) for s in range(steps)])
-    padding, batch = _reproduce.left_padded(prompts)
-    cache = [caches.BatchKVCache(padding) for _ in model.layers]
-    outs = [logits(batch, cache)] + [logits(tokens[s], cache) for s in range(steps)]
-    return _reproduce.row_differences(outs, alone)
-
-
 def reproduce(model: Callable[[], Any], caches: Callable[[], Any], name: str) -> Finding:
-    """The finding of :func:`batched_vs_alone` over two prompts (5 and 2 tokens, two decode steps): the bug's own
-    ValueError (``broadcast_shapes``), or each prompt's logits batched against alone."""
+    """The finding of :func:`_reproduce.model_rows_vs_alone` over two prompts (5 and 2 tokens, two decode steps): the
+    bug's own ValueError (``broadcast_shapes``), or each prompt's logits batched against alone."""
     try:
-        rows = batched_vs_alone(model(), caches(), (5, 2), 2)
+        rows = _reproduce.model_rows_vs_alone(model(), caches(), (5, 2), 2)
     except ValueError as exc:
         text = symptom(exc, "broadcast_shapes").splitlines()[0]
         return Finding(True, f"{name} over a batch's per-row mask raises ValueError: {text}")

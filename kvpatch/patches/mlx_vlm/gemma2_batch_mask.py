@@ -73,8 +73,8 @@ def caches() -> Any:
 
 
 def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 2), steps: int = 2) -> list[Any]:
-    """:func:`_grouped_mask.batched_vs_alone` with mlx-vlm's caches."""
-    return _grouped_mask.batched_vs_alone(model, caches(), lengths, steps)
+    """:func:`_reproduce.model_rows_vs_alone` with mlx-vlm's caches."""
+    return _reproduce.model_rows_vs_alone(model, caches(), lengths, steps)
 
 
 @PATCH.reproduce
