@@ -157,11 +157,12 @@ def new_findings(results: list[dict[str, Any]], documented: list[gaps.Gap]) -> l
         f, r = min(seen, key=lambda x: x[0]["length"])
         where = sorted({r["bucket"] for _, r in seen}, key=_bucket_key)
         crash = f" ({key[3]}: {key[4]})" if key[4] else f" ({key[3]})" if key[3] else ""
-        # documented only when every bucket it was found in is within the gap's releases
-        reasons = {gaps.match(f, documented, r["releases"]) for f, r in seen}
-        gap = reasons.pop() if len(reasons) == 1 else None
+        # documented only when every bucket it was found in is within a gap's releases (one row per release range)
+        found = [gaps.match(f, documented, r["releases"]) for f, r in seen]
+        reasons = list(dict.fromkeys(g for g in found if g is not None))
+        gap = None if None in found else " / ".join(g[max(g.find("Not patched"), 0) :] for g in reasons)
         # the why of a documented gap (its reason's "Not patched" part; the whole reason is in the gaps table)
-        status = "undocumented" if gap is None else "documented gap: " + gap[max(gap.find("Not patched"), 0) :]
+        status = "undocumented" if gap is None else f"documented gap: {gap}"
         if key in patched:
             status = f"patched: {', '.join(sorted(patched[key]))} (found new before it, fixed by it in a later hunt)"
         rows.append([f"{key[0]}: {key[1]} after {key[2]}{crash}", ", ".join(where), str(f["length"]), status])
