@@ -27,11 +27,14 @@ def build(original: Any) -> Any:
     return __call__
 
 
-def reproduce(model: Callable[[], Any], caches: Callable[[], Any], name: str) -> Finding:
+def reproduce(model: Callable[[], Any], caches: str, name: str) -> Finding:
     """The finding of :func:`_reproduce.model_rows_vs_alone` over two prompts (5 and 2 tokens, two decode steps): the
-    bug's own ValueError (``broadcast_shapes``), or each prompt's logits batched against alone."""
+    bug's own ValueError (``broadcast_shapes``), or each prompt's logits batched against alone. ``caches``: the cache
+    module's name (mlx-lm's or mlx-vlm's)."""
+    import importlib
+
     try:
-        rows = _reproduce.model_rows_vs_alone(model(), caches(), (5, 2), 2)
+        rows = _reproduce.model_rows_vs_alone(model(), importlib.import_module(caches), (5, 2), 2)
     except ValueError as exc:
         text = symptom(exc, "broadcast_shapes").splitlines()[0]
         return Finding(True, f"{name} over a batch's per-row mask raises ValueError: {text}")

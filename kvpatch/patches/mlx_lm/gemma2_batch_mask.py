@@ -68,19 +68,7 @@ def tiny_model() -> Any:
     return _reproduce.seeded(Model, args)
 
 
-def caches() -> Any:
-    """mlx-lm's cache module (``KVCache`` alone, ``BatchKVCache`` batched)."""
-    from mlx_lm.models import cache
-
-    return cache
-
-
-def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 2), steps: int = 2) -> list[Any]:
-    """:func:`_reproduce.model_rows_vs_alone` with mlx-lm's caches."""
-    return _reproduce.model_rows_vs_alone(model, caches(), lengths, steps)
-
-
 @PATCH.reproduce
 def reproduce() -> Finding:
     """A tiny gemma2 over a left-padded batch of two prompts, against each prompt alone."""
-    return _grouped_mask.reproduce(tiny_model, caches, "gemma2")
+    return _grouped_mask.reproduce(tiny_model, "mlx_lm.models.cache", "gemma2")

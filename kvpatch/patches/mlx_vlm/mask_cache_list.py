@@ -75,22 +75,17 @@ def tiny_model() -> Any:
     return _reproduce.seeded(LanguageModel, config)
 
 
-def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 2), steps: int = 2) -> list[Any]:
-    """:func:`_reproduce.model_rows_vs_alone` with mlx-vlm's caches."""
-    from mlx_vlm.models import cache
-
-    return _reproduce.model_rows_vs_alone(model, cache, lengths, steps)
-
-
 @PATCH.reproduce
 def reproduce() -> Finding:
     """A tiny idefics2 language model over a left-padded batch of two prompts, against each prompt alone."""
+    from mlx_vlm.models import cache
+
     try:
         model = tiny_model()
     except ImportError as exc:
         return _reproduce.absent(exc, "this mlx-vlm has no idefics2 model")
     return judge(
-        worst(batched_vs_alone(model)),
+        worst(_reproduce.model_rows_vs_alone(model, cache, (5, 2), 2)),
         "a padded prompt's logits batched differ from alone (its padding is attended)",
         "batched prompts' logits equal each alone",
     )
