@@ -152,6 +152,8 @@ def test_the_report_counts_only_what_the_hunt_attributed_and_writes_its_sections
     reachable = [p.id for p in patches if report.reachable(p)]
     assert "batch-merge-empty" in reachable and "qsdpa-cuda-shapes" not in reachable  # a CUDA kernel
     assert "speculative-stale-cache" not in reachable and "max-kv-size-ignored" not in reachable  # generation
+    by_id = {p.id: p for p in patches}
+    assert report.from_the_hunt(by_id["gemma2-batch-mask"]) and not report.from_the_hunt(by_id["batch-merge-empty"])
     cache = "mlx_lm.models.cache.BatchKVCache"
     results = [
         _result("lm-0.28.4", {"mlx-lm": "0.28.4"}, [
