@@ -28,4 +28,11 @@ it gives; for "target moved or gone", retarget the patch (bug still there) or re
 Re-run just this check: bash scripts/upstream_check.sh   (or: $VENV/bin/kvpatch upstream-check --mlx-lm X.Y.Z)
 MSG
 fi
+# The short bug hunt (docs/findings.md): the invariants on the same newest releases, kvpatch off and on, each finding
+# attributed. A "new" finding is printed with its reproduction for a maintainer to triage (patch it or document it);
+# it never fails this run: a new release's new bug is news, not a broken kvpatch, and the patch tier already fails
+# when a patch stops fixing its own bug.
+echo "== short bug hunt on the newest upstream releases (kvpatch off and on; report only) =="
+"$VENV/bin/python" -m kvpatch.maint.hunt --upstream --budget "${KVPATCH_HUNT_BUDGET:-60}" --report-only ||
+  echo "the bug hunt could not run (see above); the upstream check's result stands" >&2
 exit "$status"

@@ -47,7 +47,7 @@ def pytest_ignore_collect(collection_path, config):
 
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier; in a matrix bucket, deselect what tests/tiers.py runs elsewhere; under
-    ``KVPATCH_TIER=quick``, keep the unit tests and the matrix (which runs the patch tier) only."""
+    ``KVPATCH_TIER=quick``, keep what :func:`tiers.in_quick` keeps."""
     bucket = os.environ.get("KVPATCH_BUCKET") if os.environ.get(tiers.SELECT_VAR) else None
     keep, drop = [], []
     for item in items:
@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
         if bucket and tier in ("patch", "integration"):
             wanted = tiers.runs_in_bucket(item.nodeid, path, bucket)
         elif tiers.quick() and not bucket:
-            wanted = tier == "unit" or path.name == "test_matrix.py" or (tier == "patch" and HAS_MLX)
+            wanted = tiers.in_quick(item.nodeid, path, HAS_MLX)
         else:
             wanted = True
         (keep if wanted else drop).append(item)

@@ -27,6 +27,7 @@ def test_named_files_and_tests_exist():
     assert [node for node in upstream if not _exists(node, tiers.UPSTREAM)] == []
     assert [node for node in tiers.INTEGRATION_HERE if not _exists(node, TESTS)] == []
     assert [name for name in tiers.RUNNERS if not (TESTS / name).is_file()] == []
+    assert [name for name in tiers.NOT_QUICK if not (TESTS / name).is_dir()] == []
 
 
 def test_named_buckets_exist_and_every_release_tests_are_integration():
@@ -57,6 +58,15 @@ def test_integration_runs_once_and_restore_checks_everywhere(monkeypatch):
     monkeypatch.setenv(tiers.TIER_VAR, "quick")
     assert not tiers.runs_in_bucket(restore, lifecycle, tiers.NEWEST[0])
     assert tiers.runs_in_bucket("x::test_y", tiers.UPSTREAM / "test_offset_detach.py", tiers.NEWEST[0])
+
+
+def test_quick_tier_leaves_out_maintainer_tooling_tests():
+    parts = TESTS / "hunt" / "test_hunt_parts.py"
+    assert tiers.tier_of("x", parts) == "unit" and not tiers.in_quick("x", parts, has_mlx=True)
+    assert tiers.in_quick("x", TESTS / "engine" / "test_gate.py", has_mlx=False)
+    assert tiers.in_quick("x::test_y", TESTS / "test_matrix.py", has_mlx=False)
+    offset = tiers.UPSTREAM / "test_offset_detach.py"
+    assert tiers.in_quick("x", offset, has_mlx=True) and not tiers.in_quick("x", offset, has_mlx=False)
 
 
 def test_lm_only_files_run_on_every_mlx_lm_release_once():

@@ -36,8 +36,8 @@ UPSTREAM = TESTS / "upstream"
 
 TIERS = ("unit", "patch", "integration", "runner")
 
-#: ``KVPATCH_TIER=quick`` (scripts/test.sh --quick): unit tests here, and the ``patch`` tier in the
-#: :data:`NEWEST` buckets only.
+#: ``KVPATCH_TIER=quick`` (scripts/test.sh --quick): unit tests here (less :data:`NOT_QUICK`), and the ``patch``
+#: tier in the :data:`NEWEST` buckets only.
 TIER_VAR = "KVPATCH_TIER"
 #: Set by tests/test_matrix.py in the buckets it starts: there tests/upstream runs only what this module gives that
 #: bucket. Unset (scripts/in_bucket.py, an environment with mlx installed) every collected test runs.
@@ -85,8 +85,16 @@ INTEGRATION_HERE: frozenset[str] = frozenset(
         "test_pytest_plugin.py::test_kvpatch_off_fails_the_session_via_ini",
         "test_pytest_plugin.py::test_option_off_ignores_a_disabled_patch",
         "test_pytest_plugin.py::test_require_applied_at_server_start",
+        # the bug hunt's own proof that it can fail (tests/hunt): hunts in bucket child processes, minutes
+        "test_hunt_can_fail.py::test_planted_filter_bug_is_found_and_shrunk",
+        "test_hunt_can_fail.py::test_lazy_drive_finds_the_offset_growth_and_not_with_kvpatch_on",
+        "test_hunt_can_fail.py::test_attribution_names_the_patch_that_fixes_a_catalogue_bug",
     }
 )
+
+#: Folders under tests/ of maintainer tooling (kvpatch/maint) whose unit tests the quick tier leaves out: a
+#: maintainer runs them with the tool they test; the whole command (CI) runs them.
+NOT_QUICK: frozenset[str] = frozenset({"hunt"})
 
 #: Test files (relative to tests/) that run other tests in bucket processes.
 RUNNERS: frozenset[str] = frozenset({"test_matrix.py", "test_coexist.py", "test_upstream_oracle.py"})
@@ -103,6 +111,7 @@ LM_ONLY: frozenset[str] = frozenset(
         "test_batch_merge_empty.py",
         "test_batch_trim_capped.py",
         "test_chunked_trim_front.py",
+        "test_gemma2_batch_mask.py",
         "test_max_kv_size_ignored.py",
         "test_offset_detach.py",
         "test_prompt_cache_exact_hit.py",
@@ -172,6 +181,17 @@ def tier_of(nodeid: str, path: Path) -> str:
     if rel.as_posix() in RUNNERS:
         return "runner"
     return "integration" if _node(nodeid) in INTEGRATION_HERE else "unit"
+
+
+def in_quick(nodeid: str, path: Path, has_mlx: bool) -> bool:
+    """Whether the quick tier (``KVPATCH_TIER=quick``, outside a bucket) runs this test: the unit tests outside
+    :data:`NOT_QUICK`, the matrix (which runs the patch tier in the newest buckets), and the patch tier where mlx is
+    installed."""
+    rel = _relative(path)
+    if rel is not None and rel.parts[0] in NOT_QUICK:
+        return False
+    tier = tier_of(nodeid, path)
+    return tier == "unit" or path.name == "test_matrix.py" or (tier == "patch" and has_mlx)
 
 
 def _node(nodeid: str) -> str:

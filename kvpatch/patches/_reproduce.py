@@ -74,6 +74,30 @@ def row_differences(batched: list[Any], alone: list[list[Any]]) -> list[Differen
     return [d for d in rows if d is not None]
 
 
+def model_rows_vs_alone(model: Any, caches: Any, lengths: tuple[int, ...], steps: int) -> list[Difference]:
+    """Each prompt of a left-padded batch (``caches.BatchKVCache`` per layer, the masks the model makes itself)
+    against the prompt alone (``caches.KVCache``): per row, the largest difference of the last position's logits over
+    prefill and ``steps`` decode steps of the same tokens (a vocabulary of at least 64). ``model``: a tiny
+    random-weight model (its ``layers``); ``caches``: the cache module (mlx-lm's or mlx-vlm's)."""
+    import mlx.core as mx
+
+    def logits(inputs: Any, cache: list[Any]) -> Any:
+        out = model(inputs, cache=cache)
+        return getattr(out, "logits", out)[:, -1]
+
+    vocab = 64
+    prompts = [mx.random.randint(1, vocab, (1, n), key=mx.random.key(i)) for i, n in enumerate(lengths)]
+    tokens = mx.random.randint(1, vocab, (steps, len(lengths), 1), key=mx.random.key(len(lengths)))
+    alone = []
+    for row, prompt in enumerate(prompts):
+        cache = [caches.KVCache() for _ in model.layers]
+        alone.append([logits(prompt, cache)] + [logits(tokens[s, row : row + 1], cache) for s in range(steps)])
+    padding, batch = left_padded(prompts)
+    cache = [caches.BatchKVCache(padding) for _ in model.layers]
+    outs = [logits(batch, cache)] + [logits(tokens[s], cache) for s in range(steps)]
+    return row_differences(outs, alone)
+
+
 def tiny_llama(
     *,
     seed: int = 0,

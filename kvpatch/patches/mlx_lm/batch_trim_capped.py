@@ -20,7 +20,8 @@ update, prepare/finalize, filter, extend, merge and trim all preserve it), so "l
 exactly those rows; rows that held at least ``n`` tokens are unchanged. Two lazy array ops, no host
 synchronisation; ``n`` is the Python int the original returns, and nothing changes when it is 0 (a
 fresh cache's negative offsets are pending left padding, not over-trimming). Trim may run every step
-(speculative decoding), so it is treated as a hot path.
+(speculative decoding), so it is treated as a hot path. The delta and the reproduction are
+``kvpatch/patches/_trim.py``'s, shared with mlx-vlm's copy of the class (``vlm-batch-trim-capped``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Any
 
-from kvpatch.patches._numbers import difference, judge, worst
+from kvpatch.patches import _trim
 from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
@@ -49,48 +50,12 @@ PATCH = Patch(
 
 @PATCH.replace("mlx_lm.models.cache", "BatchKVCache.trim")
 def _build(original: Any) -> Any:
-    import mlx.core as mx
-
-    def trim(self: Any, n: int) -> int:
-        n = original(self, n)
-        if n > 0:
-            self.offset = mx.maximum(self.offset, 0)
-            self.left_padding = mx.minimum(self.left_padding, self._idx)
-        return n
-
-    return trim
+    return _trim.capped(original)
 
 
 @PATCH.reproduce
 def reproduce() -> Finding:
     """Trim 2 from rows holding 1 and 5 tokens; the next step must match a cache that never had them."""
-    import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    mx.random.seed(0)
-    H, D = 2, 8
-    k = mx.random.normal((2, H, 5, D))
-    v = mx.random.normal((2, H, 5, D))
-    q1, k1, v1 = (mx.random.normal((2, H, 1, D)) for _ in range(3))
-
-    cache = BatchKVCache([4, 0])  # row 0 holds 1 token, row 1 holds 5
-    cache.update_and_fetch(k, v)
-    cache.trim(2)
-    offset = cache.offset.tolist()
-    mask = cache.make_mask(1)
-    keys, values = cache.update_and_fetch(k1, v1)
-    out = mx.fast.scaled_dot_product_attention(q1, keys, values, scale=D**-0.5, mask=mask)
-
-    # Never appended: row 0 is empty (only the new token), row 1 holds its first 3 tokens.
-    want0 = v1[0]  # one key: attention returns its value
-    kk = mx.concatenate([k[1:, :, :3], k1[1:]], axis=2)
-    vv = mx.concatenate([v[1:, :, :3], v1[1:]], axis=2)
-    want1 = mx.fast.scaled_dot_product_attention(q1[1:], kk, vv, scale=D**-0.5)[0]
-    found = [difference(out[0], want0, where="row 0"), difference(out[1], want1, where="row 1")]
-    problems = [] if offset == [0, 3] else [f"after trim(2) offset={offset} (never-appended: [0, 3])"]
-    return judge(
-        worst(found),
-        "the next step's attention differs from the never-appended cache",
-        "trim(2) empties the 1-token row (offset [0, 3]); next step matches the never-appended cache",
-        problems=problems,
-    )
+    return _trim.reproduce(BatchKVCache)

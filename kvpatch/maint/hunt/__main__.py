@@ -1,0 +1,7 @@
+"""``python -m kvpatch.maint.hunt``: see :mod:`kvpatch.maint.hunt.cli`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,120 @@
+"""The hunt can fail: a bug planted in upstream's BatchKVCache is found and shrunk to a few operations, the lazy
+metadata drive finds the offset growth kvpatch fixes (and not with kvpatch on), and a catalogue bug's reproduction is
+attributed to its patch. Each runs in a child process of a matrix bucket (integration tier, named in
+tests/tiers.py's INTEGRATION_HERE: minutes, not the quick tier)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from matrix import BY_NAME
+from support import child_env
+
+from kvpatch.maint.envs import bucket_environ
+
+NEWEST_LM = "lm-0.32.2"
+
+#: A filter that drops the first kept row's offset (sets it to 0): the planted bug.
+PLANT = """
+import mlx.core as mx
+import mlx_lm.models.cache as c
+original = c.BatchKVCache.filter
+def filter(self, indices):
+    original(self, indices)
+    self.offset = mx.concatenate([mx.zeros_like(self.offset[:1]), self.offset[1:]])
+c.BatchKVCache.filter = filter
+"""
+
+HUNT = """
+import json, sys
+from kvpatch.maint.hunt import search, targets
+plant = sys.argv[1] == "plant"
+if plant:
+    exec(PLANT)
+found, _ = targets.discover(("mlx_lm",))
+target = next(t for t in found if t.name == "BatchKVCache")
+outcome = search.hunt_target(target, float(sys.argv[2]), seed=0)
+print("@@" + json.dumps([
+    {"invariant": c.violation.invariant, "operation": c.violation.operation, "lines": c.lines} for c in outcome.caught
+]))
+"""
+
+
+def _child(code: str, *args: str, kvpatch: str = "on", bucket: str = NEWEST_LM, timeout: float = 900) -> str:
+    env = bucket_environ(BY_NAME[bucket], base=child_env({"KVPATCH": "off"} if kvpatch == "off" else {}))
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", code, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return next(line for line in proc.stdout.splitlines() if line.startswith("@@"))[2:]
+
+
+def test_planted_filter_bug_is_found_and_shrunk():
+    # kvpatch on: upstream's own filter bugs are patched on this release, so a filter finding is the planted one
+    code = f"PLANT = {PLANT!r}\n{HUNT}"
+    planted = json.loads(_child(code, "plant", "40"))
+    filtered = [c for c in planted if _filters(c)]
+    assert filtered, planted
+    shortest = min(filtered, key=lambda c: len(c["lines"]))
+    lines = shortest["lines"]
+    # shrunk: what is left makes two rows (or one and a joined one), may feed them, and filters; every operation
+    # the planted bug does not need (trim, merge, extract, restores, save/load, nbytes, more steps) is gone
+    needless = ("trim(", "merge(", "extract(", "restore(", "snapshot(", "save_prompt_cache", "nbytes", "dequantize")
+    assert not [line for line in lines if any(word in line for word in needless)], lines
+    assert len(lines) <= 10, lines
+    clean = json.loads(_child(code, "clean", "40"))
+    assert not [c for c in clean if _filters(c)], clean
+
+
+def _filters(caught: dict) -> bool:
+    """A finding of the planted bug: rows or offsets wrong in a sequence that filters, seen at the filter or, where
+    the dropped offset is still pending left padding (an unprimed row), at the next step that uses it."""
+    return caught["invariant"] in ("offsets-agree", "rows-agree") and any("cache.filter(" in x for x in caught["lines"])
+
+
+LAZY = """
+import json
+from kvpatch.maint.hunt import lazy, targets
+found, _ = targets.discover(("mlx_lm",))
+target = next(t for t in found if t.name == "BatchKVCache")
+print("@@" + json.dumps([c.violation.detail for c in lazy.drive(target)]))
+"""
+
+
+def test_lazy_drive_finds_the_offset_growth_and_not_with_kvpatch_on():
+    off = json.loads(_child(LAZY, kvpatch="off"))
+    assert any("offset" in detail and "decode" in detail for detail in off), off
+    assert json.loads(_child(LAZY, kvpatch="on")) == []
+
+
+#: The shape of the hunt's reproduction of catalogue C4 (BatchKVCache.trim over-trims a short row), as it wrote it.
+C4 = """\
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+cache = BatchKVCache(left_padding=[2, 0])
+rows = [KVCache(), KVCache()]
+k = mx.random.normal((2, 2, 3, 8), key=mx.random.key(0))
+cache.update_and_fetch(k, k)
+rows[0].update_and_fetch(k[:1, :, 2:], k[:1, :, 2:])
+rows[1].update_and_fetch(k[1:], k[1:])
+cache.trim(2)
+for r in rows:
+    r.trim(2)
+print('batch offsets:', cache.offset.tolist(), 'each row alone:', [r.offset for r in rows])
+assert cache.offset.tolist() == [r.offset for r in rows]
+"""
+
+
+def test_attribution_names_the_patch_that_fixes_a_catalogue_bug():
+    from kvpatch.maint.hunt import attribute
+    from kvpatch.registry import load
+
+    bucket = BY_NAME["lm-0.31.3"]
+    env = bucket_environ(bucket, base=child_env())
+    finding = {"script": C4, "invariant": "offsets-agree", "target": "mlx_lm.models.cache.BatchKVCache"}
+    releases = {"mlx-lm": bucket.version("mlx-lm"), "mlx-vlm": None}
+    result = attribute.attribute(finding, env, load().patches, releases)
+    assert result.verdict == "fixed by batch-trim-capped", result

@@ -1,0 +1,55 @@
+"""gemma2-batch-mask beyond its reproduction: a tiny gemma2 (ModelArgs, random weights) over left-padded batches of
+several shapes gives each prompt the logits it has alone, prefill and decode; a single prompt's forward pass, and a
+layer without grouped queries, get exactly what upstream gives them."""
+
+from __future__ import annotations
+
+import pytest
+from _batched_cases import LENGTHS, rows_agree
+
+from kvpatch.patches.mlx_lm.gemma2_batch_mask import PATCH, tiny_model
+from kvpatch.testing import require_affected, with_and_without
+
+# skips where the installed upstream is not in the patch's range (tests/upstream/conftest.py)
+pytestmark = pytest.mark.requires_patch(PATCH.id)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_range():
+    require_affected(PATCH)
+
+
+# Without the patch (KVPATCH_DISABLE=gemma2-batch-mask) the padded cases raise ValueError: [broadcast_shapes]
+# (prompts of one length get no per-row mask):
+#   KVPATCH_DISABLE=gemma2-batch-mask .venv/bin/python scripts/in_bucket.py lm-0.32.2 -- python -m pytest tests/upstream/test_gemma2_batch_mask.py -q   # fails
+#   .venv/bin/python scripts/in_bucket.py lm-0.32.2 -- python -m pytest tests/upstream/test_gemma2_batch_mask.py -q   # passes
+@pytest.mark.parametrize("lengths", LENGTHS)
+def test_batched_prompts_get_the_logits_they_have_alone(lengths):
+    from mlx_lm.models import cache
+
+    rows_agree(tiny_model(), cache, lengths)
+
+
+def test_a_single_prompt_and_an_ungrouped_layer_are_upstreams():
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+    from mlx_lm.models.gemma2 import Attention, ModelArgs
+
+    model = tiny_model()
+    prompt = mx.array([[3, 9, 27, 17, 51]])
+    args = ModelArgs(
+        model_type="gemma2", hidden_size=64, num_hidden_layers=1, intermediate_size=128, num_attention_heads=2,
+        head_dim=16, rms_norm_eps=1e-5, vocab_size=64, num_key_value_heads=2,
+    )  # fmt: skip
+    mx.random.seed(1)
+    ungrouped = Attention(args)
+    x = mx.random.normal((2, 3, 64), key=mx.random.key(2))
+
+    def run():
+        single = model(prompt, cache=[KVCache() for _ in model.layers])
+        cache = BatchKVCache([1, 0])
+        batch = ungrouped(x, mask=cache.make_mask(3, return_array=True), cache=cache)
+        return single.tolist(), batch.tolist()
+
+    patched, unpatched = with_and_without(PATCH.id, run)
+    assert patched == unpatched
