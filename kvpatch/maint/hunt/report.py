@@ -152,25 +152,29 @@ def new_findings(results: list[dict[str, Any]], documented: list[gaps.Gap]) -> l
         for f in r["findings"]:
             if verdict(f) == "new":
                 bugs.setdefault(bug_of(f), []).append((f, r))
-    # a bug a patch added since (or a hunt with it) is attributed to: patched
-    patched: dict[tuple[str, ...], set[str]] = {}
+    # a bug that a later hunt of the same bucket attributes to a patch (one added since): patched there
+    patched: dict[tuple[str, tuple[str, ...]], set[str]] = {}
     for r in results:
         for f in r["findings"]:
             if fixed_by(verdict(f)):
-                patched.setdefault(bug_of(f), set()).update(fixed_by(verdict(f)))
+                patched.setdefault((r["bucket"], bug_of(f)), set()).update(fixed_by(verdict(f)))
     rows = []
     for key, seen in sorted(bugs.items()):
         f, r = min(seen, key=lambda x: x[0]["length"])
         where = sorted({r["bucket"] for _, r in seen}, key=_bucket_key)
         crash = f" ({key[3]}: {key[4]})" if key[4] else f" ({key[3]})" if key[3] else ""
-        # documented only when every bucket it was found in is within a gap's releases (one row per release range)
-        found = [gaps.match(f, documented, r["releases"]) for f, r in seen]
+        fixes = sorted({p for _, r in seen for p in patched.get((r["bucket"], key), ())})
+        rest = [(f, r) for f, r in seen if (r["bucket"], key) not in patched]
+        # documented only when every bucket it was found in is within a gap's releases (one row per release range);
+        # the why of a documented gap is its reason's "Not patched" part (the whole reason is in the gaps table)
+        found = [gaps.match(f, documented, r["releases"]) for f, r in rest]
         reasons = list(dict.fromkeys(g for g in found if g is not None))
         gap = None if None in found else " / ".join(g[max(g.find("Not patched"), 0) :] for g in reasons)
-        # the why of a documented gap (its reason's "Not patched" part; the whole reason is in the gaps table)
         status = "undocumented" if gap is None else f"documented gap: {gap}"
-        if key in patched:
-            status = f"patched: {', '.join(sorted(patched[key]))} (found new before it, fixed by it in a later hunt)"
+        if fixes:
+            on = ", ".join(sorted({r["bucket"] for _, r in seen if (r["bucket"], key) in patched}, key=_bucket_key))
+            patch = f"patched: {', '.join(fixes)} (a later hunt of {on} attributes it)"
+            status = patch if not rest else f"{patch}; elsewhere {status}"
         rows.append([f"{key[0]}: {key[1]} after {key[2]}{crash}", ", ".join(where), str(f["length"]), status])
     return rows
 
