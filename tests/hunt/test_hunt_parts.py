@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+pytest.importorskip("hypothesis", reason="the bug hunt needs hypothesis (the test dependency group)")
+
 from kvpatch.maint.hunt import attribute, cli, gaps, intended, models, report, repro
 from kvpatch.registry import load
 
