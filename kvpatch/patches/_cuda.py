@@ -15,14 +15,18 @@ from kvpatch.record import Finding, symptom
 NO_KERNEL = "No implementation for problem shape"
 
 
-def on_cuda(mx: Any) -> bool:
-    """True when mlx computes on an NVIDIA GPU by default (``mx.cuda`` exists from mlx 0.28)."""
+def cuda_available(mx: Any) -> bool:
+    """True when this mlx has its CUDA backend and a GPU to run it (``mx.cuda`` exists from mlx 0.28)."""
     cuda = getattr(mx, "cuda", None)
     try:
-        available = bool(cuda is not None and cuda.is_available())
+        return bool(cuda is not None and cuda.is_available())
     except Exception:  # an mlx build whose cuda module cannot answer: not CUDA as far as we know
         return False
-    return available and mx.default_device().type == mx.DeviceType.gpu
+
+
+def on_cuda(mx: Any) -> bool:
+    """True when mlx computes on an NVIDIA GPU by default."""
+    return cuda_available(mx) and mx.default_device().type == mx.DeviceType.gpu
 
 
 def backend(mx: Any) -> str:
@@ -85,10 +89,12 @@ def dequantized_attention(align: Any = None) -> Any:
 
 def routed(original: Any) -> Any:
     """The replacement of upstream's quantized attention ``original``: itself where mlx computes every layout
-    (CPU, Metal), :func:`dequantized_attention` with ``original``'s mask alignment on CUDA."""
+    (CPU, Metal), :func:`dequantized_attention` with ``original``'s mask alignment where CUDA is there. Decided by
+    CUDA being there, not by the default device: a verification process computes on the CPU by default (its
+    reproduction of this bug runs on the GPU), and a program may pick its device after the import."""
     import mlx.core as mx
 
-    if not on_cuda(mx):
+    if not cuda_available(mx):
         return original
     return dequantized_attention(upstream_align(original))
 

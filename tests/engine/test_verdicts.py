@@ -131,6 +131,8 @@ def test_key_depends_on_versions_sources_and_target_files(fresh, tmp_path, monke
     target = pkg / "models" / "cache.py"
     target.write_text("class C:\n    def f(self):\n        return 1\n")
     monkeypatch.setitem(sys.modules, "mlx_lm", types.SimpleNamespace(__file__=str(pkg / "__init__.py")))
+    for imported in ("mlx_lm.models", "mlx_lm.models.cache"):  # a real mlx-lm imported earlier in this process
+        monkeypatch.delitem(sys.modules, imported, raising=False)
     p = _patch()
     p.replace("mlx_lm.models.cache", "C.f")(lambda original: original)
     base = verdicts.key(p, UPSTREAM)

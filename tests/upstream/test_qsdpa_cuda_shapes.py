@@ -91,7 +91,25 @@ def test_builder_declines_off_cuda():
         target = next(t for t in patch.targets if not t.optional)
         original = object()
         built = patch.builders[target](original)
-        assert (built is original) == (not _cuda.on_cuda(mx)), patch_id
+        assert (built is original) == (not _cuda.cuda_available(mx)), patch_id
+
+
+def test_builder_routes_wherever_cuda_is_there_whatever_the_default_device():
+    """A verification process computes on the CPU by default while its reproduction of this bug runs on the GPU: the
+    patch it measures is the one a program on the GPU installs (the builder declined there: "bug present, patch not
+    applied (not needed)" on the GPU machine)."""
+    if not _cuda.cuda_available(mx):
+        pytest.skip("needs MLX's CUDA backend (the builder returns the original without it)")
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        for patch_id in ("qsdpa-cuda-shapes", "vlm-qsdpa-cuda-shapes"):
+            patch = PATCHES[patch_id]
+            target = next(t for t in patch.targets if not t.optional)
+            original = object()
+            assert patch.builders[target](original) is not original, patch_id
+    finally:
+        mx.set_default_device(before)
 
 
 def test_caller_queries_untouched():
