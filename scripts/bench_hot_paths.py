@@ -15,6 +15,8 @@ back), on a tiny random-weight llama (hidden 64, 2 layers, CPU or Metal, whateve
 4. Where mlx-vlm has them, decode steps of a left-padded 2-row batch through a tiny random ``LanguageModel`` of
    qwen3_5 (``Qwen3_5Attention.__call__``: qwen35-batch-positions) and glm4v_moe (``GLM4VModel.__call__``:
    glm4v-batch-positions), with the batch caches of mlx-vlm's own batch generator (``probe_batch_models.py``).
+5. Where mlx-lm has gemma2, ``generate_step`` on a tiny gemma2 (every attention call goes through
+   gemma2-batch-mask's replacement; one row, because upstream raises on a batch's per-row mask).
 
 Patched and unpatched runs alternate (``scripts/_bench.py``); rounds are added until the 95% confidence
 interval of the ratio patched / unpatched is narrower than ``--width`` (default 2%), from ``--rounds`` up to
@@ -248,6 +250,7 @@ def main() -> int:
     import mlx_lm.models.base  # (older releases import it only with a model)
 
     vlm_models = [name for name in ("qwen3_5", "glm4v_moe") if _importable(f"mlx_vlm.models.{name}.language")]
+    gemma2 = _importable("mlx_lm.models.gemma2")
 
     engine = kvpatch.get_engine()
     ids = hot_path_ids(engine, args.patch)
@@ -274,7 +277,8 @@ def main() -> int:
         quantized = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}  # head_dim 32
         run = _generate_step(_tiny_llama(hidden_size=128), args.tokens, **quantized)
         compare("generate_step (1 row, 8-bit KV cache)", run, ids, args)
-    BatchGenerator = getattr(mlx_lm.generate, "BatchGenerator", None)  # mlx-lm >= 0.24
+    # the module: mlx_lm.generate, read as an attribute, is the generate() function mlx_lm exports
+    BatchGenerator = getattr(sys.modules["mlx_lm.generate"], "BatchGenerator", None)  # mlx-lm >= 0.24
     if BatchGenerator is not None:
         compare("BatchGenerator (4 rows, BatchKVCache)", _batch_generator(model, args.tokens), ids, args)
     if BatchGenerator is not None and "max_kv_size" in inspect.signature(BatchGenerator).parameters:
@@ -283,6 +287,12 @@ def main() -> int:
     if BatchGenerator is not None and importlib.util.find_spec("mlx_lm.models.lfm2") is not None:
         run = _batch_generator(_tiny_lfm2(), args.tokens)
         compare("BatchGenerator (4 rows, LFM2 hybrid)", run, ids, args)
+    if gemma2:
+        # every gemma2 attention call goes through gemma2-batch-mask's replacement; one row is the path upstream
+        # runs too (a batch gets a per-row mask, on which upstream raises: the bug)
+        from kvpatch.patches.mlx_lm.gemma2_batch_mask import tiny_model
+
+        compare("generate_step (1 row, gemma2)", _generate_step(tiny_model(), args.tokens), ids, args)
     for name in vlm_models:
         compare(f"mlx-vlm {name} LanguageModel decode (2 rows)", _vlm_decode(name, args.tokens), ids, args)
     return 0
