@@ -12,6 +12,13 @@ from kvpatch.patches import _reproduce
 from kvpatch.patches._numbers import judge, worst
 from kvpatch.record import Finding, symptom
 
+#: The tiny gemma2 both units' reproductions and tests build (mlx-lm's ``ModelArgs`` and mlx-vlm's ``ModelConfig``
+#: take the same fields): hidden 64, 2 layers, 4 query heads over 2 KV heads of 16, vocabulary 64.
+TINY_GEMMA2: dict[str, Any] = {
+    "model_type": "gemma2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+    "num_attention_heads": 4, "head_dim": 16, "rms_norm_eps": 1e-5, "vocab_size": 64, "num_key_value_heads": 2,
+}  # fmt: skip
+
 
 def build(original: Any) -> Any:
     """``Attention.__call__(self, x, mask=None, cache=None)`` that hands ``original`` a four-dimensional mask array

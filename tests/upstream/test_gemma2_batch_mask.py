@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from _batched_cases import LENGTHS, rows_agree
 
+from kvpatch.patches._grouped_mask import TINY_GEMMA2
 from kvpatch.patches.mlx_lm.gemma2_batch_mask import PATCH, tiny_model
 from kvpatch.testing import require_affected, with_and_without
 
@@ -37,10 +38,7 @@ def test_a_single_prompt_and_an_ungrouped_layer_are_upstreams():
 
     model = tiny_model()
     prompt = mx.array([[3, 9, 27, 17, 51]])
-    args = ModelArgs(
-        model_type="gemma2", hidden_size=64, num_hidden_layers=1, intermediate_size=128, num_attention_heads=2,
-        head_dim=16, rms_norm_eps=1e-5, vocab_size=64, num_key_value_heads=2,
-    )  # fmt: skip
+    args = ModelArgs(**{**TINY_GEMMA2, "num_hidden_layers": 1, "num_attention_heads": 2})  # one KV head per query
     mx.random.seed(1)
     ungrouped = Attention(args)
     x = mx.random.normal((2, 3, 64), key=mx.random.key(2))

@@ -61,11 +61,7 @@ def tiny_model() -> Any:
     """A tiny random gemma2 (hidden 64, 2 layers, 4 query heads over 2 KV heads of 16, vocabulary 64)."""
     from mlx_lm.models.gemma2 import Model, ModelArgs
 
-    args = ModelArgs(
-        model_type="gemma2", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-        head_dim=16, rms_norm_eps=1e-5, vocab_size=64, num_key_value_heads=2,
-    )  # fmt: skip
-    return _reproduce.seeded(Model, args)
+    return _reproduce.seeded(Model, ModelArgs(**_grouped_mask.TINY_GEMMA2))
 
 
 @PATCH.reproduce

@@ -58,11 +58,7 @@ def tiny_model() -> Any:
     from mlx_vlm.models.gemma2.config import ModelConfig
     from mlx_vlm.models.gemma2.language import LanguageModel
 
-    config = ModelConfig(
-        model_type="gemma2", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-        head_dim=16, rms_norm_eps=1e-5, vocab_size=64, num_key_value_heads=2,
-    )  # fmt: skip
-    return _reproduce.seeded(LanguageModel, config)
+    return _reproduce.seeded(LanguageModel, ModelConfig(**_grouped_mask.TINY_GEMMA2))
 
 
 @PATCH.reproduce
