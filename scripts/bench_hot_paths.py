@@ -16,7 +16,8 @@ back), on a tiny random-weight llama (hidden 64, 2 layers, CPU or Metal, whateve
    qwen3_5 (``Qwen3_5Attention.__call__``: qwen35-batch-positions) and glm4v_moe (``GLM4VModel.__call__``:
    glm4v-batch-positions), with the batch caches of mlx-vlm's own batch generator (``probe_batch_models.py``).
 5. Where mlx-lm has gemma2, ``generate_step`` on a tiny gemma2 (every attention call goes through
-   gemma2-batch-mask's replacement; one row, because upstream raises on a batch's per-row mask).
+   gemma2-batch-mask's replacement; one row, because upstream raises on a batch's per-row mask), and where mlx-vlm
+   has its own gemma2, one row's decode steps through its ``LanguageModel`` (vlm-gemma2-batch-mask).
 
 Patched and unpatched runs alternate (``scripts/_bench.py``); rounds are added until the 95% confidence
 interval of the ratio patched / unpatched is narrower than ``--width`` (default 2%), from ``--rounds`` up to
@@ -165,18 +166,17 @@ def _batch_generator(model: Any, tokens: int, max_kv_size: int | None = None) ->
     return run
 
 
-def _vlm_decode(name: str, tokens: int) -> Callable[[], int]:
-    """Prefill a left-padded 2-row batch, then ``tokens`` decode steps (logits evaluated each step)."""
+def _vlm_decode(model: Any, tokens: int, rows: int = 2) -> Callable[[], int]:
+    """Prefill a left-padded batch of ``rows`` (1 or 2) prompts through an mlx-vlm ``LanguageModel``, then ``tokens``
+    decode steps (logits evaluated each step)."""
     import mlx.core as mx
-    from probe_batch_models import batch_caches, tiny
+    from probe_batch_models import batch_caches
 
-    mx.random.seed(0)
-    model = tiny(name, 8)
     mx.eval(model.parameters())
-    prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9]][-rows:]
     longest = max(len(p) for p in prompts)
     batch = mx.array([[0] * (longest - len(p)) + p for p in prompts])
-    step = mx.array([[3], [4]])
+    step = mx.array([[3], [4]][-rows:])
 
     def run() -> int:
         for attribute in ("_position_ids", "_rope_deltas"):  # the last prompt's positions, kept on the model
@@ -293,8 +293,16 @@ def main() -> int:
         from kvpatch.patches.mlx_lm.gemma2_batch_mask import tiny_model
 
         compare("generate_step (1 row, gemma2)", _generate_step(tiny_model(), args.tokens), ids, args)
+    from probe_batch_models import tiny
+
     for name in vlm_models:
-        compare(f"mlx-vlm {name} LanguageModel decode (2 rows)", _vlm_decode(name, args.tokens), ids, args)
+        mx.random.seed(0)
+        compare(f"mlx-vlm {name} LanguageModel decode (2 rows)", _vlm_decode(tiny(name, 8), args.tokens), ids, args)
+    if _importable("mlx_vlm.models.gemma2.language"):
+        # vlm-gemma2-batch-mask's replacement on every attention call; one row, as for mlx-lm's gemma2
+        from kvpatch.patches.mlx_vlm.gemma2_batch_mask import tiny_model as vlm_gemma2
+
+        compare("mlx-vlm gemma2 LanguageModel decode (1 row)", _vlm_decode(vlm_gemma2(), args.tokens, 1), ids, args)
     return 0
 
 
