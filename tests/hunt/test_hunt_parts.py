@@ -101,6 +101,40 @@ def test_tiny_configs_come_from_field_names():
     assert sum(sections) == models.TINY["head_dim"] // 2 and len(sections) == 3
 
 
+@dataclasses.dataclass
+class _Sizes:
+    altup_num_inputs: int
+    altup_active_idx: int
+    linear_conv_kernel_dim: int
+
+
+def test_tiny_configs_keep_the_sizes_a_forward_pass_indexes_with():
+    # required ints default to 1: gemma3n's active AltUp stream would index past its streams (an out-of-bounds read
+    # whose garbage differs batched), a gated-delta kernel of 1 keeps every column as convolution state
+    args = models.tiny(_Sizes, "demo")
+    assert 0 <= args["altup_active_idx"] < args["altup_num_inputs"]
+    assert args["linear_conv_kernel_dim"] > 1
+
+
+def test_generation_alone_is_a_prompt_then_a_token_for_mlx_vlm_too():
+    from kvpatch.maint.hunt.tape import Tape
+
+    # a language model whose decode step fails alone: not covered, never a batched model-runs finding
+    tape = Tape(
+        ["import types", "mx = types.SimpleNamespace(array=list, float32=None)", "make_prompt_cache = lambda model: []"]
+    )
+    tape.run(
+        "def model(tokens, cache):\n"
+        "    cache.append(tokens)\n"
+        "    if len(cache) > 1:\n"
+        "        raise ValueError('[reshape] the decode step')"
+    )
+    why = models._alone_runs("mlx_vlm", tape, [[3, 4, 5]])
+    assert why is not None and "the decode step" in why
+    assert tape.lines == ["def model(tokens, cache):\n    cache.append(tokens)\n    if len(cache) > 1:\n"
+                          "        raise ValueError('[reshape] the decode step')"]  # fmt: skip
+
+
 def test_hypothesis_is_a_test_dependency_never_a_runtime_one():
     try:
         import tomllib

@@ -60,8 +60,9 @@ def hunt_child(env: dict[str, str], spec: dict[str, Any], *, kvpatch: str, timeo
 
     found = step({"levels": ["discover"]})
     weights: dict[str, int] = found.get("targets", {}).get("weights", {})
-    if spec.get("only"):  # the random search's budget on the classes named (the fixed checks still see every class)
-        weights = {t: w for t, w in weights.items() if re.search(spec["only"], t)}
+    only = spec.get("only", "")
+    if only:  # the random search's budget on the classes named (the fixed checks still see every class)
+        weights = {t: w for t, w in weights.items() if re.search(only, t)}
     out["not_hunted"] = found.get("targets", {}).get("not_hunted", {})
     out["targets"] = list(weights)
     fixed = [x for x in ("lazy", "static") if x in levels or ("cache" in levels and x == "static")]
@@ -84,7 +85,7 @@ def hunt_child(env: dict[str, str], spec: dict[str, Any], *, kvpatch: str, timeo
             floor = 0.0
             if left <= 0:
                 break
-            run = step({"levels": ["model"], "budget": left, "skip": skip + list(out["architectures"])})
+            run = step({"levels": ["model"], "budget": left, "skip": skip + list(out["architectures"]), "match": only})
             if not (run.get("failure") and run.get("_open")):
                 break
             skip.append(run["_open"])
@@ -285,7 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--levels", default=",".join(LEVELS), help="cache, lazy, model (comma-separated)")
     parser.add_argument("--kvpatch", choices=("both", "off", "on"), default="both", help="which hunts to run")
     parser.add_argument(
-        "--only", default="", metavar="REGEX", help="cache level: search only the classes whose module.Class matches"
+        "--only",
+        default="",
+        metavar="REGEX",
+        help="search only the classes (cache level: module.Class) and architectures (model level: module) that match",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-attribute", action="store_true", help="report findings without attributing them")

@@ -96,8 +96,9 @@ def _distributions(found: dict[str, str | None]) -> tuple[str, ...]:
 def main(argv: list[str]) -> int:
     """One step of a hunt, as the parent (:func:`kvpatch.maint.hunt.cli.hunt_child`) asks for it: ``discover`` (the
     targets and what is not hunted), ``lazy`` and ``static`` (fixed checks of every target), ``cache`` (the state
-    machine of the targets in ``only``, within ``budget``) or ``model`` (the architectures, within ``budget``, less
-    ``skip``). A process that dies in a target or an architecture loses only that one: the parent goes on."""
+    machine of the targets in ``only``, within ``budget``) or ``model`` (the architectures matching ``match``, within
+    ``budget``, less ``skip``). A process that dies in a target or an architecture loses only that one: the parent
+    goes on."""
     spec = json.loads(argv[0]) if argv else {}
     budget = float(spec.get("budget", 120))
     levels = tuple(spec.get("levels", ("discover",)))
@@ -152,6 +153,7 @@ def main(argv: list[str]) -> int:
             budget,
             seed=seed,
             skip=tuple(spec.get("skip", ())),
+            match=spec.get("match", ""),
             begin=lambda name: emit({"kind": "begin", "name": name}),
             done=done,
         )
