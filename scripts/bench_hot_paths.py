@@ -17,7 +17,8 @@ back), on a tiny random-weight llama (hidden 64, 2 layers, CPU or Metal, whateve
    glm4v-batch-positions), with the batch caches of mlx-vlm's own batch generator (``probe_batch_models.py``).
 5. Where mlx-lm has gemma2, ``generate_step`` on a tiny gemma2 (every attention call goes through
    gemma2-batch-mask's replacement; one row, because upstream raises on a batch's per-row mask), and where mlx-vlm
-   has its own gemma2, one row's decode steps through its ``LanguageModel`` (vlm-gemma2-batch-mask).
+   has its own gemma2, one row's decode steps through its ``LanguageModel`` (vlm-gemma2-batch-mask); a left-padded
+   2-row batch through mlx-vlm's falcon_ocr ``LanguageModel`` (falcon-ocr-batch-positions).
 
 Patched and unpatched runs alternate (``scripts/_bench.py``); rounds are added until the 95% confidence
 interval of the ratio patched / unpatched is narrower than ``--width`` (default 2%), from ``--rounds`` up to
@@ -303,6 +304,11 @@ def main() -> int:
         from kvpatch.patches.mlx_vlm.gemma2_batch_mask import tiny_model as vlm_gemma2
 
         compare("mlx-vlm gemma2 LanguageModel decode (1 row)", _vlm_decode(vlm_gemma2(), args.tokens, 1), ids, args)
+    if _importable("mlx_vlm.models.falcon_ocr.language"):
+        # falcon-ocr-batch-positions' replacement on every forward pass of a batch
+        from kvpatch.patches.mlx_vlm.falcon_ocr_batch_positions import tiny_model as falcon_ocr
+
+        compare("mlx-vlm falcon_ocr LanguageModel decode (2 rows)", _vlm_decode(falcon_ocr(), args.tokens), ids, args)
     return 0
 
 
