@@ -65,10 +65,6 @@ class Meaning:
     quiet: bool = False
     waits: bool = False  # settled by an import still to come: no problem while none of its modules is imported
 
-    @property
-    def explained(self) -> bool:
-        return self.rank <= EXPLAINED
-
 
 EXPLAINED = 4
 _1, _2 = Check.ATTENTION, Check.FAILURE
