@@ -284,12 +284,14 @@ class Activation:
         for name in fresh:
             register(self.hook, name)
 
-    def import_pending(self, patches: Iterable[Patch], failed: Callable[[str, str, Exception], object]) -> None:
+    def import_pending(
+        self, patches: Iterable[Patch | Stub], failed: Callable[[str, str, Exception], object] = lambda *_: None
+    ) -> None:
         """Import the target modules of each of ``patches`` still pending when its turn comes (one patch's import
         settles others); a module that fails to import goes to ``failed(patch id, module, exception)``."""
         for patch in patches:
-            if self.engine.status[patch.id].state is State.PENDING:
-                import_target_modules(patch, partial(failed, patch.id))
+            if (st := self.engine.status[patch.id]).state is State.PENDING:  # resolved (Engine._decide_all)
+                import_target_modules(st.record, partial(failed, patch.id))
 
     def hook(self, module: types.ModuleType) -> None:
         """Runs inside the user's import statement: never raises, never measures."""

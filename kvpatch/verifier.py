@@ -150,6 +150,4 @@ def _start(keys: list[str]) -> str:
             said = proc.stdout.strip()
             if proc.returncode or not said.isdigit():
                 raise OSError(f"the verifier did not start (exit {proc.returncode}; {log} says why)")
-            pid = int(said)
-    where = f"pid {pid}, log {log}"
-    return f"no verdict for this environment yet: verifying in the background ({where});"
+            return f"no verdict for this environment yet: verifying in the background (pid {int(said)}, log {log});"
