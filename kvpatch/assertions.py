@@ -3,7 +3,6 @@ a server names, :func:`require_applied` for every applicable patch."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,13 +26,6 @@ def _gate(engine: Engine, patch: Patch | Stub, config: Config | None = None) -> 
         return decide(patch, upstream, config or applicable)
     except Exception:
         return Decision(Action.VERIFY if config else Action.APPLY, "the gate raised")
-
-
-def _import_pending(statuses: Iterable[PatchStatus]) -> None:
-    """Import the target modules of pending patches: their hooks get the chance to install them."""
-    for module in [m for st in statuses if st.state is State.PENDING for m in st.record.modules]:
-        with contextlib.suppress(ImportError):
-            __import__(module)
 
 
 def problems(engine: Engine, *, imported: Iterable[str] | None = None) -> tuple[list[PatchStatus], list[Guarantee]]:
@@ -70,7 +62,10 @@ def require_applied(*, import_targets: bool = True) -> list[PatchStatus]:
     first; without it, pending patches whose modules are not imported yet are not counted."""
     engine = get_engine()
     if import_targets:
-        _import_pending([st for st in engine.status.values() if _gate(engine, st.patch).action is Action.APPLY])
+        # their hooks get the chance to install them; one whose module fails to import stays pending, and counts
+        engine.activation.import_pending(
+            st.patch for st in engine.status.values() if _gate(engine, st.patch).action is Action.APPLY
+        )
     applicable, found = problems(engine)
     if found:
         raise NotApplied(found)
@@ -158,7 +153,7 @@ def guarantees(engine: Engine, patch_ids: Iterable[str]) -> list[Guarantee]:
     if bad := [pid for pid in patch_ids if not isinstance(pid, str)]:
         raise TypeError(f"a patch id is a str, not {type(bad[0]).__name__} ({bad[0]!r})")
     statuses = [_patch_status(engine, pid) for pid in patch_ids]
-    _import_pending([st for st in statuses if isinstance(st, PatchStatus)])
+    engine.activation.import_pending(st.patch for st in statuses if isinstance(st, PatchStatus))
     engine.refresh()  # "applied" means reached now
     return [_guarantee(engine, st) if isinstance(st, PatchStatus) else st for st in statuses]
 

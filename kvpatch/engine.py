@@ -179,7 +179,10 @@ class Engine:
             with self.lock:
                 if st.state in (State.APPLIED, State.OVERRIDDEN):
                     self.set_state(st, State.PENDING, None)
-        self.installer.restore_orphans()
+        with self.lock:
+            orphans, self.installer.orphans = self.installer.orphans, []
+        for change in reversed(orphans):
+            surgery.restore(change)
 
     def measure(self, patch: Patch, *, install: bool = True, device: str | None = None) -> Measurement:
         """kvpatch's one "with and without" of ``patch``'s reproduction. *Without*: every installed patch on one of its
@@ -281,12 +284,14 @@ class Activation:
         for name in fresh:
             register(self.hook, name)
 
-    def import_pending(self, patches: Iterable[Patch], failed: Callable[[str, str, Exception], None]) -> None:
+    def import_pending(
+        self, patches: Iterable[Patch | Stub], failed: Callable[[str, str, Exception], object] = lambda *_: None
+    ) -> None:
         """Import the target modules of each of ``patches`` still pending when its turn comes (one patch's import
         settles others); a module that fails to import goes to ``failed(patch id, module, exception)``."""
         for patch in patches:
-            if self.engine.status[patch.id].state is State.PENDING:
-                import_target_modules(patch, partial(failed, patch.id))
+            if (st := self.engine.status[patch.id]).state is State.PENDING:  # resolved (Engine._decide_all)
+                import_target_modules(st.record, partial(failed, patch.id))
 
     def hook(self, module: types.ModuleType) -> None:
         """Runs inside the user's import statement: never raises, never measures."""
@@ -519,12 +524,6 @@ class Installer:
             if change.target in installed:
                 installed.remove(change.target)
 
-    def restore_orphans(self) -> None:
-        with self.engine.lock:
-            orphans, self.orphans = self.orphans, []
-        for change in reversed(orphans):
-            surgery.restore(change)
-
     def refresh(self) -> None:
         """Re-read every installed replacement; a reloaded target module (no hook fires) is patched again first."""
         engine = self.engine
@@ -602,7 +601,7 @@ def sharing(engine: Engine, patch: Patch) -> list[str]:
     ]
 
 
-def import_target_modules(patch: Patch, failed: Callable[[str, Exception], None] | None = None) -> None:
+def import_target_modules(patch: Patch, failed: Callable[[str, Exception], object] | None = None) -> None:
     """Import the patch's target modules; one holding only optional targets may fail (some raise without Metal)."""
     for module in patch.modules:
         try:

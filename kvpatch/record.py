@@ -99,11 +99,6 @@ class Expiry:
         return self.review_by is not None and (today or _dt.date.today()) > self.review_by
 
 
-def upstream_missing(exc: ImportError) -> bool:
-    """True when ``exc`` is about mlx-lm / mlx-vlm, not a missing third-party dependency (that is no absent bug)."""
-    return (getattr(exc, "name", None) or "").split(".")[0] in DISTRIBUTIONS.values()
-
-
 def borrowed(obj: Any, import_name: str) -> bool:
     """True when ``obj`` is the other upstream's class (mlx-vlm <= 0.6.3 re-exports mlx-lm's batch caches)."""
     top = str(getattr(obj, "__module__", "")).split(".", 1)[0]

@@ -65,10 +65,6 @@ class Meaning:
     quiet: bool = False
     waits: bool = False  # settled by an import still to come: no problem while none of its modules is imported
 
-    @property
-    def explained(self) -> bool:
-        return self.rank <= EXPLAINED
-
 
 EXPLAINED = 4
 _1, _2 = Check.ATTENTION, Check.FAILURE
@@ -182,10 +178,12 @@ WORDING = {
 }
 
 
+@dataclass(init=False, repr=False)
 class Reason:
     """Why: a code of :data:`WORDING` and the facts its wording names (a fact may be a reason itself)."""
 
-    __slots__ = ("code", "facts")
+    code: str
+    facts: dict[str, Any]
 
     def __init__(self, code: str, **facts: Any) -> None:
         self.code, self.facts = code, facts
@@ -195,11 +193,6 @@ class Reason:
 
     def __repr__(self) -> str:
         return f"Reason({self.code!r}, {self.facts!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Reason) and (self.code, self.facts) == (other.code, other.facts)
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 def found(outcome: Outcome, detail: str = "", *, state: State | None = None, tried: str | None = None) -> Reason:

@@ -295,7 +295,7 @@ def _compact(report: Report, width: int | None) -> list[str]:
             continue
         count = f"{len(named)} of {len(entries)}" if len(named) < len(entries) else len(named)
         lines.append(f"{meaning.title} ({count}):")
-        explained = meaning.explained
+        explained = meaning.rank <= EXPLAINED
         shared = explained and len(named) > 1 and len({e["reason"] for e in named}) == 1
         if shared:  # one reason for the whole group: say it once
             lines.extend(wrapped(f"all {len(named)}: {named[0]['reason']}", "  ", width))

@@ -301,8 +301,3 @@ def write_json(place: Place, name: str, data: Any, what: str = "state") -> None:
 def locked(place: Place, name: str, *, wait: bool, what: str = "state") -> Iterator[int | None]:
     with opened(place, what, create=True) as directory, directory.locked(name, wait=wait) as fd:
         yield fd
-
-
-def open_log(place: Place, name: str, what: str = "state") -> int:
-    with opened(place, what, create=True) as directory:
-        return directory.open(name, os.O_WRONLY | os.O_APPEND)

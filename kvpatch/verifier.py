@@ -49,15 +49,12 @@ class Verifier:
         verified; their statuses."""
         engine = self.engine
         records = engine.materialise() if patches is None else list(patches)
-        engine.activation.import_pending(records, self._import_failed)
+        engine.activation.import_pending(records, lambda pid, _, exc: self.errors.setdefault(pid, failure(exc)))
         for st in [engine.status[p.id] for p in records]:
             if st.verdict_key is not None and (self.remeasure or st.verified is None):
                 self.verify(st)
         fingerprints.save(wait=True)
         return [engine.status[p.id] for p in records]
-
-    def _import_failed(self, patch_id: str, module: str, exc: Exception) -> None:
-        self.errors.setdefault(patch_id, failure(exc))
 
     def verify(self, st: PatchStatus) -> None:
         """Measure ``st``'s patch without and with it, store the verdict, and install the patch where it says so."""
@@ -121,7 +118,10 @@ def _start(keys: list[str]) -> str:
         where = ", ".join(str(p.path) for p in _store.verdict_places())
         return f"no verdict yet, and no writable place for one ({where});"
     # the verifier holds the lock through its own copy of the descriptor
-    with _store.locked(place, "verify.lock", wait=False, what="verdicts") as fd:
+    with (
+        _store.opened(place, "verdicts", create=True) as directory,
+        directory.locked("verify.lock", wait=False) as fd,
+    ):
         if fd is None:
             return "no verdict yet: a verification is running for this environment;"
         now = time.time()
@@ -134,7 +134,7 @@ def _start(keys: list[str]) -> str:
         command = [sys.executable, *flags, "-m", "kvpatch", "verify", "--background", ",".join(keys)]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"} | {config.VERIFYING: "1"}
         log = place.path / "verify.log"
-        with os.fdopen(_store.open_log(place, log.name, "verdicts"), "ab") as out:
+        with os.fdopen(directory.open(log.name, os.O_WRONLY | os.O_APPEND), "ab") as out:
             detach = [sys.executable, "-I", "-S", "-c", _DETACH, str(out.fileno()), *command]
             proc = subprocess.run(  # killed, waited for, on a timeout or any exception
                 detach,
@@ -150,6 +150,4 @@ def _start(keys: list[str]) -> str:
             said = proc.stdout.strip()
             if proc.returncode or not said.isdigit():
                 raise OSError(f"the verifier did not start (exit {proc.returncode}; {log} says why)")
-            pid = int(said)
-    where = f"pid {pid}, log {log}"
-    return f"no verdict for this environment yet: verifying in the background ({where});"
+            return f"no verdict for this environment yet: verifying in the background (pid {int(said)}, log {log});"

@@ -13,7 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpatch.patches._numbers import Difference, difference, worst
-from kvpatch.record import Finding, symptom, upstream_missing
+from kvpatch.record import DISTRIBUTIONS, Finding, symptom
+
+
+def upstream_missing(exc: ImportError) -> bool:
+    """True when ``exc`` is about mlx-lm / mlx-vlm, not a missing third-party dependency (that is no absent bug)."""
+    return (getattr(exc, "name", None) or "").split(".")[0] in DISTRIBUTIONS.values()
 
 
 def tiny_pixtral_language_model(*, head_dim: int, heads: int = 4, kv_heads: int = 2, dtype: object = None) -> object:

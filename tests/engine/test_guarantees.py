@@ -11,6 +11,7 @@ from kvpatch.assertions import Guarantee, NotFixed, UnknownPatch, guarantees
 from kvpatch.config import Config
 from kvpatch.detect import Upstream
 from kvpatch.engine import Engine, State
+from kvpatch.record import Target
 
 
 def _engine(version, config=None, *, opt_in=False, broken=None):
@@ -113,3 +114,14 @@ def test_public_api_in_this_process():
         pytest.skip("mlx-lm / mlx-vlm are installed here")
     assert all(g.fixed for g in kvpatch.require(*ids))
     assert kvpatch.is_fixed(ids[0]) is True
+
+
+def test_a_target_module_raising_on_import_leaves_the_patch_pending(tmp_path, monkeypatch):
+    """The pending patches' target modules are imported the engine's one way: a module whose import raises (not an
+    ImportError: some raise without Metal) leaves its patch pending and not fixed, never raised to the caller."""
+    (tmp_path / "kvpatch_raises_on_import.py").write_text("raise RuntimeError('no Metal here')\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    engine = _engine("0.23.2")
+    engine.status["p"].record.targets[:] = [Target("kvpatch_raises_on_import", "f")]
+    (g,) = guarantees(engine, ["p"])
+    assert (g.fixed, g.state) == (False, "pending"), g
