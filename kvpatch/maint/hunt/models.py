@@ -10,9 +10,9 @@ generator takes prompt kwargs: each prompt's kwargs are what the package's ``Mod
 prompt alone, as mlx-vlm's server and ``batch_generate`` hand them over (``position_ids``, ``rope_deltas``; text
 prompts never reach the vision tower). Elsewhere it is ``_make_cache`` (the batch caches its generator builds), driven
 with the language model's own forward pass. Either is compared against the language model on each prompt alone
-(``make_prompt_cache``). A config is tiny by the names of its
-fields (hidden size 64, two layers, four heads over two KV heads, small vocabulary and experts); an architecture whose
-config or first forward pass fails that way is listed as not covered, with the error. Runs inside a bucket.
+(``make_prompt_cache``). A config is tiny by the names of its fields (hidden size 64, three layers, four heads over
+two KV heads, small vocabulary and experts); an architecture whose config or first forward pass fails that way is
+listed as not covered, with the error. Runs inside a bucket.
 """
 
 from __future__ import annotations
@@ -307,9 +307,8 @@ def vlm_lines(args: dict[str, Any], prompts: list[list[int]]) -> list[str]:
         build += "".join(
             f"    config.{field} = {cls}.from_dict({args['model'][field]!r})\n" for field, cls in args["nested"].items()
         )
-        build += (
-            "    return Model(config)" if args.get("generator") else "    return LanguageModel(config.text_config, config)"
-        )
+        made = "Model(config)" if args.get("generator") else "LanguageModel(config.text_config, config)"
+        build += f"    return {made}"
     if args.get("generator"):
         return _vlm_generator_lines(build, prompts, int(args["text"].get("vocab_size", TINY["vocab_size"])))
     mask = ", attention_mask=mx.arange(batch.shape[1]) >= mx.array(pad)[:, None]" if args["masked"] else ""
