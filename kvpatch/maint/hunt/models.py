@@ -244,9 +244,10 @@ def lm_lines(args: dict[str, Any], prompts: list[list[int]]) -> list[str]:
     ]
 
 
-def vlm_model(arch: str) -> tuple[list[str], dict[str, Any]]:
+def vlm_model(arch: str, generator: bool = True) -> tuple[list[str], dict[str, Any]]:
     """The header and the configs of a tiny mlx-vlm ``arch`` language model (raises where it cannot): its
-    ``TextConfig`` (else its ``ModelConfig``), and the ``ModelConfig`` too where the language model takes both."""
+    ``TextConfig`` (else its ``ModelConfig``), and the ``ModelConfig`` too where the language model takes both (then,
+    with ``generator``, it is driven through mlx-vlm's ``BatchGenerator`` where the release's takes prompt kwargs)."""
     config = importlib.import_module(f"mlx_vlm.models.{arch}.config")
     language = importlib.import_module(f"mlx_vlm.models.{arch}.language")
     text_cls = "TextConfig" if hasattr(config, "TextConfig") else "ModelConfig"
@@ -272,7 +273,7 @@ def vlm_model(arch: str) -> tuple[list[str], dict[str, Any]]:
         "from mlx_vlm.models.cache import make_prompt_cache",
         f"from {maker} import _make_cache",
     ]
-    args["generator"] = "model" in args and _takes_prompt_kwargs(maker)
+    args["generator"] = generator and "model" in args and _takes_prompt_kwargs(maker)
     if args["generator"]:
         head[2] = f"from mlx_vlm.models.{arch} import Model"
         head[-1] = f"from {maker} import BatchGenerator"
@@ -395,14 +396,19 @@ def one(dist: str, arch: str, prompts_of: Driver) -> tuple[Caught | None, str | 
     except (Exception, SystemExit) as exc:  # a model module may exit on import (a missing optional package)
         return None, _why(exc)
     prompts = prompts_of.prompts(int(args.get("text", args).get("vocab_size", TINY["vocab_size"])))
-    lines = lines_of(args, prompts)
-    setup, drive = lines[:2], lines[2:]
-    try:
-        tape = Tape(head)
-        for line in setup:
-            tape.run(line)
-    except (Exception, SystemExit) as exc:
-        return None, _why(exc)
+    while True:
+        lines = lines_of(args, prompts)
+        setup, drive = lines[:2], lines[2:]
+        try:
+            tape = Tape(head)
+            for line in setup:
+                tape.run(line)
+            break
+        except (Exception, SystemExit) as exc:
+            if not args.get("generator"):
+                return None, _why(exc)
+            # the package's Model (its vision tower) does not build from the tiny config: the language model alone
+            head, args = vlm_model(arch, generator=False)
     size = _parameters(tape.value("model"))
     if size > MAX_PARAMETERS:
         return (
