@@ -431,11 +431,13 @@ def one(dist: str, arch: str, prompts_of: Driver) -> tuple[Caught | None, str | 
 
 
 def _alone_runs(dist: str, tape: Any, prompts: list[list[int]]) -> str | None:
-    """Why the architecture does not even generate alone (then it is not covered), or None."""
+    """Why the architecture does not even generate alone (then it is not covered), or None. An mlx-vlm language model
+    runs on a model of its own: it keeps rope state from a call, and the batch is a fresh model's first one."""
     line = (
         "_ = [x for _, x in zip(range(2), generate_step(mx.array(prompts[0]), model))]"
         if dist == "mlx_lm"
-        else "_ = getattr(model(mx.array([prompts[0]]), cache=make_prompt_cache(model)), 'logits', None)"
+        else "_m = make()\n_m = getattr(_m, 'language_model', _m)\n"
+        "_ = getattr(_m(mx.array([prompts[0]]), cache=make_prompt_cache(_m)), 'logits', None)"
     )
     mark = len(tape.lines)
     try:
