@@ -195,7 +195,10 @@ def _fail(
     # The modules whose patches may bear on it: the architecture's own, the caches, the attention, the batch path.
     modules = [m for m in _modules(head) if m.startswith(arch)] + [f"{dist}.models.cache", f"{dist}.models.base"]
     modules += [m for m in _modules(head) if ".generate" in m] + (["mlx_vlm.turboquant"] if dist == "mlx_vlm" else [])
-    return Caught(violation, head, script, modules)
+    # an mlx-vlm architecture is a package: its model's forward pass reaches every module of it (language, vision)
+    spec = importlib.util.find_spec(arch)
+    modules += [f"{arch}.{m.name}" for m in pkgutil.iter_modules((spec and spec.submodule_search_locations) or [])]
+    return Caught(violation, head, script, list(dict.fromkeys(modules)))
 
 
 def _modules(head: list[str]) -> list[str]:
