@@ -1,6 +1,7 @@
 """The hunt can fail: a bug planted in upstream's BatchKVCache is found and shrunk to a few operations, the lazy
-metadata drive finds the offset growth kvpatch fixes (and not with kvpatch on), and a catalogue bug's reproduction is
-attributed to its patch. Each runs in a child process of a matrix bucket (integration tier, named in
+metadata drive finds the offset growth kvpatch fixes (and not with kvpatch on), a catalogue bug's reproduction is
+attributed to its patch, and the model level drives an mRoPE language model with the inputs its model gives each
+prompt (a planted loss of them is found, and nothing without it). Each runs in a child process of a matrix bucket (integration tier, named in
 tests/tiers.py's INTEGRATION_HERE: minutes, not the quick tier)."""
 
 from __future__ import annotations
@@ -130,3 +131,33 @@ def test_attribution_names_the_patch_that_fixes_a_catalogue_bug():
     releases = {"mlx-lm": bucket.version("mlx-lm"), "mlx-vlm": None}
     result = attribute.attribute(finding, env, load().patches, releases)
     assert result.verdict == "fixed by batch-trim-capped", result
+
+
+#: Qwen3.5's text prompts given no positions by ``get_input_embeddings`` (the bug of qwen3_5_text and paddleocr_vl's
+#: own text path, planted in qwen3_5, whose text path gives them): the model level drives an mRoPE language model
+#: with what that method gives each prompt, as mlx-vlm's server does.
+VLM_PLANT = """
+import mlx_vlm.models.qwen3_5 as q
+original = q.Model.get_input_embeddings
+def get_input_embeddings(self, *args, **kwargs):
+    out = original(self, *args, **kwargs)
+    out.position_ids = out.rope_deltas = None
+    return out
+q.Model.get_input_embeddings = get_input_embeddings
+"""
+
+VLM_HUNT = """
+import json, sys, time
+from kvpatch.maint.hunt import models
+if sys.argv[1] == "plant":
+    exec(VLM_PLANT)
+caught, why = models.one("mlx_vlm", "qwen3_5", models.Driver("mlx_vlm", time.monotonic() + 300, 0))
+print("@@" + json.dumps([why, caught and caught.violation.invariant]))
+"""
+
+
+def test_model_level_drives_mrope_models_with_their_prompt_inputs():
+    # kvpatch off: the finding, if any, is upstream's alone
+    code = f"VLM_PLANT = {VLM_PLANT!r}\n{VLM_HUNT}"
+    assert json.loads(_child(code, "plant", kvpatch="off", bucket="vlm-0.7.10")) == [None, "logits-agree"]
+    assert json.loads(_child(code, "clean", kvpatch="off", bucket="vlm-0.7.10")) == [None, None]

@@ -1,4 +1,5 @@
-"""glm4v-batch-positions beyond its reproduction: a tiny glm4v_moe GLM4VModel, and a fresh LanguageModel, over
+"""glm4v-batch-positions beyond its reproduction: a tiny GLM4VModel, and a fresh LanguageModel, of glm4v_moe and of
+glm4v (the same code), over
 left-padded batches of several shapes give each row what it gives alone (prefill and decode), with ``position_ids``
 left to the model; given ``position_ids``, an integer offset or rope state already held, the model gets exactly what
 it got before."""
@@ -7,7 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvpatch.patches.mlx_vlm.glm4v_batch_positions import PATCH, batched_vs_alone, tiny_language_model, tiny_model
+from kvpatch.patches.mlx_vlm.glm4v_batch_positions import (
+    ARCHS,
+    PATCH,
+    batched_vs_alone,
+    tiny_language_model,
+    tiny_model,
+)
 from kvpatch.testing import difference, require_affected, with_and_without, worst
 
 
@@ -16,10 +23,11 @@ def _in_range():
     require_affected(PATCH)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("build", [tiny_model, tiny_language_model], ids=["GLM4VModel", "fresh-LanguageModel"])
 @pytest.mark.parametrize("lengths", [(5, 9), (7, 3, 6), (2, 8)])
-def test_batched_rows_equal_each_row_alone(build, lengths):
-    found = worst(batched_vs_alone(build(), lengths, steps=3))
+def test_batched_rows_equal_each_row_alone(arch, build, lengths):
+    found = worst(batched_vs_alone(build(arch), lengths, steps=3))
     assert found.within, found
 
 

@@ -4,10 +4,15 @@ be built from its config class, a batch of left-padded prompts against each prom
 batched generation running where generation alone runs (``model-runs``).
 
 mlx-lm's batch path is its ``BatchGenerator`` (log-probabilities of the first generated tokens, against
-``generate_step`` on each prompt alone); mlx-vlm's is ``_make_cache`` (the batch caches its generator builds), driven
-with the language model's own forward pass against ``make_prompt_cache`` alone. A config is tiny by the names of its
-fields (hidden size 64, two layers, four heads over two KV heads, small vocabulary and experts); an architecture whose
-config or first forward pass fails that way is listed as not covered, with the error. Runs inside a bucket.
+``generate_step`` on each prompt alone). mlx-vlm's is its ``BatchGenerator`` on the language model where the language
+model takes the model's config (the mRoPE families: their positions come from the prompt's inputs) and the release's
+generator takes prompt kwargs: each prompt's kwargs are what the package's ``Model.get_input_embeddings`` gives that
+prompt alone, as mlx-vlm's server and ``batch_generate`` hand them over (``position_ids``, ``rope_deltas``; text
+prompts never reach the vision tower). Elsewhere it is ``_make_cache`` (the batch caches its generator builds), driven
+with the language model's own forward pass. Either is compared against the language model on each prompt alone
+(``make_prompt_cache``). A config is tiny by the names of its fields (hidden size 64, three layers, four heads over
+two KV heads, small vocabulary and experts); an architecture whose config or first forward pass fails that way is
+listed as not covered, with the error. Runs inside a bucket.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ TINY: dict[str, Any] = {
     "linear_num_value_heads": 2, "linear_num_key_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
     "sliding_window": 4, "window_size": 4, "attention_window_size": 4,
     "first_k_dense_replace": 1,
+    # the gated-delta layers' causal convolution (Qwen3-Next / Qwen3.5: 4); a kernel of 1 keeps no state, and
+    # upstream slices its state with ``[-(kernel - 1):]``, which is the whole input at 1
+    "linear_conv_kernel_dim": 4,
 }
 TINY.update(
     {
@@ -57,8 +65,6 @@ TINY.update(
         "num_kv_shared_layers": 1, "full_attention_interval": 2, "eos_token_id": 1,
         # gemma3n indexes its AltUp streams with the active one (a required int each: 1 and 1 would read past them)
         "altup_num_inputs": 2, "altup_active_idx": 0,
-        # gated-delta layers keep kernel - 1 columns of convolution state (a kernel of 1 keeps every column)
-        "linear_conv_kernel_dim": 4,
     }
 )
 #: Per-layer lists (``layer_types`` ...): element values by element type; layer types by the names HF configs use.
@@ -153,7 +159,11 @@ def _nested(module: Any, word: str, model_type: str) -> dict[str, Any]:
     """A tiny nested config: the module's ``*<word>*`` config class filled like the outer one, else the table."""
     for name, obj in vars(module or object).items():
         if word in name and dataclasses.is_dataclass(obj) and isinstance(obj, type):
-            return {**TINY, **tiny(obj, model_type, module)}
+            fields = tiny(obj, model_type, module)
+            own = {f.name: f for f in dataclasses.fields(obj)}.get("model_type")
+            if word != "Text" and own is not None and not _required(own):
+                del fields["model_type"]  # a vision or audio tower keeps its own (towers dispatch on it)
+            return {**TINY, **fields}
     return {**TINY, "model_type": model_type}
 
 
@@ -188,7 +198,10 @@ def _fail(
     # The modules whose patches may bear on it: the architecture's own, the caches, the attention, the batch path.
     modules = [m for m in _modules(head) if m.startswith(arch)] + [f"{dist}.models.cache", f"{dist}.models.base"]
     modules += [m for m in _modules(head) if ".generate" in m] + (["mlx_vlm.turboquant"] if dist == "mlx_vlm" else [])
-    return Caught(violation, head, script, modules)
+    # an mlx-vlm architecture is a package: its model's forward pass reaches every module of it (language, vision)
+    spec = importlib.util.find_spec(arch)
+    modules += [f"{arch}.{m.name}" for m in pkgutil.iter_modules((spec and spec.submodule_search_locations) or [])]
+    return Caught(violation, head, script, list(dict.fromkeys(modules)))
 
 
 def _modules(head: list[str]) -> list[str]:
@@ -237,9 +250,10 @@ def lm_lines(args: dict[str, Any], prompts: list[list[int]]) -> list[str]:
     ]
 
 
-def vlm_model(arch: str) -> tuple[list[str], dict[str, Any]]:
+def vlm_model(arch: str, generator: bool = True) -> tuple[list[str], dict[str, Any]]:
     """The header and the configs of a tiny mlx-vlm ``arch`` language model (raises where it cannot): its
-    ``TextConfig`` (else its ``ModelConfig``), and the ``ModelConfig`` too where the language model takes both."""
+    ``TextConfig`` (else its ``ModelConfig``), and the ``ModelConfig`` too where the language model takes both (then,
+    with ``generator``, it is driven through mlx-vlm's ``BatchGenerator`` where the release's takes prompt kwargs)."""
     config = importlib.import_module(f"mlx_vlm.models.{arch}.config")
     language = importlib.import_module(f"mlx_vlm.models.{arch}.language")
     text_cls = "TextConfig" if hasattr(config, "TextConfig") else "ModelConfig"
@@ -265,7 +279,17 @@ def vlm_model(arch: str) -> tuple[list[str], dict[str, Any]]:
         "from mlx_vlm.models.cache import make_prompt_cache",
         f"from {maker} import _make_cache",
     ]
+    args["generator"] = generator and "model" in args and _takes_prompt_kwargs(maker)
+    if args["generator"]:
+        head[2] = f"from mlx_vlm.models.{arch} import Model"
+        head[-1] = f"from {maker} import BatchGenerator"
     return head, args
+
+
+def _takes_prompt_kwargs(module: str) -> bool:
+    """Whether this release's mlx-vlm ``BatchGenerator`` takes each prompt's kwargs (0.5.0 on)."""
+    generator = getattr(importlib.import_module(module), "BatchGenerator", None)
+    return generator is not None and "prompt_kwargs" in inspect.signature(generator.insert).parameters
 
 
 def _vlm_make_cache() -> str:
@@ -290,7 +314,10 @@ def vlm_lines(args: dict[str, Any], prompts: list[list[int]]) -> list[str]:
         build += "".join(
             f"    config.{field} = {cls}.from_dict({args['model'][field]!r})\n" for field, cls in args["nested"].items()
         )
-        build += "    return LanguageModel(config.text_config, config)"
+        made = "Model(config)" if args.get("generator") else "LanguageModel(config.text_config, config)"
+        build += f"    return {made}"
+    if args.get("generator"):
+        return _vlm_generator_lines(build, prompts, int(args["text"].get("vocab_size", TINY["vocab_size"])))
     mask = ", attention_mask=mx.arange(batch.shape[1]) >= mx.array(pad)[:, None]" if args["masked"] else ""
     return [
         f"def make():\n    mx.random.seed(0)\n{build}",
@@ -311,6 +338,42 @@ def vlm_lines(args: dict[str, Any], prompts: list[list[int]]) -> list[str]:
         "    want = [logits(m(nxt[i : i + 1, None], cache=c))[:, -1]",
         "            for i, ((m, _), c) in enumerate(zip(alone, caches))]",
         "    pairs += [(out[i : i + 1], want[i]) for i in range(len(prompts))]",
+    ]
+
+
+def _vlm_generator_lines(build: str, prompts: list[list[int]], vocab: int) -> list[str]:
+    """mlx-vlm's ``BatchGenerator`` on the language model, each prompt's kwargs from ``Model.get_input_embeddings``
+    of that prompt alone (as its server hands them over), against the language model on each prompt alone, each run
+    on a model of its own (the same weights: the same seed; models keep rope state). Its responses carry the
+    log-probabilities of every token (``top_logprobs_k`` is the vocabulary)."""
+    return [
+        f"def make():\n    mx.random.seed(0)\n{build}",
+        "full = make()\nmodel = full.language_model",
+        f"prompts = {prompts!r}",
+        "logits = lambda out: getattr(out, 'logits', out)",
+        "embed = lambda p: full.get_input_embeddings(mx.array([p]), None, mask=mx.ones((1, len(p)), mx.int32))",
+        "kwargs = [{k: v for k, v in embed(p).to_dict().items() if v is not None} for p in prompts]",
+        "class Stop:  # no stop token: every row generates its tokens",
+        "    add_eos_token_ids = reset = lambda self, *a: None",
+        "    __call__ = lambda self, *a: False",
+        "processor = type('P', (), {'tokenizer': type('T', (), {'stopping_criteria': Stop()})()})()",
+        f"gen = BatchGenerator(model, processor, max_tokens={STEPS}, completion_batch_size=3, prefill_batch_size=3,",
+        f"                     top_logprobs_k={vocab})",
+        f"uids = gen.insert(prompts, {STEPS}, prompt_kwargs=kwargs)",
+        "batched = {u: [] for u in uids}",
+        "while gen.has_work:",
+        "    for r in gen.next()[1]:",
+        "        batched[r.uid].append((r.token, mx.array([lp for _, lp in sorted(r.top_logprobs)])))",
+        "pairs = []",
+        "for u, p in zip(uids, prompts):",
+        "    m = make().language_model",
+        "    c = make_prompt_cache(m)",
+        "    out = logits(m(mx.array([p]), cache=c))[0, -1]",
+        "    for t, got in batched[u]:",
+        "        pairs.append((got, out - mx.logsumexp(out)))",
+        "        if t != int(mx.argmax(out)):",
+        "            break  # past a different token the contexts differ",
+        "        out = logits(m(mx.array([[t]]), cache=c))[0, -1]",
     ]
 
 
@@ -339,14 +402,19 @@ def one(dist: str, arch: str, prompts_of: Driver) -> tuple[Caught | None, str | 
     except (Exception, SystemExit) as exc:  # a model module may exit on import (a missing optional package)
         return None, _why(exc)
     prompts = prompts_of.prompts(int(args.get("text", args).get("vocab_size", TINY["vocab_size"])))
-    lines = lines_of(args, prompts)
-    setup, drive = lines[:2], lines[2:]
-    try:
-        tape = Tape(head)
-        for line in setup:
-            tape.run(line)
-    except (Exception, SystemExit) as exc:
-        return None, _why(exc)
+    while True:
+        lines = lines_of(args, prompts)
+        setup, drive = lines[:2], lines[2:]
+        try:
+            tape = Tape(head)
+            for line in setup:
+                tape.run(line)
+            break
+        except (Exception, SystemExit) as exc:
+            if not args.get("generator"):
+                return None, _why(exc)
+            # the package's Model (its vision tower) does not build from the tiny config: the language model alone
+            head, args = vlm_model(arch, generator=False)
     size = _parameters(tape.value("model"))
     if size > MAX_PARAMETERS:
         return (
@@ -369,13 +437,15 @@ def one(dist: str, arch: str, prompts_of: Driver) -> tuple[Caught | None, str | 
 
 
 def _alone_runs(dist: str, tape: Any, prompts: list[list[int]]) -> str | None:
-    """Why the architecture does not even generate alone (then it is not covered), or None."""
+    """Why the architecture does not even generate alone (then it is not covered), or None. An mlx-vlm language model
+    runs on a model of its own: it keeps rope state from a call, and the batch is a fresh model's first one."""
     # generation alone is the prompt and then a token, as the batch side runs it: a crash in the decode step alone is
     # the architecture's (or its tiny config's), never batching's
     line = (
         "_ = [x for _, x in zip(range(2), generate_step(mx.array(prompts[0]), model))]"
         if dist == "mlx_lm"
-        else "_c = make_prompt_cache(model)\n_ = [model(mx.array([p]), cache=_c) for p in (prompts[0], prompts[0][:1])]"
+        else "_m = make()\n_m = getattr(_m, 'language_model', _m)\n_c = make_prompt_cache(_m)\n"
+        "_ = [_m(mx.array([p]), cache=_c) for p in (prompts[0], prompts[0][:1])]"
     )
     mark = len(tape.lines)
     try:

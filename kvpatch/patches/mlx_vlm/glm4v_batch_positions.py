@@ -11,8 +11,12 @@ its ``TextConfig``, a left-padded 2-row batch, ``GLM4VModel`` called with ``posi
 on 0.4.4, 0.5.0, 0.6.4 and 0.7.10 (the line is unchanged since the model came, 0.3.3, git 287c20b3). In range from
 0.5.0, the first release whose batch path this model follows: on 0.4.4 ``GLM4VModel`` builds its mask with
 ``create_attention_mask(h, cache)`` from the list of caches, which ignores left padding, so with positions fixed
-the padded row still differs from the row alone by 1.6 (batching this model there is not a kvpatch fix). The same
-``arange`` line is in ``glm4v``, ``glm_ocr`` and ``paddleocr_vl`` (not measured, not patched here).
+the padded row still differs from the row alone by 1.6 (batching this model there is not a kvpatch fix). glm4v's
+``GLM4VModel`` and ``LanguageModel`` (``mlx_vlm.models.glm4v.language``, the dense model of the family) are the same
+code and get the same deltas: measured with the reproduction's tiny dense config, the TypeError and a fresh
+``LanguageModel``'s 0.35 on 0.5.0, 0.6.4 and 0.7.10, 0 with the patch; through mlx-vlm's ``BatchGenerator`` on a
+fresh model (the bug hunt's model level) 0.17 on 0.7.10, agreeing with the patch. The same ``arange`` line is in
+``glm_ocr`` and ``paddleocr_vl`` (not measured, not patched here).
 
 Upstream: not reported, not fixed as of 0.7.10 (``LanguageModel`` of the same file builds per-row positions from
 ``cache_offsets`` in its decode path; ``GLM4VModel`` was not given the same).
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import datetime as _dt
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from kvpatch.patches import _mrope, _reproduce
@@ -55,8 +60,8 @@ from kvpatch.record import Expiry, Finding, Patch
 
 PATCH = Patch(
     id="glm4v-batch-positions",
-    summary="glm4v_moe GLM4VModel builds position_ids with mx.arange(cache.offset): batch caches raise TypeError; "
-    "a fresh LanguageModel gives left-padded rows prefill positions their decode disagrees with",
+    summary="glm4v_moe / glm4v GLM4VModel builds position_ids with mx.arange(cache.offset): batch caches raise "
+    "TypeError; a fresh LanguageModel gives left-padded rows prefill positions their decode disagrees with",
     distribution="mlx-vlm",
     affected=">=0.5.0,<=0.7.10",
     checked_through="0.7.10",
@@ -114,8 +119,26 @@ def _build_language(original: Any) -> Any:
     return __call__
 
 
-def tiny_config() -> Any:
-    """A tiny glm4v_moe ``TextConfig`` (2 layers, hidden 64, 4 heads, 2 KV heads of 16, 4 experts, vocabulary 64)."""
+# glm4v's GLM4VModel and LanguageModel are glm4v_moe's code (the dense model of the same family): the same deltas
+PATCH.replace("mlx_vlm.models.glm4v.language", "GLM4VModel.__call__")(_build)
+PATCH.replace("mlx_vlm.models.glm4v.language", "LanguageModel.__call__")(_build_language)
+
+#: The two architectures: the mixture-of-experts model and the dense one.
+ARCHS = ("glm4v_moe", "glm4v")
+
+
+def tiny_config(arch: str = "glm4v_moe") -> Any:
+    """A tiny ``TextConfig`` of ``arch`` (2 layers, hidden 64, 4 heads, 2 KV heads of 16, vocabulary 64; glm4v_moe:
+    4 experts)."""
+    if arch == "glm4v":
+        from mlx_vlm.models.glm4v.config import TextConfig as Dense
+
+        return Dense(
+            model_type="glm4v", vocab_size=64, hidden_size=64, intermediate_size=128, max_position_embeddings=512,
+            num_attention_heads=4, num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-6,
+            attention_bias=False, partial_rotary_factor=0.5, rope_theta=10000.0,
+            rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1]},
+        )  # fmt: skip
     from mlx_vlm.models.glm4v_moe.config import TextConfig
 
     return TextConfig(
@@ -128,11 +151,11 @@ def tiny_config() -> Any:
     )  # fmt: skip
 
 
-def tiny_model() -> Any:
-    """A tiny random glm4v_moe ``GLM4VModel`` (:func:`tiny_config`)."""
-    from mlx_vlm.models.glm4v_moe.language import GLM4VModel
+def tiny_model(arch: str = "glm4v_moe") -> Any:
+    """A tiny random ``GLM4VModel`` of ``arch`` (:func:`tiny_config`)."""
+    import importlib
 
-    return _reproduce.seeded(GLM4VModel, tiny_config())
+    return _reproduce.seeded(importlib.import_module(f"mlx_vlm.models.{arch}.language").GLM4VModel, tiny_config(arch))
 
 
 def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int = 2) -> list[Difference]:
@@ -161,27 +184,32 @@ def batched_vs_alone(model: Any, lengths: tuple[int, ...] = (5, 9), steps: int =
     return _reproduce.row_differences(run([batch, *decode], [BatchKVCache(padding) for _ in range(layers)]), alone)
 
 
-def tiny_language_model() -> Any:
-    """A tiny random glm4v_moe ``LanguageModel`` (:func:`tiny_config`; the vision fields ``get_rope_index`` reads)."""
+def tiny_language_model(arch: str = "glm4v_moe") -> Any:
+    """A tiny random ``LanguageModel`` of ``arch`` (:func:`tiny_config`; the vision fields ``get_rope_index``
+    reads)."""
+    import importlib
     from types import SimpleNamespace
 
-    from mlx_vlm.models.glm4v_moe.language import LanguageModel
-
+    language = importlib.import_module(f"mlx_vlm.models.{arch}.language")
     vision = SimpleNamespace(
         vision_config=SimpleNamespace(spatial_merge_size=2), image_token_id=61, video_token_id=62,
         vision_start_token_id=63,
     )  # fmt: skip
-    return _reproduce.seeded(LanguageModel, tiny_config(), vision)
+    return _reproduce.seeded(language.LanguageModel, tiny_config(arch), vision)
 
 
 @PATCH.reproduce
 def reproduce() -> Finding:
-    """A tiny glm4v_moe GLM4VModel, then a fresh LanguageModel, over a left-padded batch with per-row cache offsets,
-    against each row alone."""
-    rows = _reproduce.rows_vs_alone(tiny_model, batched_vs_alone, "GLM4VModel", "this mlx-vlm has no glm4v_moe model")
-    if isinstance(rows, Finding):
-        return rows
-    language = batched_vs_alone(tiny_language_model(), steps=3)
-    found = [replace(d, where=f"GLM4VModel {d.where}") for d in rows]
-    found += [replace(d, where=f"a fresh LanguageModel {d.where}") for d in language]
+    """A tiny GLM4VModel, then a fresh LanguageModel, of glm4v_moe and of glm4v, over a left-padded batch with per-row
+    cache offsets, against each row alone."""
+    found: list[Difference] = []
+    for arch in ARCHS:
+        rows = _reproduce.rows_vs_alone(
+            partial(tiny_model, arch), batched_vs_alone, f"{arch} GLM4VModel", f"this mlx-vlm has no {arch}"
+        )
+        if isinstance(rows, Finding):
+            return rows
+        language = batched_vs_alone(tiny_language_model(arch), steps=3)
+        found += [replace(d, where=f"{arch} GLM4VModel {d.where}") for d in rows]
+        found += [replace(d, where=f"a fresh {arch} LanguageModel {d.where}") for d in language]
     return judge(worst(found), "left-padded batch rows differ from each row alone", "batched rows equal each row alone")
