@@ -129,10 +129,11 @@ def test_generation_alone_is_a_prompt_then_a_token_for_mlx_vlm_too():
         "    if len(cache) > 1:\n"
         "        raise ValueError('[reshape] the decode step')"
     )
+    tape.run("make = lambda: model")  # a fresh model (here the same function) for the run alone
     why = models._alone_runs("mlx_vlm", tape, [[3, 4, 5]])
     assert why is not None and "the decode step" in why
     assert tape.lines == ["def model(tokens, cache):\n    cache.append(tokens)\n    if len(cache) > 1:\n"
-                          "        raise ValueError('[reshape] the decode step')"]  # fmt: skip
+                          "        raise ValueError('[reshape] the decode step')", "make = lambda: model"]  # fmt: skip
 
 
 def test_hypothesis_is_a_test_dependency_never_a_runtime_one():
