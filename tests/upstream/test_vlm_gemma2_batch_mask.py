@@ -5,11 +5,10 @@ prompt's forward pass, and a layer without grouped queries, get exactly what ups
 from __future__ import annotations
 
 import pytest
-from _batched_cases import LENGTHS, rows_agree
+from _batched_cases import LENGTHS, gemma2_untouched_paths, rows_agree
 
-from kvpatch.patches._grouped_mask import TINY_GEMMA2
 from kvpatch.patches.mlx_vlm.gemma2_batch_mask import PATCH, tiny_model
-from kvpatch.testing import require_affected, with_and_without
+from kvpatch.testing import require_affected
 
 # skips where the installed upstream is not in the patch's range (tests/upstream/conftest.py)
 pytestmark = pytest.mark.requires_patch(PATCH.id)
@@ -32,23 +31,8 @@ def test_batched_prompts_get_the_logits_they_have_alone(lengths):
 
 
 def test_a_single_prompt_and_an_ungrouped_layer_are_upstreams():
-    import mlx.core as mx
-    from mlx_vlm.models.cache import BatchKVCache, KVCache
-    from mlx_vlm.models.gemma2.config import ModelConfig as ModelArgs
+    from mlx_vlm.models import cache
+    from mlx_vlm.models.gemma2.config import ModelConfig
     from mlx_vlm.models.gemma2.language import Attention
 
-    model = tiny_model()
-    prompt = mx.array([[3, 9, 27, 17, 51]])
-    args = ModelArgs(**{**TINY_GEMMA2, "num_hidden_layers": 1, "num_attention_heads": 2})  # one KV head per query
-    mx.random.seed(1)
-    ungrouped = Attention(args)
-    x = mx.random.normal((2, 3, 64), key=mx.random.key(2))
-
-    def run():
-        single = model(prompt, cache=[KVCache() for _ in model.layers]).logits
-        cache = BatchKVCache([1, 0])
-        batch = ungrouped(x, mask=cache.make_mask(3, return_array=True), cache=cache)
-        return single.tolist(), batch.tolist()
-
-    patched, unpatched = with_and_without(PATCH.id, run)
-    assert patched == unpatched
+    gemma2_untouched_paths(PATCH.id, tiny_model(), cache, Attention, ModelConfig, lambda out: out.logits)
